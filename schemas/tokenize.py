@@ -1,0 +1,22 @@
+"""POST /v1/tokenize."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from attnscope.schemas.common import LenientModel, ModelRef, TextOrTexts, Token
+
+
+class TokenizeRequest(TextOrTexts):
+    """Tokenize text(s) exactly as the analyses will (framing and add_bos included)."""
+
+
+class TokenizeResult(LenientModel):
+    tokens: list[Token] = Field(description="The tokens, in order.")
+    n_tokens: int = Field(description="Number of tokens (framing included).")
+
+
+class TokenizeResponse(LenientModel):
+    model: ModelRef
+    tokens: TokenizeResult | None = Field(None, description="For a 'text' request.")
+    results: list[TokenizeResult] | None = Field(None, description="For a 'texts' request, in order.")

@@ -1,0 +1,1 @@
+"""attnscope service: FastAPI app, model runtime and attention analyses."""

@@ -1,0 +1,53 @@
+"""Request helpers shared by routers: model-aware validation and the forward call."""
+
+from __future__ import annotations
+
+import anyio.to_thread
+
+from attnscope.schemas.common import TextOrTexts
+from attnscope.service.errors import BatchTooLarge, OutOfRange
+from attnscope.service.runtime import ForwardResult, Runtime, TokenizedText
+from attnscope.service.runtime.slot import DeviceSlot
+
+
+def check_indices(values: list[int] | None, limit: int, field: str, what: str) -> None:
+    """422 unless every index is in [0, limit)."""
+    if values is None:
+        return
+    if len(values) == 0:
+        raise OutOfRange(f"{field} must hold at least one {what} index (or be null for all)", field)
+    for i, v in enumerate(values):
+        if not 0 <= v < limit:
+            raise OutOfRange(
+                f"{field}[{i}] = {v} is out of range: the model has {limit} {what}s "
+                f"(valid indices 0..{limit - 1})",
+                f"{field}.{i}",
+            )
+
+
+async def tokenize_request(rt: Runtime, req: TextOrTexts) -> list[TokenizedText]:
+    """Tokenize every text (off the event loop), checking batch size and context length."""
+    texts = req.all_texts()
+    if req.texts is not None and len(texts) > rt.settings.max_batch:
+        raise BatchTooLarge(
+            f"texts holds {len(texts)} texts; the limit is {rt.settings.max_batch} (max_batch)",
+            "texts",
+        )
+
+    def work():
+        if req.text is not None:
+            return [rt.tokenize(req.text, req.add_bos, "text")]
+        return [rt.tokenize(t, req.add_bos, f"texts.{i}") for i, t in enumerate(texts)]
+
+    return await anyio.to_thread.run_sync(work)
+
+
+async def forward_request(
+    rt: Runtime, slot: DeviceSlot, items: list[TokenizedText]
+) -> list[ForwardResult]:
+    """One recorded forward per distinct text, through the device slot (429 when full)."""
+    return await slot.run(rt.forward_many, items)
+
+
+def token_dicts(result_tokens) -> list[dict]:
+    return [t.as_dict() for t in result_tokens.tokens]

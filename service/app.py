@@ -1,0 +1,197 @@
+"""The FastAPI application: lifespan (load the model once), error envelope, body limit, routers.
+
+``create_app(settings)`` builds an app; ``uvicorn attnscope.service.app:app`` serves one built
+from the environment (``ATTNSCOPE_*``). The model loads in the lifespan, in a worker thread,
+so ``/healthz`` answers at once and ``/readyz`` says 503 until the probe forward passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from contextlib import asynccontextmanager
+
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from attnscope.service.api import attention, health, model, tokenize
+from attnscope.service.config import Settings
+from attnscope.service.encoding import ORJSONResponse
+from attnscope.service.errors import AttnscopeError, envelope
+from attnscope.service.runtime import ModelLoadError, Runtime
+from attnscope.service.runtime.slot import DeviceSlot
+
+log = logging.getLogger("attnscope")
+
+API_DESCRIPTION = """
+attnscope keeps a transformer language model resident and tells you what its attention does.
+
+Shapes are written `[layer, head, query_pos, key_pos]`. **pattern** = post-softmax attention
+weights; **scores** = pre-softmax `q . k * scaling`. `hidden_states[0]` is the embedding output.
+Every error has the envelope `{"error": {"type", "message", "param"}}`.
+"""
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with 413 (Content-Length or streamed count)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", []):
+            if k == b"content-length":
+                try:
+                    n = int(v)
+                except ValueError:
+                    n = 0
+                if n > self.max_bytes:
+                    return await self._reject(send, n)
+        chunks, total, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body = msg.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                return await self._reject(send, total)
+            chunks.append(body)
+            more = msg.get("more_body", False)
+        buffered = b"".join(chunks)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": buffered, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _reject(self, send, n: int):
+        body = ORJSONResponse(
+            envelope(
+                "payload_too_large",
+                f"request body has at least {n} bytes; the limit is {self.max_bytes} bytes "
+                "(max_body_bytes)",
+                "body",
+            )
+        ).body
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    e = errs[0]
+    if e.get("type") == "json_invalid":
+        where = e.get("loc", ("body", "?"))[-1]
+        err = (e.get("ctx") or {}).get("error", "invalid JSON")
+        return f"body is not valid JSON: {err} (at character {where})", "body"
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    given = e.get("input", None)
+    text = f"{param}: {msg}" if param else msg
+    if e.get("type") not in ("missing", "value_error") and given is not None:
+        r = repr(given)
+        text += f" (got {r[:80] + '...' if len(r) > 80 else r})"
+    if len(errs) > 1:
+        text += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+    return text, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(AttnscopeError)
+    async def _domain(request: Request, exc: AttnscopeError):
+        return ORJSONResponse(envelope(exc.type, exc.message, exc.param), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        return ORJSONResponse(envelope("validation_error", msg, param), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        types = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+        return ORJSONResponse(
+            envelope(types.get(exc.status_code, "http_error"), str(exc.detail)),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return ORJSONResponse(
+            envelope("internal_error", "internal error; the service keeps serving"),
+            status_code=500,
+        )
+
+
+def create_app(settings: Settings | None = None, runtime: Runtime | None = None) -> FastAPI:
+    """Build the app. ``runtime`` given: use it (tests); else load ``settings.model`` in the
+    lifespan, off the event loop."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.settings = settings
+        app.state.slot = DeviceSlot(settings.max_queue)
+        app.state.runtime = runtime
+        app.state.load_error = None
+        task = None
+        if runtime is None:
+            async def load():
+                try:
+                    app.state.runtime = await anyio.to_thread.run_sync(Runtime.load, settings)
+                    log.info("model ready: %s", app.state.runtime.info)
+                except ModelLoadError as exc:
+                    app.state.load_error = str(exc)
+                    log.error("start-up failed: %s", exc)
+                    if settings.exit_on_load_failure:
+                        os._exit(3)
+                except Exception as exc:  # pragma: no cover
+                    app.state.load_error = f"{type(exc).__name__}: {exc}"
+                    log.exception("start-up failed")
+                    if settings.exit_on_load_failure:
+                        os._exit(3)
+            task = asyncio.create_task(load())
+        app.state.load_task = task
+        yield
+        if task is not None and not task.done():
+            task.cancel()
+
+    app = FastAPI(
+        title="attnscope",
+        version="0.1.0",
+        description=API_DESCRIPTION,
+        lifespan=lifespan,
+        default_response_class=ORJSONResponse,
+    )
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    for r in (health.router, model.router, tokenize.router, attention.router):
+        app.include_router(r)
+    return app
+
+
+def __getattr__(name: str):
+    # ``uvicorn attnscope.service.app:app``: built on first access, not at import time.
+    if name == "app":
+        global app
+        app = create_app()
+        return app
+    raise AttributeError(name)

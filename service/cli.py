@@ -1,0 +1,55 @@
+"""``attnscope serve``: start the service (one uvicorn worker, one model copy)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pydantic import ValidationError
+
+
+def _serve_parser(sub) -> argparse.ArgumentParser:
+    from attnscope.service.config import Settings
+
+    p = sub.add_parser("serve", help="start the HTTP service")
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_ = (field.description or "") + f" (env ATTNSCOPE_{name.upper()}, default {field.default!r})"
+        if field.annotation is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            p.add_argument(flag, dest=name, default=None, help=help_)
+    return p
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from attnscope.service.app import create_app
+    from attnscope.service.config import Settings
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("cmd", "func") and v is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        print(f"attnscope serve: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, workers=1,
+                log_level=settings.log_level, timeout_graceful_shutdown=30)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="attnscope", description="attnscope: attention as a service")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _serve_parser(sub).set_defaults(func=serve)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The one dependency that reaches the resident model (full-stack-fastapi-template api/deps.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from attnscope.service.errors import NotReady
+from attnscope.service.runtime import Runtime
+from attnscope.service.runtime.slot import DeviceSlot
+
+
+def get_runtime(request: Request) -> Runtime:
+    rt = getattr(request.app.state, "runtime", None)
+    if rt is None:
+        err = getattr(request.app.state, "load_error", None)
+        raise NotReady(
+            "the model is not loaded" + (f": {err}" if err else " yet; retry shortly")
+        )
+    return rt
+
+
+def get_slot(request: Request) -> DeviceSlot:
+    return request.app.state.slot
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+SlotDep = Annotated[DeviceSlot, Depends(get_slot)]

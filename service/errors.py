@@ -1,0 +1,73 @@
+"""Domain errors and the one exception -> HTTP status table.
+
+Every non-2xx response has the envelope ``{"error": {"type", "message", "param"}}``; clients
+branch on ``type``. Runtime and analysis code raise these (they know nothing about HTTP);
+``service.app`` turns them into responses through ``STATUS``.
+"""
+
+from __future__ import annotations
+
+
+class AttnscopeError(Exception):
+    """Base: ``type`` is the machine-readable error type, ``param`` the request field at fault."""
+
+    type = "internal_error"
+    status = 500
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(AttnscopeError):
+    type = "validation_error"
+    status = 422
+
+
+class ContextLengthExceeded(InvalidRequest):
+    type = "context_length_exceeded"
+
+
+class OutOfRange(InvalidRequest):
+    type = "out_of_range"
+
+
+class BatchTooLarge(InvalidRequest):
+    type = "batch_too_large"
+
+
+class PayloadTooLarge(AttnscopeError):
+    type = "payload_too_large"
+    status = 413
+
+
+class Overloaded(AttnscopeError):
+    type = "overloaded"
+    status = 429
+
+
+class NotReady(AttnscopeError):
+    type = "not_ready"
+    status = 503
+
+
+class Unauthorized(AttnscopeError):
+    type = "unauthorized"
+    status = 401
+
+
+class Timeout(AttnscopeError):
+    type = "timeout"
+    status = 504
+
+
+class NonFiniteValues(AttnscopeError):
+    """A tensor the model produced holds NaN/inf where none may be (never sent silently)."""
+
+    type = "non_finite_values"
+    status = 500
+
+
+def envelope(type_: str, message: str, param: str | None = None) -> dict:
+    return {"error": {"type": type_, "message": message, "param": param}}

