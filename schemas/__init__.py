@@ -15,6 +15,22 @@ from attnscope.schemas.common import (
 )
 from attnscope.schemas.attention import AttentionRequest, AttentionResponse, AttentionResult
 from attnscope.schemas.tokenize import TokenizeRequest, TokenizeResponse, TokenizeResult
+from attnscope.schemas.heads import (
+    HeadResult,
+    HeadScoreSet,
+    HeadsRequest,
+    HeadsResponse,
+    HeadThresholds,
+    InductionProbe,
+)
+from attnscope.schemas.links import LinksRequest, LinksResponse, LinksResult
+from attnscope.schemas.scratch import ScratchAttentionRequest, ScratchAttentionResponse
+from attnscope.schemas.trajectories import (
+    TrajectoriesRequest,
+    TrajectoriesResponse,
+    TrajectoryResult,
+)
+from attnscope.schemas.verify import HeadDiff, LayerDiff, VerifyRequest, VerifyResponse, VerifyResult
 
 __all__ = [
     "AttentionRequest",
@@ -23,11 +39,30 @@ __all__ = [
     "Base64Tensor",
     "ErrorBody",
     "ErrorResponse",
+    "HeadResult",
+    "HeadScoreSet",
+    "HeadsRequest",
+    "HeadsResponse",
+    "HeadThresholds",
+    "InductionProbe",
+    "LinksRequest",
+    "LinksResponse",
+    "LinksResult",
     "ModelInfo",
     "ModelRef",
+    "ScratchAttentionRequest",
+    "ScratchAttentionResponse",
     "TensorField",
     "Token",
     "TokenizeRequest",
     "TokenizeResponse",
     "TokenizeResult",
+    "TrajectoriesRequest",
+    "TrajectoriesResponse",
+    "TrajectoryResult",
+    "VerifyRequest",
+    "VerifyResponse",
+    "VerifyResult",
+    "HeadDiff",
+    "LayerDiff",
 ]

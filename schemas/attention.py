@@ -2,9 +2,39 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
 
-from attnscope.schemas.common import LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token
+from pydantic import Field, model_validator
+
+from attnscope.schemas.common import (
+    LenientModel, ModelRef, StrictModel, TensorField, TensorOptions, TextOrTexts, Token,
+)
+
+
+class SparseOptions(StrictModel):
+    """Send only the largest attention weights of each query row (see SparseTensor).
+
+    Kept: the ``top_k`` largest weights of each row, and/or those ``>= threshold`` (both given:
+    the top-k entries that also reach the threshold). Zeros are never kept. The response's
+    ``row_mass`` says how much of each row's mass was kept.
+    """
+
+    top_k: int | None = Field(
+        None, ge=1, le=65536, description="Keep at most this many keys per query row."
+    )
+    threshold: float | None = Field(
+        None, gt=0.0, le=1.0, description="Keep only weights >= this value (in (0, 1])."
+    )
+    format: Literal["flat", "coo"] = Field(
+        "flat", description="'flat': row-major flat indices [nnz]; 'coo': coordinates "
+        "[nnz, ndim], e.g. [layer, head, query_pos, key_pos] per entry."
+    )
+
+    @model_validator(mode="after")
+    def _one_rule(self):
+        if self.top_k is None and self.threshold is None:
+            raise ValueError("sparse needs top_k, threshold or both")
+        return self
 
 
 class AttentionRequest(TextOrTexts, TensorOptions):
@@ -20,6 +50,15 @@ class AttentionRequest(TextOrTexts, TensorOptions):
     head_mean: bool = Field(
         False, description="Return the mean over the selected heads instead of each head: "
         "pattern shape [layer, query_pos, key_pos]."
+    )
+    layout: Literal["full", "tril"] = Field(
+        "full", description="'tril' (causal models only): send only the lower triangle "
+        "(key_pos <= query_pos) of pattern and scores, about half the bytes; json gives a "
+        "TrilTensor (ragged rows), base64/binary pack the triangle row by row."
+    )
+    sparse: SparseOptions | None = Field(
+        None, description="Send the pattern sparse (top_k per query row and/or a threshold) "
+        "as a SparseTensor with the kept mass per row; scores, if asked, stay dense."
     )
     include_scores: bool = Field(
         False, description="Also return pre-softmax attention scores (q.k * scaling, before the "

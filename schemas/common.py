@@ -24,16 +24,88 @@ class Base64Tensor(LenientModel):
 
     Decode with ``numpy.frombuffer(base64.b64decode(data), dtype="<f4" or "<f2").reshape(shape)``
     (the client's ``.numpy()`` does this). Masked attention scores are ``-inf`` here.
+    With ``layout`` 'tril' the data holds only the lower triangle (diagonal included) of the
+    last two axes, row by row: ``prod(shape[:-2]) * n * (n + 1) / 2`` elements for ``n =
+    shape[-1]``; entries above the diagonal are 0 (pattern) or -inf (scores).
     """
 
     encoding: Literal["base64"] = Field("base64", description="Always 'base64'.")
-    dtype: Literal["float16", "float32"] = Field(description="Element type, little-endian IEEE 754.")
+    dtype: Literal["float16", "float32", "int32", "int64"] = Field(
+        description="Element type, little-endian (IEEE 754 floats, two's complement ints)."
+    )
     shape: list[int] = Field(description="Tensor shape, row-major (C order).")
     data: str = Field(description="Standard base64 of the little-endian element bytes.")
+    layout: Literal["full", "tril"] = Field(
+        "full", description="'full': every element; 'tril': the lower triangle (diagonal "
+        "included) of the last two axes only, row-major (causal patterns/scores)."
+    )
+    fill: Literal["0", "-inf"] | None = Field(
+        None, description="layout 'tril': value of the entries not sent (above the diagonal): "
+        "'0' for patterns, '-inf' for masked scores."
+    )
 
 
-TensorField = Union[Base64Tensor, list[Any]]
-"""A tensor on the wire: nested JSON lists (encoding 'json') or a Base64Tensor (encoding 'base64')."""
+class TrilTensor(LenientModel):
+    """A causal ``[..., query_pos, key_pos]`` tensor as JSON, lower triangle only (``layout``
+    'tril' with encoding 'json'): ``data[...][q]`` lists the ``q + 1`` values of keys
+    ``0..q``. Keys after the query are 0 (pattern) or masked (scores) and are not sent."""
+
+    encoding: Literal["tril"] = Field("tril", description="Always 'tril'.")
+    shape: list[int] = Field(description="Full tensor shape; the last two axes are equal.")
+    data: list[Any] = Field(description="Nested lists; the innermost row q holds q + 1 values.")
+    fill: Literal["0", "-inf"] = Field(
+        "0", description="Value of the entries not sent (above the diagonal): '0' for "
+        "patterns, '-inf' for masked scores."
+    )
+
+
+class SparseTensor(LenientModel):
+    """A sparse attention pattern (request option ``sparse``): only the kept entries.
+
+    Kept entries: per query row, the ``top_k`` largest weights and/or those ``>= threshold``
+    (zeros are never sent). ``format`` 'flat': ``indices[i]`` is the row-major flat index into
+    ``shape``; 'coo': ``indices`` has shape ``[nnz, ndim]``, one coordinate tuple (e.g.
+    ``[layer, head, query_pos, key_pos]``) per kept entry. Entries are in row-major order.
+    ``row_mass`` (shape ``shape[:-1]``) is the sum of the kept weights of each query row, the
+    fraction of that row's attention mass that was kept (rows sum to 1): nothing dropped is
+    hidden. Each of ``indices``, ``values`` and ``row_mass`` is JSON lists (encoding 'json'),
+    a Base64Tensor (encoding 'base64'), or a BinaryTensorRef (binary responses).
+    """
+
+    encoding: Literal["sparse"] = Field("sparse", description="Always 'sparse'.")
+    format: Literal["flat", "coo"] = Field(description="Index format: 'flat' or 'coo'.")
+    shape: list[int] = Field(description="Dense tensor shape, row-major.")
+    nnz: int = Field(description="Number of kept entries.")
+    top_k: int | None = Field(None, description="Keys kept per query row at most (null = no cap).")
+    threshold: float | None = Field(None, description="Smallest weight kept (null = none).")
+    indices: Any = Field(description="int indices: [nnz] (flat) or [nnz, ndim] (coo).")
+    values: Any = Field(description="Kept weights, [nnz], in the order of indices.")
+    row_mass: Any = Field(description="Kept mass per query row, shape shape[:-1], in [0, 1].")
+    min_row_mass: float = Field(description="Smallest row_mass (1.0 = nothing was dropped).")
+
+
+class BinaryTensorRef(LenientModel):
+    """In a binary (``application/x-safetensors``) response: where a tensor's bytes are.
+
+    ``name`` is the tensor's key in the safetensors file. The stored tensor has
+    ``stored_shape``; with ``layout`` 'tril' it holds the packed lower triangle of ``shape``.
+    """
+
+    encoding: Literal["binary"] = Field("binary", description="Always 'binary'.")
+    name: str = Field(description="Key of the tensor in the safetensors file.")
+    dtype: Literal["float16", "float32", "int32", "int64"] = Field(description="Element type.")
+    shape: list[int] = Field(description="Logical tensor shape.")
+    stored_shape: list[int] = Field(description="Shape of the stored (possibly packed) tensor.")
+    layout: Literal["full", "tril"] = Field("full", description="'full' or 'tril' (packed).")
+    fill: Literal["0", "-inf"] | None = Field(
+        None, description="layout 'tril': value of the entries not stored above the diagonal."
+    )
+
+
+TensorField = Union[Base64Tensor, SparseTensor, TrilTensor, BinaryTensorRef, list[Any]]
+"""A tensor on the wire: nested JSON lists (encoding 'json'), a Base64Tensor (encoding
+'base64'), a TrilTensor (json + layout 'tril'), a SparseTensor (option ``sparse``) or a
+BinaryTensorRef (binary responses negotiated by ``Accept``)."""
 
 Encoding = Literal["json", "base64"]
 WireDtype = Literal["float32", "float16"]
@@ -111,7 +183,8 @@ class ModelInfo(LenientModel):
 class ErrorBody(LenientModel):
     type: str = Field(
         description="Machine-readable error type: validation_error, context_length_exceeded, "
-        "out_of_range, batch_too_large, payload_too_large, overloaded, not_ready, not_found, "
+        "out_of_range, batch_too_large, memory_limit_exceeded, payload_too_large, not_acceptable, "
+        "overloaded, not_ready, not_found, "
         "method_not_allowed, unauthorized, timeout, non_finite_values, internal_error."
     )
     message: str = Field(description="Human-readable message naming the field, limit and value.")

@@ -18,9 +18,13 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnscope.service.api import attention, health, model, tokenize
+from attnscope.service.api import heads as heads_api, links as links_api
+from attnscope.service.api import scratch as scratch_api, trajectories as trajectories_api
+from attnscope.service.api import verify as verify_api
 from attnscope.service.config import Settings
 from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import AttnscopeError, envelope
+from attnscope.service.ops import InstrumentedSlot, install_ops
 from attnscope.service.runtime import ModelLoadError, Runtime
 from attnscope.service.runtime.slot import DeviceSlot
 
@@ -126,6 +130,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         types = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's answer to a body it cannot decode (e.g. not UTF-8): same as bad JSON
+            return ORJSONResponse(envelope(
+                "validation_error", "body is not valid JSON: it must be UTF-8 encoded JSON",
+                "body"), status_code=422)
         return ORJSONResponse(
             envelope(types.get(exc.status_code, "http_error"), str(exc.detail)),
             status_code=exc.status_code,
@@ -149,7 +158,7 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.settings = settings
-        app.state.slot = DeviceSlot(settings.max_queue)
+        app.state.slot = InstrumentedSlot(settings.max_queue, app.state.metrics)
         app.state.runtime = runtime
         app.state.load_error = None
         task = None
@@ -183,7 +192,10 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
     )
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    for r in (health.router, model.router, tokenize.router, attention.router):
+    install_ops(app, settings)  # request id, logs, metrics, keys, CORS, time limit, /metrics
+    for r in (health.router, model.router, tokenize.router, attention.router,
+              heads_api.router, links_api.router,
+              trajectories_api.router, verify_api.router, scratch_api.router):
         app.include_router(r)
     return app
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.config
 import sys
 
 from pydantic import ValidationError
@@ -35,11 +36,14 @@ def serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"attnscope serve: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from attnscope.service.logs import logging_config
+
+    log_config = logging_config(settings.log_level, settings.log_format)
+    logging.config.dictConfig(log_config)
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, workers=1,
-                log_level=settings.log_level, timeout_graceful_shutdown=30)
+                log_level=settings.log_level, timeout_graceful_shutdown=30,
+                log_config=log_config, access_log=False)
     return 0
 
 

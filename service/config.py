@@ -6,10 +6,10 @@ Every option is documented once, here, with its default. Bad values fail at star
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled_model"
 BUNDLED_MODEL_ID = "attnscope-tiny-gpt2"
@@ -58,7 +58,36 @@ class Settings(BaseSettings):
     cache_bytes: int = Field(
         1_073_741_824, ge=0, description="Most bytes of tensors kept in the forward cache."
     )
+    max_request_bytes: int = Field(
+        4_294_967_296, ge=0, description="Most memory one request may need, bytes, as estimated "
+        "from n_layers, n_heads, tokens, d_model, dtype, batch size and the response encoding "
+        "(service/runtime/memory.py); beyond it 422 'memory_limit_exceeded' before any forward. "
+        "0 = no limit.",
+    )
     exit_on_load_failure: bool = Field(
         True, description="Exit the process when the model fails to load (start-up error)."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
+    log_format: Literal["json", "text"] = Field(
+        "json", description="Log lines: one JSON object per line (with request_id), or text."
+    )
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        [], repr=False,
+        description="API keys, comma-separated; when set, /v1/... needs 'Authorization: Bearer "
+        "<key>' (401 otherwise). Health, readiness and /metrics stay open. Empty = no keys.",
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        [], description="Origins allowed by CORS, comma-separated (e.g. https://lab.example); "
+        "'*' = any. Empty = no CORS headers (browsers on other origins are refused).",
+    )
+    request_timeout_s: float = Field(
+        120.0, ge=0, description="Per-request time limit, seconds (504 'timeout' beyond; the "
+        "forward already running finishes in the background). 0 = no limit.",
+    )
+
+    @field_validator("api_keys", "cors_origins", mode="before")
+    @classmethod
+    def _split_commas(cls, v):
+        if isinstance(v, str):
+            return [x.strip() for x in v.split(",") if x.strip()]
+        return v

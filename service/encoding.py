@@ -1,23 +1,43 @@
-"""Tensors become JSON in exactly one place (CONVENTIONS.md).
+"""Tensors become wire data in exactly one place (CONVENTIONS.md).
 
-Two encodings: ``json`` (nested lists through orjson's numpy support, rounding done in numpy)
-and ``base64`` (``{"encoding": "base64", "dtype", "shape", "data"}``, little-endian bytes).
-NaN/inf never reach JSON silently: a non-finite value where none is allowed raises
+Encodings of one tensor (:func:`encode_tensor`):
+
+* ``json``: nested lists through orjson's numpy support, rounding done in numpy;
+* ``base64``: ``{"encoding": "base64", "dtype", "shape", "data", "layout"}``, little-endian;
+* ``binary``: a :class:`BinaryTensor` placeholder; :func:`tensor_response` writes the whole
+  response as one safetensors file (``application/x-safetensors``, negotiated by ``Accept``
+  with :func:`wants_binary`) whose ``__metadata__["attnscope"]`` holds the JSON body with each
+  tensor replaced by ``{"encoding": "binary", "name", "dtype", "shape", "stored_shape",
+  "layout"}``;
+
+and two shapes: ``layout="tril"`` (causal ``[..., T, T]``: the lower triangle only, about
+half) and ``sparse`` (top-k per query row and/or a threshold, flat or coordinate indices, with
+the kept mass of every row; schemas.common.SparseTensor documents the wire form).
+
+NaN/inf never reach the wire silently: a non-finite value where none is allowed raises
 :class:`NonFiniteValues`; entries declared masked (``allow_neg_inf``) are ``-inf`` and become
-``null`` in JSON (orjson writes non-finite floats as null) and stay ``-inf`` in base64.
+``null`` in JSON (orjson writes non-finite floats as null) and stay ``-inf`` in base64/binary.
+
+Big responses never block the event loop for long: :func:`tensor_response` builds the body in
+a worker thread and streams large JSON in ~1 MB orjson chunks (each produced in a worker
+thread, so the GIL is released between chunks and memory holds one chunk, not the whole
+document). Decoders (numpy only) for every form: ``clients/python/attnscope/client/wire.py``.
 """
 
 from __future__ import annotations
 
 import base64
-from typing import Any
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
+import anyio.to_thread
 import numpy as np
 import orjson
 import torch
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from attnscope.service.errors import NonFiniteValues
+from attnscope.service.errors import NonFiniteValues, NotAcceptable
 
 _NP = {"float32": "<f4", "float16": "<f2"}
 
@@ -38,22 +58,51 @@ def encode_tensor(
     round_: int | None = None,
     name: str = "tensor",
     allow_neg_inf: bool = False,
+    layout: str = "full",
+    sparse: Any = None,
 ) -> Any:
     """Encode one tensor for the wire.
 
     Args:
-        t: any float tensor/array.
-        encoding: 'json' -> numpy array (orjson writes nested lists); 'base64' -> dict.
-        dtype: wire dtype for base64 ('float32' or 'float16').
+        t: any float tensor/array; ``[..., query_pos, key_pos]`` for layout 'tril' / sparse.
+        encoding: 'json' -> numpy array (orjson writes nested lists); 'base64' -> dict;
+            'binary' -> :class:`BinaryTensor` (for :func:`tensor_response` with binary=True).
+        dtype: wire dtype for base64/binary ('float32' or 'float16').
         round_: decimals for json (numpy round-half-even), None = full precision.
-        name: the response field, for error messages.
+        name: the response field, for error messages and the binary tensor key.
         allow_neg_inf: -inf marks masked entries (pre-softmax scores) and is allowed.
+        layout: 'full', or 'tril' (lower triangle of the last two axes, diagonal included).
+        sparse: None, or an object with ``top_k``, ``threshold``, ``format`` (schemas
+            SparseOptions): a SparseTensor dict (for non-negative weights: patterns).
 
     Raises:
         NonFiniteValues: NaN or +inf (or -inf where not allowed) in ``t``.
     """
+    if sparse is not None:
+        return encode_sparse(t, sparse, encoding, dtype, round_, name)
     a = to_numpy(t)
+    _check_finite(a, name, allow_neg_inf)
+    if layout == "tril":
+        return _encode_tril(a, encoding, dtype, round_, name, "-inf" if allow_neg_inf else "0")
+    if encoding == "binary":
+        return BinaryTensor(name, _wire_array(a, dtype), list(a.shape))
+    if encoding == "base64":
+        b = _wire_array(a, dtype)
+        return {
+            "encoding": "base64",
+            "dtype": dtype,
+            "shape": list(b.shape),
+            "data": _b64(b),
+        }
+    return _json_array(a, round_)
+
+
+def _check_finite(a: np.ndarray, name: str, allow_neg_inf: bool) -> None:
     if a.dtype.kind == "f":
+        if a.size and a.dtype in (np.float32, np.float64) and bool(
+            torch.isfinite(torch.from_numpy(np.ascontiguousarray(a)).sum())
+        ):
+            return  # fast path: NaN/inf anywhere make the sum non-finite (overflow: slow path)
         finite = np.isfinite(a)
         if not finite.all():
             bad = ~finite
@@ -64,14 +113,23 @@ def encode_tensor(
                     f"{name} holds {int(bad.sum())} non-finite values (NaN or inf) computed by "
                     f"the model (dtype {a.dtype}); refusing to send them"
                 )
-    if encoding == "base64":
-        b = np.ascontiguousarray(a, dtype=_NP[dtype])
-        return {
-            "encoding": "base64",
-            "dtype": dtype,
-            "shape": list(b.shape),
-            "data": base64.b64encode(b.tobytes()).decode("ascii"),
-        }
+
+
+def _wire_array(a: np.ndarray, wire: str) -> np.ndarray:
+    """``a`` as a C-contiguous array of wire dtype ``wire`` (float16 cast through torch)."""
+    want = np.dtype(_WIRE[wire])
+    if a.dtype == want and a.flags.c_contiguous:
+        return a
+    if wire == "float16" and a.dtype == np.float32:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(torch.float16).numpy()
+    return np.ascontiguousarray(a, dtype=want)
+
+
+def _b64(a: np.ndarray) -> str:
+    return base64.b64encode(memoryview(np.ascontiguousarray(a)).cast("B")).decode("ascii")
+
+
+def _json_array(a: np.ndarray, round_: int | None) -> np.ndarray:
     if a.dtype.kind == "f":
         if a.dtype not in (np.float32, np.float64):
             a = a.astype(np.float32)
@@ -80,14 +138,357 @@ def encode_tensor(
     return np.ascontiguousarray(a)
 
 
+def estimate_encoded_bytes(
+    n_elements: int, encoding: str = "json", dtype: str = "float32", round_: int | None = None,
+    layout: str = "full", sparse: Any = None, row_len: int = 1,
+) -> int:
+    """Peak bytes the encoding of one float32 tensor of ``n_elements`` needs on the server
+    (copies held while encoding; streamed JSON holds one chunk, so only the rounded copy).
+
+    ``row_len``: length of the last axis (query rows for sparse/tril). Rough (+-30 %) upper
+    estimate, used by the memory check before a forward.
+    """
+    wes = 2 if dtype == "float16" else 4
+    n = n_elements
+    if sparse is not None:
+        k = getattr(sparse, "top_k", None) or row_len
+        kept = min(k, row_len) * (n // max(row_len, 1))
+        # float32 copy, top-k values + int64 keys + sort + mask, outputs (idx, values, b64)
+        return 4 * n + kept * (4 + 8 + 8 + 1) * 2 + kept * 12 * (3 if encoding != "json" else 1)
+    if layout == "tril":
+        n = n // 2 + row_len
+    if encoding == "json":
+        return 4 * n_elements + (4 * n if round_ is not None else 0) + 2 * CHUNK_BYTES
+    raw = n * wes
+    if encoding == "base64":
+        return 4 * n_elements + raw + raw * 4 // 3 * 2
+    return 4 * n_elements + raw  # binary: the wire-dtype copy, sent without further copies
+
+
+_ST_DTYPE = {"float32": "F32", "float16": "F16", "int32": "I32", "int64": "I64"}
+_WIRE = {"float32": "<f4", "float16": "<f2", "int32": "<i4", "int64": "<i8"}
+
+
+@dataclass
+class BinaryTensor:
+    """Placeholder for a tensor of a binary response: ``array`` is stored under ``name``.
+
+    ``shape`` is the logical shape; ``array.shape`` the stored one (packed for 'tril')."""
+
+    name: str
+    array: np.ndarray
+    shape: list[int]
+    layout: str = "full"
+    fill: str | None = None
+
+    @property
+    def dtype(self) -> str:
+        return {np.dtype(v): k for k, v in _WIRE.items()}[self.array.dtype]
+
+    def ref(self) -> dict:
+        return {"encoding": "binary", "name": self.name, "dtype": self.dtype,
+                "shape": self.shape, "stored_shape": list(self.array.shape),
+                "layout": self.layout, **({"fill": self.fill} if self.fill else {})}
+
+
+def _packed(a: np.ndarray, wire: str) -> dict:
+    """The base64 dict of a whole array in wire dtype ``wire``."""
+    b = _wire_array(a, wire)
+    return {"encoding": "base64", "dtype": wire, "shape": list(b.shape), "data": _b64(b)}
+
+
+def _encode_tril(
+    a: np.ndarray, encoding: str, dtype: str, round_: int | None, name: str, fill: str
+) -> Any:
+    """Lower triangle (key_pos <= query_pos) of ``a [..., T, T]``, row by row."""
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"layout 'tril' needs [..., T, T]; {name} has shape {list(a.shape)}")
+    T = a.shape[-1]
+    if encoding == "json":
+        a = _json_array(a, round_)
+
+        def rows(m: np.ndarray) -> list:
+            if m.ndim == 2:
+                return [m[q, : q + 1] for q in range(T)]
+            return [rows(x) for x in m]
+
+        return {"encoding": "tril", "shape": list(a.shape), "data": rows(a), "fill": fill}
+    packed = np.empty(a.shape[:-2] + (T * (T + 1) // 2,), dtype=a.dtype)
+    off = 0
+    for q in range(T):  # row by row: strided copies, ~4x faster than fancy indexing
+        packed[..., off : off + q + 1] = a[..., q, : q + 1]
+        off += q + 1
+    packed = _wire_array(packed, dtype)
+    if encoding == "binary":
+        return BinaryTensor(name, packed, list(a.shape), "tril", fill)
+    return {"encoding": "base64", "dtype": dtype, "shape": list(a.shape), "layout": "tril",
+            "fill": fill,
+            "data": _b64(packed)}
+
+
+def encode_sparse(
+    t: torch.Tensor | np.ndarray, opts: Any, encoding: str = "json", dtype: str = "float32",
+    round_: int | None = None, name: str = "pattern",
+) -> dict:
+    """Sparse form of a non-negative ``[..., query_pos, key_pos]`` tensor (a pattern).
+
+    Per query row keep the ``opts.top_k`` largest weights (ties: lower key_pos first) and/or
+    those ``>= opts.threshold``; zeros are never kept. Returns the SparseTensor dict
+    (schemas.common): ``indices`` row-major flat int (int32 when the tensor has < 2^31
+    elements, else int64) or ``[nnz, ndim]`` int32 coordinates (``opts.format``), ``values``,
+    ``row_mass`` ``shape[:-1]`` = sum of kept weights per row (float32, summed in float64),
+    ``min_row_mass``. Entries in row-major order. Sub-arrays are numpy (json), base64 dicts
+    or :class:`BinaryTensor` (binary).
+
+    Raises:
+        NonFiniteValues: NaN/inf in ``t``.
+    """
+    x = t.detach().to("cpu") if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t))
+    if x.dtype != torch.float32:
+        x = x.float()
+    x = x.contiguous()
+    _check_finite(x.numpy(), name, False)
+    shape = list(x.shape)
+    K = shape[-1]
+    rows = x.reshape(-1, K)
+    top_k = getattr(opts, "top_k", None)
+    thr = getattr(opts, "threshold", None)
+    R = rows.shape[0]
+    if top_k is not None and top_k < K:
+        vals, keys = torch.topk(rows, top_k, dim=-1, sorted=False)
+        keys, order = torch.sort(keys, dim=-1)
+        vals = torch.gather(vals, -1, order)
+        keep = vals > 0
+        if thr is not None:
+            keep &= vals >= thr
+        row_ids = torch.arange(R).unsqueeze(-1).expand_as(keys)
+        flat = (row_ids * K + keys)[keep]
+        values = vals[keep]
+    else:
+        keep = rows >= thr if thr is not None else rows > 0
+        flat = keep.view(-1).nonzero().squeeze(-1)
+        values = rows.view(-1)[flat]
+    row_mass = torch.from_numpy(np.bincount(
+        (flat // K).numpy(), weights=values.numpy(), minlength=R).astype(np.float32))
+    n_total = int(np.prod(shape, dtype=np.int64))
+    fmt = getattr(opts, "format", "flat")
+    if fmt == "coo":
+        idx = np.stack(np.unravel_index(flat.numpy(), shape), axis=-1).astype(np.int32)
+        iwire = "int32"
+    else:
+        iwire = "int32" if n_total < 2**31 else "int64"
+        idx = flat.numpy().astype(_WIRE[iwire])
+    vals_np = values.numpy()
+    mass_np = row_mass.reshape(shape[:-1]).numpy()
+    out = {"encoding": "sparse", "format": fmt, "shape": shape, "nnz": int(vals_np.size),
+           "top_k": top_k, "threshold": thr,
+           "min_row_mass": float(mass_np.min()) if mass_np.size else 1.0}
+    if encoding == "binary":
+        out["indices"] = BinaryTensor(f"{name}.indices", np.ascontiguousarray(idx), list(idx.shape))
+        out["values"] = BinaryTensor(f"{name}.values", _wire_array(vals_np, dtype), [int(vals_np.size)])
+        out["row_mass"] = BinaryTensor(f"{name}.row_mass", mass_np.astype("<f4"), list(mass_np.shape))
+    elif encoding == "base64":
+        out["indices"] = _packed(idx, iwire)
+        out["values"] = _packed(vals_np, dtype)
+        out["row_mass"] = _packed(mass_np, "float32")
+    else:
+        out["indices"] = idx
+        out["values"] = _json_array(vals_np, round_)
+        out["row_mass"] = mass_np
+    return out
+
+
 def dumps(content: Any) -> bytes:
     return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
 
 
-class ORJSONResponse(Response):
+class ORJSONResponse(JSONResponse):  # a JSONResponse, so OpenAPI documents response models
     """JSON response rendered by orjson (numpy-aware)."""
 
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
         return dumps(content)
+
+
+# ---------------------------------------------------------------------------- responses
+SAFETENSORS = "application/x-safetensors"
+STREAM_MIN_BYTES = 4 << 20  # JSON bodies whose arrays exceed this are streamed in chunks
+CHUNK_BYTES = 1 << 20
+
+
+def wants_binary(accept: str | None) -> bool:
+    """True when the ``Accept`` header prefers ``application/x-safetensors`` (q > 0) to JSON.
+
+    Raises:
+        NotAcceptable: the header names media types, none of which we can produce (406).
+    """
+    if not accept:
+        return False
+    best: dict[str, float] = {}
+    for part in accept.split(","):
+        bits = [b.strip() for b in part.split(";")]
+        media = bits[0].lower()
+        if not media:
+            continue
+        q = 1.0
+        for b in bits[1:]:
+            if b.startswith("q="):
+                try:
+                    q = float(b[2:])
+                except ValueError:
+                    q = 0.0
+        best[media] = max(best.get(media, 0.0), q)
+    st = best.get(SAFETENSORS, 0.0)
+    js = max(best.get("application/json", 0.0), best.get("application/*", 0.0),
+             best.get("*/*", 0.0))
+    if st <= 0 and js <= 0:
+        raise NotAcceptable(
+            f"Accept: {accept[:120]!r} names no media type this endpoint produces; use "
+            f"application/json or {SAFETENSORS}", "Accept",
+        )
+    return st > js or (st > 0 and st == js and "application/json" not in best)
+
+
+def _array_bytes(obj: Any) -> int:
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, str):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(_array_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_array_bytes(v) for v in obj) if len(obj) < 4096 else 8 * len(obj)
+    return 0
+
+
+def _split_big(obj: Any, big: dict, nonce: str) -> Any:
+    """Replace big arrays/strings by sentinel strings (collected into ``big``)."""
+    if isinstance(obj, np.ndarray) and obj.nbytes > CHUNK_BYTES or (
+        isinstance(obj, str) and len(obj) > CHUNK_BYTES
+    ) or (isinstance(obj, list) and len(obj) > 256):
+        key = f"\x00{nonce}:{len(big)}\x00"
+        big[key] = obj
+        return key
+    if isinstance(obj, dict):
+        return {k: _split_big(v, big, nonce) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_split_big(v, big, nonce) for v in obj]
+    return obj
+
+
+def _iter_value(v: Any) -> Iterator[bytes]:
+    if isinstance(v, str):
+        yield b'"'
+        for i in range(0, len(v), CHUNK_BYTES):
+            yield dumps(v[i : i + CHUNK_BYTES])[1:-1]
+        yield b'"'
+    elif isinstance(v, np.ndarray) and v.nbytes > CHUNK_BYTES and v.ndim > 1:
+        yield b"["
+        for i, sub in enumerate(v):
+            if i:
+                yield b","
+            yield from _iter_value(sub)
+        yield b"]"
+    elif isinstance(v, np.ndarray) and v.nbytes > CHUNK_BYTES and v.size:
+        step = max(1, CHUNK_BYTES // v.itemsize)
+        yield b"["
+        for i in range(0, v.size, step):
+            if i:
+                yield b","
+            yield dumps(v[i : i + step])[1:-1]
+        yield b"]"
+    elif isinstance(v, list) and len(v) > 256:
+        yield b"["
+        for i in range(0, len(v), 256):
+            if i:
+                yield b","
+            yield from (dumps(v[i : i + 256])[1:-1],)
+        yield b"]"
+    else:
+        yield dumps(v)
+
+
+def iter_json(body: Any) -> Iterator[bytes]:
+    """The JSON of ``body`` as ~CHUNK_BYTES pieces (same bytes as :func:`dumps`)."""
+    big: dict[str, Any] = {}
+    skeleton = dumps(_split_big(body, big, uuid.uuid4().hex))
+    buf: list[bytes] = []
+    size = 0
+    pos = 0
+    for key, v in big.items():
+        marker = dumps(key)
+        at = skeleton.index(marker, pos)
+        pieces = [skeleton[pos:at]]
+        pos = at + len(marker)
+        for piece in _iter_value(v):
+            pieces.append(piece)
+            size += len(piece)
+            buf.extend(pieces)
+            pieces = []
+            if size >= CHUNK_BYTES:
+                yield b"".join(buf)
+                buf, size = [], 0
+        buf.extend(pieces)
+    buf.append(skeleton[pos:])
+    yield b"".join(buf)
+
+
+def _collect_binary(obj: Any, out: list) -> Any:
+    if isinstance(obj, BinaryTensor):
+        out.append(obj)
+        return obj.ref()
+    if isinstance(obj, dict):
+        return {k: _collect_binary(v, out) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_collect_binary(v, out) for v in obj]
+    if isinstance(obj, np.ndarray):  # a small json-encoded array in a binary response
+        return obj.tolist()
+    return obj
+
+
+def safetensors_parts(body: Any) -> list[bytes | memoryview]:
+    """``body`` as a safetensors file: [header, tensor bytes...] (concatenate to get the file).
+
+    Header: u64 little-endian length + JSON ``{name: {"dtype", "shape", "data_offsets"},
+    "__metadata__": {"attnscope": <JSON body with BinaryTensorRef in place of tensors>}}``,
+    space-padded to a multiple of 8 (safetensors spec). Readable by ``safetensors.numpy.load``
+    and by ``clients/python/attnscope/client/wire.py`` (numpy only).
+    """
+    tensors: list[BinaryTensor] = []
+    meta = _collect_binary(body, tensors)
+    header: dict[str, Any] = {"__metadata__": {"attnscope": dumps(meta).decode("utf-8")}}
+    off = 0
+    for bt in tensors:
+        n = bt.array.nbytes
+        header[bt.name] = {"dtype": _ST_DTYPE[bt.dtype], "shape": list(bt.array.shape),
+                           "data_offsets": [off, off + n]}
+        off += n
+    h = dumps(header)
+    h += b" " * (-(len(h)) % 8)
+    parts: list[bytes | memoryview] = [len(h).to_bytes(8, "little") + h]
+    for bt in tensors:
+        mv = memoryview(np.ascontiguousarray(bt.array)).cast("B")
+        for i in range(0, len(mv), 16 * CHUNK_BYTES):
+            parts.append(mv[i : i + 16 * CHUNK_BYTES])
+    return parts
+
+
+async def tensor_response(
+    build: Callable[[], Any], binary: bool = False, status_code: int = 200
+) -> Response:
+    """Run ``build()`` (all tensor work: selection, encode_tensor) in a worker thread and
+    return its body: safetensors when ``binary``, else JSON (streamed in chunks when big).
+
+    Errors raised by ``build`` (NonFiniteValues, ...) propagate before any byte is sent.
+    """
+    body = await anyio.to_thread.run_sync(build)
+    if binary:
+        parts = await anyio.to_thread.run_sync(safetensors_parts, body)
+        length = sum(len(p) for p in parts)
+        return StreamingResponse(iter(parts), status_code=status_code, media_type=SAFETENSORS,
+                                 headers={"content-length": str(length)})
+    if _array_bytes(body) < STREAM_MIN_BYTES:
+        return ORJSONResponse(body, status_code=status_code)
+    return StreamingResponse(iter_json(body), status_code=status_code,
+                             media_type="application/json")

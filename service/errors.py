@@ -37,6 +37,20 @@ class BatchTooLarge(InvalidRequest):
     type = "batch_too_large"
 
 
+class MemoryLimitExceeded(InvalidRequest):
+    """The request would need more memory than ``max_request_bytes`` (checked before any
+    forward runs; the message names the estimate and the limit)."""
+
+    type = "memory_limit_exceeded"
+
+
+class NotAcceptable(AttnscopeError):
+    """The ``Accept`` header names no media type the endpoint can produce."""
+
+    type = "not_acceptable"
+    status = 406
+
+
 class PayloadTooLarge(AttnscopeError):
     type = "payload_too_large"
     status = 413

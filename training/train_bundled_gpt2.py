@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=24)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-repeats", type=int, default=4, help="copies of the random segment: 2..this")
+    ap.add_argument("--max-segment", type=int, default=40, help="random segment length: 8..this")
     args = ap.parse_args()
 
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -123,8 +125,8 @@ def main() -> None:
         return x, labels
 
     def repeat_batch():
-        seg = int(torch.randint(8, 41, (1,), generator=gen))
-        reps = int(torch.randint(2, 5, (1,), generator=gen))
+        seg = int(torch.randint(8, args.max_segment + 1, (1,), generator=gen))
+        reps = int(torch.randint(2, args.max_repeats + 1, (1,), generator=gen))
         reps = min(reps, (args.n_ctx - 1) // seg)
         body = torch.randint(0, len(tok), (args.batch, seg), generator=gen)
         body[body == eot_id] = 0

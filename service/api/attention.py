@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from attnscope.schemas import AttentionRequest, AttentionResponse, ErrorResponse
 from attnscope.service.analysis.attention import select_heads
 from attnscope.service.api.common import check_indices, forward_request, tokenize_request
 from attnscope.service.deps import RuntimeDep, SlotDep
-from attnscope.service.encoding import ORJSONResponse, encode_tensor
+from attnscope.service.encoding import (
+    SAFETENSORS, encode_tensor, estimate_encoded_bytes, tensor_response, wants_binary,
+)
+from attnscope.service.errors import InvalidRequest
 
 router = APIRouter(tags=["attention"])
 
 ERRORS = {
+    200: {"content": {SAFETENSORS: {}}, "description": "JSON, or with Accept: "
+          "application/x-safetensors one safetensors file (README, 'Binary responses')."},
+    406: {"model": ErrorResponse, "description": "Accept names no media type we produce."},
     413: {"model": ErrorResponse, "description": "Request body too large."},
     422: {"model": ErrorResponse, "description": "Invalid request (field, limit and value named)."},
     429: {"model": ErrorResponse, "description": "Overloaded: the device queue is full."},
@@ -26,45 +32,68 @@ ERRORS = {
     responses=ERRORS,
     summary="Attention patterns (and optionally pre-softmax scores) per layer and head",
 )
-async def attention(req: AttentionRequest, rt: RuntimeDep, slot: SlotDep):
+async def attention(req: AttentionRequest, rt: RuntimeDep, slot: SlotDep, request: Request):
     """Attention of the resident model for ``text`` (response field ``attention``) or
     ``texts`` (response field ``results``, in order).
 
     ``pattern``: float32 post-softmax weights ``[layer, head, query_pos, key_pos]`` (or
     ``[layer, query_pos, key_pos]`` with ``head_mean``), equal to Hugging Face's
     ``output_attentions``. ``scores`` (``include_scores``): pre-softmax ``q.k * scaling``, masked
-    entries null/-inf. Source: Vaswani et al. 2017; 000_1c89b6c8c2a32040.txt.
+    entries null/-inf. ``layout`` 'tril' sends the lower triangle (causal models);
+    ``sparse`` the top-k / thresholded pattern with the kept mass per row. ``Accept:
+    application/x-safetensors`` returns the response as one safetensors file (tensors by name,
+    the JSON body in ``__metadata__["attnscope"]``). Source: Vaswani et al. 2017;
+    000_1c89b6c8c2a32040.txt.
 
     Errors: 422 blank text / too many tokens / layer or head out of range / batch over
-    ``max_batch``; 413 body too large; 429 overloaded; 503 not ready.
+    ``max_batch`` / 'tril' on an encoder / memory estimate over ``max_request_bytes``; 406
+    Accept; 413 body too large; 429 overloaded; 503 not ready.
     """
+    binary = wants_binary(request.headers.get("accept"))
+    encoding = "binary" if binary else req.encoding
     check_indices(req.layers, rt.adapter.n_layers, "layers", "layer")
     check_indices(req.heads, rt.adapter.n_heads, "heads", "head")
+    if req.layout == "tril" and not rt.adapter.causal:
+        raise InvalidRequest("layout 'tril' needs a causal model; this one is an encoder "
+                             "(attention is not triangular)", "layout")
     items = await tokenize_request(rt, req)
-    forwards = await forward_request(rt, slot, items)
     layers = req.layers if req.layers is not None else list(range(rt.adapter.n_layers))
     heads = req.heads if req.heads is not None else list(range(rt.adapter.n_heads))
-    out = []
-    for i, fw in enumerate(forwards):
-        pfx = "attention" if req.text is not None else f"results.{i}"
-        pattern = select_heads(fw.pattern, req.layers, req.heads, req.head_mean)
-        res = {
-            "tokens": [t.as_dict() for t in fw.tokens.tokens],
-            "layers": layers,
-            "heads": heads,
-            "head_mean": req.head_mean,
-            "pattern": encode_tensor(pattern, req.encoding, req.dtype, req.round, f"{pfx}.pattern"),
-            "scores": None,
-        }
-        if req.include_scores:
-            scores = select_heads(fw.scores(layers), None, req.heads, req.head_mean)
-            res["scores"] = encode_tensor(
-                scores, req.encoding, req.dtype, req.round, f"{pfx}.scores", allow_neg_inf=True
-            )
-        out.append(res)
-    body: dict = {"model": rt.model_ref()}
-    if req.text is not None:
-        body["attention"] = out[0]
-    else:
-        body["results"] = out
-    return ORJSONResponse(body)
+    per_matrix = len(layers) * (1 if req.head_mean else len(heads))
+    est = sum(
+        estimate_encoded_bytes(per_matrix * len(it) ** 2, encoding, req.dtype, req.round,
+                               req.layout, req.sparse, len(it))
+        * (3 if req.include_scores else 1)
+        for it in items
+    )
+    forwards = await forward_request(rt, slot, items, est)
+
+    def build() -> dict:
+        out = []
+        for i, fw in enumerate(forwards):
+            pfx = "attention" if req.text is not None else f"results.{i}"
+            pattern = select_heads(fw.pattern, req.layers, req.heads, req.head_mean)
+            res = {
+                "tokens": [t.as_dict() for t in fw.tokens.tokens],
+                "layers": layers,
+                "heads": heads,
+                "head_mean": req.head_mean,
+                "pattern": encode_tensor(pattern, encoding, req.dtype, req.round,
+                                         f"{pfx}.pattern", layout=req.layout, sparse=req.sparse),
+                "scores": None,
+            }
+            if req.include_scores:
+                scores = select_heads(fw.scores(layers), None, req.heads, req.head_mean)
+                res["scores"] = encode_tensor(
+                    scores, encoding, req.dtype, req.round, f"{pfx}.scores",
+                    allow_neg_inf=True, layout=req.layout,
+                )
+            out.append(res)
+        body: dict = {"model": rt.model_ref()}
+        if req.text is not None:
+            body["attention"] = out[0]
+        else:
+            body["results"] = out
+        return body
+
+    return await tensor_response(build, binary)

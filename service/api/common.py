@@ -8,6 +8,7 @@ from attnscope.schemas.common import TextOrTexts
 from attnscope.service.errors import BatchTooLarge, OutOfRange
 from attnscope.service.runtime import ForwardResult, Runtime, TokenizedText
 from attnscope.service.runtime.slot import DeviceSlot
+from attnscope.service.runtime.memory import check_memory
 
 
 def check_indices(values: list[int] | None, limit: int, field: str, what: str) -> None:
@@ -43,9 +44,15 @@ async def tokenize_request(rt: Runtime, req: TextOrTexts) -> list[TokenizedText]
 
 
 async def forward_request(
-    rt: Runtime, slot: DeviceSlot, items: list[TokenizedText]
+    rt: Runtime, slot: DeviceSlot, items: list[TokenizedText], response_bytes: int = 0
 ) -> list[ForwardResult]:
-    """One recorded forward per distinct text, through the device slot (429 when full)."""
+    """One recorded forward per distinct text, through the device slot (429 when full).
+
+    First the memory check (service/runtime/memory.py): 422 ``memory_limit_exceeded`` when the
+    forwards plus ``response_bytes`` (the endpoint's estimate of its response) would exceed
+    ``max_request_bytes``; no forward runs then.
+    """
+    check_memory(rt, [len(it) for it in items], response_bytes)
     return await slot.run(rt.forward_many, items)
 
 

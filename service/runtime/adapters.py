@@ -24,6 +24,32 @@ class LayerHandles:
     scaling: float  # q.k multiplier (1/sqrt(d_head), times 1/(layer+1) where configured)
 
 
+@dataclass
+class AttentionParams:
+    """One layer's attention parameters in ONE layout, whatever the family (for verification).
+
+    Every projection is ``y = x @ W + b`` with ``W`` stored ``[d_in, d_out]`` (GPT-2's Conv1D
+    layout; BERT's ``nn.Linear`` weights ``[d_out, d_in]`` are transposed into it). The tensors
+    are detached views of the model's CURRENT parameters (not copies): read them, never write.
+    ``scaling`` and ``upcast`` are derived from the model's config switches, independently of
+    the attention module's own precomputed ``scaling``.
+    """
+
+    W_q: torch.Tensor  # [d_model, n_heads * d_head]
+    b_q: torch.Tensor  # [n_heads * d_head]
+    W_k: torch.Tensor  # [d_model, n_heads * d_head]
+    b_k: torch.Tensor  # [n_heads * d_head]
+    W_v: torch.Tensor  # [d_model, n_heads * d_head]
+    b_v: torch.Tensor  # [n_heads * d_head]
+    W_o: torch.Tensor  # [n_heads * d_head, d_model], output projection
+    b_o: torch.Tensor  # [d_model]
+    n_heads: int
+    d_head: int
+    scaling: float  # q.k multiplier
+    upcast: bool  # scores and softmax in float32 (GPT-2 reorder_and_upcast_attn)
+    causal: bool
+
+
 class Adapter:
     family: str = ""
     causal: bool = False
@@ -66,6 +92,10 @@ class Adapter:
         """Static token embedding matrix ``[vocab, d_model]``."""
         return self.model.get_input_embeddings().weight
 
+    def attention_params(self, layer: int) -> AttentionParams:
+        """Layer ``layer``'s q/k/v/output weights in the one layout of :class:`AttentionParams`."""
+        raise NotImplementedError
+
 
 class GPT2Adapter(Adapter):
     """GPT-2 family (GPT2LMHeadModel / GPT2Model): causal, fused Conv1D ``c_attn``."""
@@ -89,6 +119,24 @@ class GPT2Adapter(Adapter):
                     scaling /= float(i + 1)
             out.append(LayerHandles(attn, [attn.c_attn], attn.c_proj, float(scaling)))
         return out
+
+    def attention_params(self, layer: int) -> AttentionParams:
+        """GPT-2: ``c_attn`` is a Conv1D (``y = x @ W + b``, W stored ``[d_model, 3*d_model]``,
+        columns q | k | v); ``c_proj`` likewise ``[d_model, d_model]``. Scaling from the config:
+        1/sqrt(d_head) if ``scale_attn_weights``, divided by (layer+1) if
+        ``scale_attn_by_inverse_layer_idx``; ``reorder_and_upcast_attn`` (eager) -> float32."""
+        attn = self.base().h[layer].attn
+        d = self.d_model
+        w, b = attn.c_attn.weight.detach(), attn.c_attn.bias.detach()
+        scaling = self.d_head ** -0.5 if self.config.scale_attn_weights else 1.0
+        if self.config.scale_attn_by_inverse_layer_idx:
+            scaling /= float(layer + 1)
+        return AttentionParams(
+            w[:, :d], b[:d], w[:, d : 2 * d], b[d : 2 * d], w[:, 2 * d :], b[2 * d :],
+            attn.c_proj.weight.detach(), attn.c_proj.bias.detach(),
+            self.n_heads, self.d_head, float(scaling),
+            bool(getattr(self.config, "reorder_and_upcast_attn", False)), True,
+        )
 
     def split_qkv(self, outs):
         (fused,) = outs
@@ -121,6 +169,21 @@ class BertAdapter(Adapter):
                 )
             )
         return out
+
+    def attention_params(self, layer: int) -> AttentionParams:
+        """BERT: ``query``/``key``/``value`` and ``attention.output.dense`` are ``nn.Linear``
+        (``y = x @ W.T + b``, W stored ``[d_out, d_in]``), returned transposed. Scaling
+        1/sqrt(d_head); bidirectional."""
+        lyr = self.base().encoder.layer[layer]
+        sa, dense = lyr.attention.self, lyr.attention.output.dense
+
+        def wb(m):
+            return m.weight.detach().t(), m.bias.detach()
+
+        return AttentionParams(
+            *wb(sa.query), *wb(sa.key), *wb(sa.value), *wb(dense),
+            self.n_heads, self.d_head, float(self.d_head ** -0.5), False, False,
+        )
 
     def split_qkv(self, outs):
         B, T, _ = outs[0].shape

@@ -303,6 +303,43 @@ class Runtime:
             tokens.append(TokenInfo(i, int(tid), label, start, end, sp))
         return TokenizedText(text, add_bos, tuple(ids), tuple(tokens))
 
+    def tokenized_from_ids(self, ids: list[int], param: str = "input_ids") -> TokenizedText:
+        """A :class:`TokenizedText` for raw token ids (no tokenizer pass, no framing added),
+        e.g. the induction probe of /v1/heads. Labels as :meth:`tokenize` makes them; tokens
+        in the tokenizer's special ids are ``special``; offsets are null (there is no text);
+        ``text`` is the tokenizer's decoding of the ids.
+
+        Raises:
+            InvalidRequest: no ids, or an id outside ``[0, len(tokenizer))``.
+            ContextLengthExceeded: more ids than the model's context (n_ctx).
+        """
+        ids = [int(i) for i in ids]
+        n_vocab = len(self.tokenizer)
+        if not ids:
+            raise InvalidRequest(f"{param} holds no token ids", param)
+        for i, tid in enumerate(ids):
+            if not 0 <= tid < n_vocab:
+                raise InvalidRequest(
+                    f"{param}[{i}] = {tid} is not a token id (vocabulary 0..{n_vocab - 1})", param
+                )
+        n_ctx = self.adapter.n_ctx
+        if len(ids) > n_ctx:
+            raise ContextLengthExceeded(
+                f"{param} has {len(ids)} tokens; the model's context is {n_ctx} tokens (n_ctx)",
+                param,
+            )
+        with self._tok_lock:
+            pieces = self.tokenizer.convert_ids_to_tokens(ids)
+            special_ids = set(self.tokenizer.all_special_ids)
+            text = self.tokenizer.decode(ids)
+        causal = self.adapter.causal
+        tokens = tuple(
+            TokenInfo(i, tid, piece if (tid in special_ids or not causal) else bytelevel_label(piece),
+                      None, None, tid in special_ids)
+            for i, (tid, piece) in enumerate(zip(ids, pieces))
+        )
+        return TokenizedText(text, False, tuple(ids), tokens)
+
     # ----------------------------------------------------------------- forward
     def forward_many(self, items: list[TokenizedText]) -> list[ForwardResult]:
         """Recorded forwards for several tokenized texts (cache first, then padded batches).
@@ -387,9 +424,13 @@ class Runtime:
                 results = []
                 for b in range(B):
                     idx = mask[b].bool().nonzero().squeeze(-1).to(self.device)
-                    pattern = torch.stack(
-                        [a[b].index_select(-2, idx).index_select(-1, idx) for a in out.attentions]
-                    )
+                    if len(idx) == T:  # unpadded: skip the T^2 gather copy (stack copies once)
+                        pattern = torch.stack([a[b] for a in out.attentions])
+                    else:
+                        pattern = torch.stack(
+                            [a[b].index_select(-2, idx).index_select(-1, idx)
+                             for a in out.attentions]
+                        )
                     hidden = torch.stack([h[b].index_select(0, idx) for h in out.hidden_states])
                     q, k, v = (
                         torch.stack([qkv[i][j][b].index_select(1, idx) for i in range(L)])
@@ -409,6 +450,22 @@ class Runtime:
     # ------------------------------------------------------------------- misc
     def model_ref(self) -> dict:
         return {"id": self.info["id"], "revision": self.info["revision"]}
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers at all (DNS + TCP), so an offline machine falls back
+    at once instead of waiting through huggingface_hub's retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def _load_pretrained(name: str, settings: Settings):
@@ -440,9 +497,14 @@ def _load_pretrained(name: str, settings: Settings):
     try:
         try:
             config = AutoConfig.from_pretrained(source, local_files_only=True, **kw)
-        except Exception:
+        except Exception as exc:
             if local:
                 raise
+            if not _hub_reachable():
+                raise ModelLoadError(
+                    f"could not load model {name!r}: not in the local Hugging Face cache and the "
+                    "hub is unreachable (offline)"
+                ) from exc
             config = AutoConfig.from_pretrained(source, **kw)
         if config.model_type not in ADAPTERS:
             raise ModelLoadError(

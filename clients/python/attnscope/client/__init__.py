@@ -1,0 +1,31 @@
+"""attnscope's thin Python client: typed results, numpy arrays, retries, typed errors.
+
+    from attnscope.client import Client
+    with Client() as c:                       # ATTNSCOPE_BASE_URL, ATTNSCOPE_API_KEY
+        res = c.attention("Then I tried", layers=[0])
+        res.attention.pattern.numpy()         # float32 [layer, head, query_pos, key_pos]
+
+Installs without torch (httpx, pydantic, numpy; ``[plot]`` adds matplotlib). Plots live in
+``attnscope.client.plots``, the command line in ``attnscope.client.cli``, the corpus
+pipeline in ``attnscope.client.batch``.
+"""
+
+from attnscope.client._client import (
+    API_KEY_ENV,
+    BASE_URL_ENV,
+    DEFAULT_BASE_URL,
+    AsyncClient,
+    BaseClient,
+    Client,
+    __version__,
+)
+from attnscope.client._errors import *  # noqa: F401,F403
+from attnscope.client._errors import ERROR_TYPES, STATUS_ERRORS
+from attnscope.client._errors import __all__ as _errors_all
+from attnscope.client._tensors import EncodedTensor, JsonTensor, to_numpy
+
+__all__ = [
+    "API_KEY_ENV", "BASE_URL_ENV", "DEFAULT_BASE_URL", "AsyncClient", "BaseClient", "Client",
+    "EncodedTensor", "ERROR_TYPES", "JsonTensor", "STATUS_ERRORS", "to_numpy", "__version__",
+    *_errors_all,
+]

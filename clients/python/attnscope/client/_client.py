@@ -1,0 +1,418 @@
+"""``Client`` and ``AsyncClient``: one base, two transports (openai-python's shape).
+
+Configuration (argument, else environment, else default):
+
+* ``base_url``: ``ATTNSCOPE_BASE_URL``, default ``http://127.0.0.1:8000``;
+* ``api_key``: ``ATTNSCOPE_API_KEY``, sent as ``Authorization: Bearer <key>``; none = no header;
+* ``timeout``: seconds or an ``httpx.Timeout`` (default 60 s, 5 s to connect);
+* ``max_retries``: extra attempts after the first (default 2) on connection errors,
+  timeouts, 408, 429 and 5xx (not on ``non_finite_values``, which is deterministic). The wait
+  is the server's ``Retry-After`` (seconds or HTTP date; ``retry-after-ms`` too) when it gives
+  one up to 60 s, else exponential backoff ``0.5 s * 2**attempt`` capped at 8 s, minus up to
+  25 % jitter;
+* ``http_client``: an ``httpx.Client`` / ``httpx.AsyncClient`` to send through (tests pass the
+  in-process app, e.g. starlette's ``TestClient``); the caller keeps ownership of it.
+
+Each endpoint method builds the request with the shared schema model (so a typo in an option
+raises ``pydantic.ValidationError`` before anything is sent), posts it, and returns the
+response schema model with ``.numpy()`` on every tensor field. Errors: see ``_errors.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import importlib
+import os
+import random
+import time
+from typing import Any, TypeVar
+
+import httpx
+import pydantic
+from pydantic import BaseModel
+
+from attnscope.client._errors import (
+    APIConnectionError,
+    APIResponseValidationError,
+    APIStatusError,
+    APITimeoutError,
+    status_error,
+)
+from attnscope.client._tensors import attach_numpy
+from attnscope.schemas import (
+    AttentionRequest,
+    AttentionResponse,
+    ModelInfo,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from attnscope.schemas.heads import HeadsRequest, HeadsResponse
+from attnscope.schemas.links import LinksRequest, LinksResponse
+from attnscope.schemas.scratch import ScratchAttentionRequest, ScratchAttentionResponse
+from attnscope.schemas.trajectories import TrajectoriesRequest, TrajectoriesResponse
+from attnscope.schemas.verify import VerifyRequest, VerifyResponse
+
+__version__ = "0.1.0"
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+DEFAULT_MAX_RETRIES = 2
+BASE_URL_ENV = "ATTNSCOPE_BASE_URL"
+API_KEY_ENV = "ATTNSCOPE_API_KEY"
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+NO_RETRY_TYPES = frozenset({"non_finite_values"})
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_retry_after(headers: httpx.Headers) -> float | None:
+    """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (seconds or HTTP date)."""
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            return float(ms) / 1000.0
+        except ValueError:
+            pass
+    ra = headers.get("retry-after")
+    if ra is None:
+        return None
+    try:
+        return float(ra)
+    except ValueError:
+        pass
+    parsed = email.utils.parsedate_tz(ra)
+    if parsed is None:
+        return None
+    return email.utils.mktime_tz(parsed) - time.time()
+
+
+class BaseClient:
+    """What Client and AsyncClient share: configuration, request building, retry policy,
+    error mapping and response parsing. Not used directly."""
+
+    INITIAL_RETRY_DELAY = 0.5
+    MAX_RETRY_DELAY = 8.0
+    MAX_RETRY_AFTER = 60.0
+
+    def __init__(self, base_url: str | None, api_key: str | None, timeout: Any,
+                 max_retries: int, http_client: httpx.Client | httpx.AsyncClient | None,
+                 default_headers: dict[str, str] | None):
+        if base_url is None:
+            base_url = os.environ.get(BASE_URL_ENV)
+        if base_url is None and http_client is not None and str(http_client.base_url):
+            base_url = str(http_client.base_url)
+        self.base_url = (base_url or DEFAULT_BASE_URL).rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        self.timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.max_retries = max_retries
+        self._owns_http = http_client is None
+        self._default_headers = dict(default_headers or {})
+
+    @staticmethod
+    def _lib(http) -> Any:
+        """The httpx-compatible module ``http`` comes from (httpx, or httpx2 for starlette's
+        TestClient): its exception classes are the ones its transport raises."""
+        root = type(http).__module__.split(".")[0]
+        for cls in type(http).__mro__:
+            root = cls.__module__.split(".")[0]
+            if root.startswith("httpx"):
+                break
+        try:
+            lib = importlib.import_module(root)
+        except ImportError:  # pragma: no cover
+            return httpx
+        ok = all(hasattr(lib, n) for n in ("TimeoutException", "TransportError", "HTTPStatusError"))
+        return lib if ok else httpx
+
+    # -- building ---------------------------------------------------------------------------
+    def _headers(self) -> dict[str, str]:
+        h = {"accept": "application/json", "user-agent": f"attnscope-client/{__version__}"}
+        if self.api_key:
+            h["authorization"] = f"Bearer {self.api_key}"
+        h.update(self._default_headers)
+        return h
+
+    def _build(self, http, method: str, path: str, body: Any) -> httpx.Request:
+        url = path if path.startswith(("http://", "https://")) else self.base_url + path
+        return http.build_request(method, url, json=body, headers=self._headers(),
+                                  timeout=self.timeout)
+
+    # -- retry policy -----------------------------------------------------------------------
+    @staticmethod
+    def _should_retry(response: httpx.Response) -> bool:
+        if response.headers.get("x-should-retry") == "false":
+            return False
+        if response.status_code not in RETRY_STATUSES:
+            return False
+        try:
+            etype = response.json().get("error", {}).get("type")
+        except (ValueError, AttributeError):
+            etype = None
+        return etype not in NO_RETRY_TYPES
+
+    def _retry_delay(self, attempt: int, response: httpx.Response | None) -> float:
+        """Seconds before retry number ``attempt`` (0-based): Retry-After when given and
+        <= 60 s, else ``INITIAL_RETRY_DELAY * 2**attempt`` capped at ``MAX_RETRY_DELAY``,
+        with up to 25 % jitter subtracted."""
+        if response is not None:
+            ra = parse_retry_after(response.headers)
+            if ra is not None and 0 <= ra <= self.MAX_RETRY_AFTER:
+                return ra
+        delay = min(self.INITIAL_RETRY_DELAY * 2.0 ** attempt, self.MAX_RETRY_DELAY)
+        return delay * (1.0 - 0.25 * random.random())
+
+    # -- results ----------------------------------------------------------------------------
+    @staticmethod
+    def _parse(response: httpx.Response, cast_to: type[M] | None) -> Any:
+        try:
+            data = response.json()
+        except ValueError as exc:
+            raise APIResponseValidationError(
+                f"the service answered {response.status_code} with a body that is not JSON",
+                response) from exc
+        if cast_to is None:
+            return data
+        try:
+            return attach_numpy(cast_to.model_validate(data))
+        except pydantic.ValidationError as exc:
+            raise APIResponseValidationError(
+                f"the {response.request.url.path} answer does not fit {cast_to.__name__}: {exc}",
+                response, data) from exc
+
+    def _raise_status(self, response: httpx.Response):
+        try:
+            response.raise_for_status()
+        except self._x.HTTPStatusError as exc:
+            raise status_error(response) from exc
+
+
+class _Endpoints:
+    """One method per endpoint, written once for both clients: ``_call`` is synchronous in
+    :class:`Client` and a coroutine in :class:`AsyncClient` (so ``await`` the methods there)."""
+
+    def _call(self, method: str, path: str, body: Any, cast_to):  # pragma: no cover
+        raise NotImplementedError
+
+    def _post_model(self, path: str, request_model: type[BaseModel], response_model,
+                    text: str | list[str] | None, texts: list[str] | None, options: dict):
+        if isinstance(text, (list, tuple)):
+            if texts is not None:
+                raise TypeError("give text or texts, not both")
+            text, texts = None, list(text)
+        fields: dict[str, Any] = dict(options)
+        if text is not None:
+            fields["text"] = text
+        if texts is not None:
+            fields["texts"] = texts
+        req = request_model(**fields)
+        body = req.model_dump(mode="json", exclude_unset=True)
+        return self._call("POST", path, body, response_model)
+
+    def request(self, method: str, path: str, json: Any = None, cast_to: type[M] | None = None):
+        """Send any request: ``path`` relative to ``base_url``; returns ``cast_to`` parsed (with
+        ``.numpy()`` on tensors) or the decoded JSON. Same retries and errors as the methods."""
+        return self._call(method, path, json, cast_to)
+
+    def health(self):
+        """``GET /healthz`` -> ``{"status": "ok"}`` while the process serves HTTP."""
+        return self._call("GET", "/healthz", None, None)
+
+    def ready(self):
+        """``GET /readyz`` -> ``{"status": "ready", "model": id}``; :class:`NotReadyError` (503,
+        after retries) while the model loads."""
+        return self._call("GET", "/readyz", None, None)
+
+    def model(self) -> ModelInfo:
+        """``GET /v1/model``: id, revision, architecture, causal, n_layers, n_heads, d_model,
+        d_head, n_ctx, vocab_size, device, dtype, fallback."""
+        return self._call("GET", "/v1/model", None, ModelInfo)
+
+    def tokenize(self, text: str | list[str] | None = None, *, texts: list[str] | None = None,
+                 **options) -> TokenizeResponse:
+        """``POST /v1/tokenize``: tokens as the analyses see them (``.tokens`` for one text,
+        ``.results`` for a list). Options: ``add_bos``."""
+        return self._post_model("/v1/tokenize", TokenizeRequest, TokenizeResponse, text, texts,
+                                options)
+
+    def attention(self, text: str | list[str] | None = None, *, texts: list[str] | None = None,
+                  **options) -> AttentionResponse:
+        """``POST /v1/attention``: patterns ``[layer, head, query_pos, key_pos]`` (``[layer,
+        query_pos, key_pos]`` with ``head_mean``) for one text (``.attention``) or a list
+        (``.results``). Options (``AttentionRequest``): ``layers``, ``heads``, ``head_mean``,
+        ``include_scores``, ``add_bos``, ``encoding`` ('json'|'base64'), ``dtype``, ``round``.
+        ``.attention.pattern.numpy()`` is a float32 array; masked scores are ``-inf``."""
+        return self._post_model("/v1/attention", AttentionRequest, AttentionResponse, text,
+                                texts, options)
+
+    def heads(self, text: str | list[str] | None = None, *, texts: list[str] | None = None,
+              **options) -> HeadsResponse:
+        """``POST /v1/heads``: scores (previous_token, duplicate_token, induction, next_token,
+        self, sink, entropy, ...) and a label for every head, layer-major (``.heads``); several
+        texts are averaged. Options (``HeadsRequest``): ``thresholds`` (dict), ``probe``
+        (dict), ``exclude_bos``, ``exclude_current_token``, ``round``. Sources:
+        TransformerLens head_detector.py; 004_e7341cee07d297e4.txt."""
+        return self._post_model("/v1/heads", HeadsRequest, HeadsResponse, text, texts, options)
+
+    def links(self, text: str | list[str] | None = None, *, texts: list[str] | None = None,
+              layer: int = 0, **options) -> LinksResponse:
+        """``POST /v1/links``: for each query token its strongest earlier key token(s) in
+        ``layer`` (head mean, or ``head=``) (``.links.links``: query, key, weight). Options
+        (``LinksRequest``): ``head``, ``top_k``, ``exclude_self``, ``ignore``, ``direction``,
+        ``round``. Source: 000_1c89b6c8c2a32040.txt ``strongest_previous_token``."""
+        return self._post_model("/v1/links", LinksRequest, LinksResponse, text, texts,
+                                {"layer": layer, **options})
+
+    def scratch_attention(self, **options) -> ScratchAttentionResponse:
+        """``POST /v1/scratch-attention``: the textbook ``softmax(Q K^T / sqrt(d_k) + mask) V``
+        on ``q``/``k``/``v`` matrices (nested lists or numpy arrays) or on ``text``'s static
+        token embeddings; ``.weights``, ``.scores``, ``.output`` have ``.numpy()``. Options
+        (``ScratchAttentionRequest``): ``variant``, ``n_heads``, ``scale``, ``project``,
+        ``query_text``, ``seed``, ``encoding``, ``round``. Source: 000_1c89b6c8c2a32040.txt."""
+        for name in ("q", "k", "v"):
+            if hasattr(options.get(name), "tolist"):
+                options[name] = options[name].tolist()
+        req = ScratchAttentionRequest(**options)
+        return self._call("POST", "/v1/scratch-attention",
+                          req.model_dump(mode="json", exclude_unset=True),
+                          ScratchAttentionResponse)
+
+    def trajectories(self, text: str | list[str] | None = None, *,
+                     texts: list[str] | None = None, **options) -> TrajectoriesResponse:
+        """``POST /v1/trajectories``: hidden states standardised and PCA-projected, per-token
+        paths ``[token, state, component]`` (``.trajectories.paths.numpy()``), start-to-end
+        distances, explained variance. Options (``TrajectoriesRequest``): ``include_final``,
+        ``n_components``, ``positions``, ``encoding``, ``dtype``, ``round``, ``add_bos``.
+        Source: 000_1c89b6c8c2a32040.txt."""
+        return self._post_model("/v1/trajectories", TrajectoriesRequest, TrajectoriesResponse,
+                                text, texts, options)
+
+    def verify(self, text: str | list[str] | None = None, *, texts: list[str] | None = None,
+               **options) -> VerifyResponse:
+        """``POST /v1/verify``: attention recomputed from scratch from the model's own q/k/v
+        against the model's, max abs difference per layer/head, pass/fail at ``tolerance``
+        (``.verification.passed``). Options (``VerifyRequest``): ``layers``, ``tolerance``."""
+        return self._post_model("/v1/verify", VerifyRequest, VerifyResponse, text, texts,
+                                options)
+
+
+class Client(BaseClient, _Endpoints):
+    """Synchronous client. Use as a context manager or call :meth:`close`.
+
+    >>> with Client("http://127.0.0.1:8000") as c:          # doctest: +SKIP
+    ...     res = c.attention("Then I tried", layers=[0])
+    ...     res.attention.pattern.numpy().shape              # [layer, head, query, key]
+    """
+
+    def __init__(self, base_url: str | None = None, *, api_key: str | None = None,
+                 timeout: float | httpx.Timeout | None = None,
+                 max_retries: int = DEFAULT_MAX_RETRIES, http_client: httpx.Client | None = None,
+                 default_headers: dict[str, str] | None = None):
+        super().__init__(base_url, api_key, timeout, max_retries, http_client, default_headers)
+        self._http = http_client if http_client is not None else httpx.Client()
+        self._x = self._lib(self._http)
+        self._sleep = time.sleep
+
+    def _call(self, method: str, path: str, body: Any, cast_to):
+        request = self._build(self._http, method, path, body)
+        for attempt in range(self.max_retries + 1):
+            last = attempt == self.max_retries
+            try:
+                response = self._http.send(request)
+            except self._x.TimeoutException as exc:
+                if not last:
+                    self._sleep(self._retry_delay(attempt, None))
+                    continue
+                raise APITimeoutError(request) from exc
+            except self._x.TransportError as exc:
+                if not last:
+                    self._sleep(self._retry_delay(attempt, None))
+                    continue
+                raise APIConnectionError(f"cannot reach {self.base_url}: {exc}", request) from exc
+            if response.is_success:
+                return self._parse(response, cast_to)
+            if not last and self._should_retry(response):
+                response.close()
+                self._sleep(self._retry_delay(attempt, response))
+                continue
+            self._raise_status(response)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def close(self) -> None:
+        """Close the underlying httpx client if this client created it."""
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def wait_until_ready(self, timeout: float = 120.0, interval: float = 0.5) -> dict:
+        """Poll ``/readyz`` until 200 or ``timeout`` seconds; raises the last error."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._call("GET", "/readyz", None, None)
+            except APIStatusError as exc:
+                if exc.status_code != 503 or time.monotonic() > deadline:
+                    raise
+            except APIConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(interval)
+
+
+class AsyncClient(BaseClient, _Endpoints):
+    """Asynchronous client: the same methods as :class:`Client`, awaited.
+
+    >>> async with AsyncClient() as c:                      # doctest: +SKIP
+    ...     res = await c.attention("Then I tried", layers=[0])
+    """
+
+    def __init__(self, base_url: str | None = None, *, api_key: str | None = None,
+                 timeout: float | httpx.Timeout | None = None,
+                 max_retries: int = DEFAULT_MAX_RETRIES,
+                 http_client: httpx.AsyncClient | None = None,
+                 default_headers: dict[str, str] | None = None):
+        super().__init__(base_url, api_key, timeout, max_retries, http_client, default_headers)
+        self._http = http_client if http_client is not None else httpx.AsyncClient()
+        self._x = self._lib(self._http)
+        self._sleep = asyncio.sleep
+
+    async def _call(self, method: str, path: str, body: Any, cast_to):
+        request = self._build(self._http, method, path, body)
+        for attempt in range(self.max_retries + 1):
+            last = attempt == self.max_retries
+            try:
+                response = await self._http.send(request)
+            except self._x.TimeoutException as exc:
+                if not last:
+                    await self._sleep(self._retry_delay(attempt, None))
+                    continue
+                raise APITimeoutError(request) from exc
+            except self._x.TransportError as exc:
+                if not last:
+                    await self._sleep(self._retry_delay(attempt, None))
+                    continue
+                raise APIConnectionError(f"cannot reach {self.base_url}: {exc}", request) from exc
+            if response.is_success:
+                return self._parse(response, cast_to)
+            if not last and self._should_retry(response):
+                await response.aclose()
+                await self._sleep(self._retry_delay(attempt, response))
+                continue
+            self._raise_status(response)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def close(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

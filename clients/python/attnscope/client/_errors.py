@@ -1,0 +1,273 @@
+"""Typed exceptions: one class per error ``type`` of the service's envelope.
+
+Every non-2xx answer of attnscope is ``{"error": {"type", "message", "param"}}`` (see the
+README's error table and ``service/errors.py``). The client raises the class registered for
+``type``; an unknown type falls back to the class for the HTTP status (so a newer server's
+new error types still land in the right family). Transport failures raise
+:class:`APIConnectionError` / :class:`APITimeoutError`. Every exception raised for an HTTP
+answer or a transport failure is raised ``from`` the underlying httpx error.
+
+Hierarchy (openai-python's shape)::
+
+    AttnscopeError
+    ├── APIError                       message, request, body
+    │   ├── APIConnectionError         the server could not be reached
+    │   │   └── APITimeoutError        no answer within the timeout
+    │   ├── APIResponseValidationError a 2xx body that does not fit the schema
+    │   └── APIStatusError             status_code, type, param, response
+    │       ├── BadRequestError (400)
+    │       ├── UnauthorizedError (401, unauthorized)
+    │       ├── PermissionDeniedError (403, forbidden)
+    │       ├── NotFoundError (404, not_found)
+    │       ├── MethodNotAllowedError (405, method_not_allowed)
+    │       ├── NotAcceptableError (406, not_acceptable)
+    │       ├── RequestTimeoutError (408)
+    │       ├── PayloadTooLargeError (413, payload_too_large)
+    │       ├── ValidationError (422, validation_error)
+    │       │   ├── ContextLengthExceededError (context_length_exceeded)
+    │       │   ├── OutOfRangeError (out_of_range)
+    │       │   ├── BatchTooLargeError (batch_too_large)
+    │       │   └── MemoryLimitExceededError (memory_limit_exceeded)
+    │       ├── OverloadedError (429, overloaded; also rate_limited)
+    │       ├── InternalServerError (5xx, internal_error)
+    │       │   └── NonFiniteValuesError (non_finite_values)
+    │       ├── NotReadyError (503, not_ready)
+    │       └── GatewayTimeoutError (504, timeout)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "AttnscopeError",
+    "APIError",
+    "APIConnectionError",
+    "APITimeoutError",
+    "APIResponseValidationError",
+    "APIStatusError",
+    "BadRequestError",
+    "UnauthorizedError",
+    "PermissionDeniedError",
+    "NotFoundError",
+    "MethodNotAllowedError",
+    "RequestTimeoutError",
+    "NotAcceptableError",
+    "PayloadTooLargeError",
+    "ValidationError",
+    "ContextLengthExceededError",
+    "OutOfRangeError",
+    "BatchTooLargeError",
+    "MemoryLimitExceededError",
+    "OverloadedError",
+    "InternalServerError",
+    "NonFiniteValuesError",
+    "NotReadyError",
+    "GatewayTimeoutError",
+    "status_error",
+]
+
+
+class AttnscopeError(Exception):
+    """Base of every exception the client raises."""
+
+
+class APIError(AttnscopeError):
+    """An error talking to the service. ``body`` is the decoded JSON body, if any."""
+
+    message: str
+    request: httpx.Request | None
+    body: Any
+
+    def __init__(self, message: str, request: httpx.Request | None = None, body: Any = None):
+        super().__init__(message)
+        self.message = message
+        self.request = request
+        self.body = body
+
+
+class APIConnectionError(APIError):
+    """The service could not be reached (refused, reset, DNS, ...) after every retry."""
+
+    def __init__(self, message: str = "connection error", request: httpx.Request | None = None):
+        super().__init__(message, request)
+
+
+class APITimeoutError(APIConnectionError):
+    """No answer within the client's timeout (after every retry)."""
+
+    def __init__(self, request: httpx.Request | None = None, message: str = "request timed out"):
+        super().__init__(message, request)
+
+
+class APIResponseValidationError(APIError):
+    """The service answered 2xx with a body that does not fit the response schema."""
+
+    def __init__(self, message: str, response: httpx.Response, body: Any = None):
+        super().__init__(message, response.request, body)
+        self.response = response
+        self.status_code = response.status_code
+
+
+class APIStatusError(APIError):
+    """The service answered with a non-2xx status and (usually) the error envelope.
+
+    Attributes:
+        status_code: the HTTP status.
+        type: the envelope's machine-readable ``error.type`` (branch on this, not on text).
+        param: the request field at fault (dotted), or None.
+        response: the httpx response.
+    """
+
+    status_code: int
+    type: str | None
+    param: str | None
+
+    def __init__(self, message: str, *, response: httpx.Response, body: Any = None,
+                 type: str | None = None, param: str | None = None):
+        super().__init__(message, response.request, body)
+        self.response = response
+        self.status_code = response.status_code
+        self.type = type
+        self.param = param
+
+    def __str__(self) -> str:  # "422 out_of_range: layers[0] = 7 is out of range ..."
+        return f"{self.status_code} {self.type or 'error'}: {self.message}"
+
+
+class BadRequestError(APIStatusError):
+    pass
+
+
+class UnauthorizedError(APIStatusError):
+    """401: missing or wrong API key (``ATTNSCOPE_API_KEY`` / ``api_key=``)."""
+
+
+class PermissionDeniedError(APIStatusError):
+    pass
+
+
+class NotFoundError(APIStatusError):
+    pass
+
+
+class MethodNotAllowedError(APIStatusError):
+    pass
+
+
+class RequestTimeoutError(APIStatusError):
+    pass
+
+
+class NotAcceptableError(APIStatusError):
+    """406: the ``Accept`` header names no media type the endpoint can produce."""
+
+
+class PayloadTooLargeError(APIStatusError):
+    pass
+
+
+class ValidationError(APIStatusError):
+    """422: the request is invalid (the message names the field, the limit and the value)."""
+
+
+class ContextLengthExceededError(ValidationError):
+    pass
+
+
+class OutOfRangeError(ValidationError):
+    pass
+
+
+class BatchTooLargeError(ValidationError):
+    pass
+
+
+class MemoryLimitExceededError(ValidationError):
+    """422: the request would need more memory than the server's ``max_request_bytes``."""
+
+
+class OverloadedError(APIStatusError):
+    """429: the service's device queue (or a rate limit) is full; retried automatically."""
+
+
+class InternalServerError(APIStatusError):
+    pass
+
+
+class NonFiniteValuesError(InternalServerError):
+    """500: the model produced NaN/inf; deterministic for the input, so never retried."""
+
+
+class NotReadyError(APIStatusError):
+    """503: the model is not loaded yet (retried automatically)."""
+
+
+class GatewayTimeoutError(APIStatusError):
+    pass
+
+
+ERROR_TYPES: dict[str, type[APIStatusError]] = {
+    "validation_error": ValidationError,
+    "context_length_exceeded": ContextLengthExceededError,
+    "out_of_range": OutOfRangeError,
+    "batch_too_large": BatchTooLargeError,
+    "memory_limit_exceeded": MemoryLimitExceededError,
+    "not_acceptable": NotAcceptableError,
+    "payload_too_large": PayloadTooLargeError,
+    "overloaded": OverloadedError,
+    "rate_limited": OverloadedError,
+    "not_ready": NotReadyError,
+    "unauthorized": UnauthorizedError,
+    "forbidden": PermissionDeniedError,
+    "not_found": NotFoundError,
+    "method_not_allowed": MethodNotAllowedError,
+    "timeout": GatewayTimeoutError,
+    "non_finite_values": NonFiniteValuesError,
+    "internal_error": InternalServerError,
+}
+"""Envelope ``error.type`` -> exception class."""
+
+STATUS_ERRORS: dict[int, type[APIStatusError]] = {
+    400: BadRequestError,
+    401: UnauthorizedError,
+    403: PermissionDeniedError,
+    404: NotFoundError,
+    405: MethodNotAllowedError,
+    406: NotAcceptableError,
+    408: RequestTimeoutError,
+    413: PayloadTooLargeError,
+    422: ValidationError,
+    429: OverloadedError,
+    503: NotReadyError,
+    504: GatewayTimeoutError,
+}
+"""Fallback by HTTP status when the envelope's type is unknown or missing."""
+
+
+def status_error(response: httpx.Response) -> APIStatusError:
+    """Build the typed exception for a non-2xx ``response`` (envelope or not)."""
+    body: Any = None
+    etype = param = None
+    message = f"HTTP {response.status_code}"
+    try:
+        body = response.json()
+    except ValueError:
+        text = response.text.strip()
+        if text:
+            message = f"HTTP {response.status_code}: {text[:300]}"
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        etype = err.get("type")
+        param = err.get("param")
+        message = str(err.get("message") or message)
+    elif isinstance(body, dict) and "detail" in body:  # a plain FastAPI/Starlette answer
+        message = str(body["detail"])
+    cls = ERROR_TYPES.get(etype or "")
+    if cls is None:
+        cls = STATUS_ERRORS.get(response.status_code)
+    if cls is None:
+        cls = InternalServerError if response.status_code >= 500 else APIStatusError
+    return cls(message, response=response, body=body, type=etype, param=param)

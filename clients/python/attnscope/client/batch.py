@@ -1,0 +1,370 @@
+"""``attnscope batch``: run analyses over a JSONL corpus, resumably.
+
+Input: one JSON object per line, ``{"id": ..., "text": "..."}`` (other keys are ignored).
+Output: one line per input id, ``{"id": ..., "results": {"<analysis>": <response JSON>}}``,
+in completion order. Failed items go to a separate file (default ``OUTPUT.failures.jsonl``)
+as ``{"id", "analysis", "error": {"type", "message", "status", "param"}}`` and never stop the
+run. Each line is written with one ``write`` on an ``O_APPEND`` file, so a run killed at any
+moment leaves at worst a torn last line, which the next run removes.
+
+Resume: ids already in the output or the failures file are skipped, so after any number of
+interruptions every id ends up exactly once in one of the two files. ``--retry-failed``
+removes the recorded failures first and runs those ids again.
+
+Concurrency: ``--concurrency`` requests in flight (default 4; the service runs one forward
+at a time, so more mainly hides network latency). Transient errors (429, 5xx, connection)
+are retried by the client; when the service stays unreachable the run stops with exit 3
+(the items in flight are not recorded, so the next run does them).
+
+A progress bar goes to stderr (``--no-progress`` turns it off); the summary at the end says
+done, skipped, failed and throughput (``--json`` prints it as JSON on stdout too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pydantic
+
+ANALYSES = {
+    # name: (path, request model import path, default options)
+    "tokenize": ("/v1/tokenize", "attnscope.schemas.tokenize:TokenizeRequest", {}),
+    "attention": ("/v1/attention", "attnscope.schemas.attention:AttentionRequest", {}),
+    "heads": ("/v1/heads", "attnscope.schemas.heads:HeadsRequest", {}),
+    "links": ("/v1/links", "attnscope.schemas.links:LinksRequest", {"layer": 0}),
+    "trajectories": ("/v1/trajectories", "attnscope.schemas.trajectories:TrajectoriesRequest", {}),
+    "verify": ("/v1/verify", "attnscope.schemas.verify:VerifyRequest", {}),
+}
+"""Analyses ``batch`` can run: endpoint, request schema, default options."""
+
+
+def _request_model(name: str):
+    import importlib
+
+    mod, cls = ANALYSES[name][1].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("input", help="JSONL file of {\"id\", \"text\"} objects ('-' = stdin)")
+    p.add_argument("-o", "--output", required=True, help="JSONL results file (appended to)")
+    p.add_argument("--failures", default=None,
+                   help="JSONL file of failed items (default OUTPUT.failures.jsonl)")
+    p.add_argument("-a", "--analysis", action="append", choices=sorted(ANALYSES),
+                   help="analysis to run, repeatable (default: attention)")
+    p.add_argument("--params", default=None, metavar="JSON",
+                   help='options per analysis, e.g. \'{"attention": {"layers": [0], "round": 3}}\'')
+    p.add_argument("-c", "--concurrency", type=int, default=4, help="requests in flight (4)")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="run the ids in the failures file again")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@dataclass
+class Summary:
+    """What a batch run did (also the ``--json`` output)."""
+
+    done: int = 0
+    skipped: int = 0
+    failed: int = 0
+    duplicates: int = 0
+    total: int = 0
+    seconds: float = 0.0
+    items_per_second: float = 0.0
+    stopped: str | None = None
+    output: str = ""
+    failures: str = ""
+    failed_types: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        s = (f"done {self.done}, skipped {self.skipped}, failed {self.failed}"
+             + (f", duplicate ids {self.duplicates}" if self.duplicates else "")
+             + f" of {self.total} in {self.seconds:.1f} s ({self.items_per_second:.1f} items/s)")
+        if self.failed_types:
+            s += " | failures: " + ", ".join(f"{k} {v}" for k, v in sorted(self.failed_types.items()))
+        if self.stopped:
+            s += f" | STOPPED: {self.stopped}"
+        return s
+
+
+def _key(id_: Any) -> str:
+    return json.dumps(id_, sort_keys=True)
+
+
+def _load_ids(path: str) -> set[str]:
+    """Ids in a JSONL file; a torn last line (killed mid-write) is cut off the file."""
+    ids: set[str] = set()
+    if not os.path.exists(path):
+        return ids
+    with open(path, "rb") as f:
+        data = f.read()
+    good = data.rfind(b"\n") + 1
+    if good < len(data):  # torn tail
+        with open(path, "rb+") as f:
+            f.truncate(good)
+        data = data[:good]
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and "id" in obj:
+            ids.add(_key(obj["id"]))
+    return ids
+
+
+def _drop_ids(path: str, drop: set[str]) -> int:
+    """Rewrite ``path`` without the lines whose id is in ``drop`` (atomically); returns count."""
+    if not os.path.exists(path):
+        return 0
+    kept, n = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                if _key(json.loads(line)["id"]) in drop:
+                    n += 1
+                    continue
+            except (ValueError, KeyError, TypeError):
+                pass
+            kept.append(line)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return n
+
+
+class _Appender:
+    """Append whole lines with one ``os.write`` each (O_APPEND)."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, obj: Any) -> None:
+        data = (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        view = memoryview(data)
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool, stream=None):
+        self.total, self.enabled = total, enabled
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.monotonic()
+        self.last = 0.0
+
+    def update(self, s: Summary, final: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not final and now - self.last < (0.1 if self.tty else 2.0):
+            return
+        self.last = now
+        n = s.done + s.failed
+        rate = n / max(now - self.t0, 1e-9)
+        frac = n / self.total if self.total else 1.0
+        width = 30
+        bar = "#" * int(frac * width) + "." * (width - int(frac * width))
+        eta = (self.total - n) / rate if rate > 0 else float("inf")
+        msg = (f"batch {frac:4.0%} |{bar}| {n}/{self.total} failed {s.failed} "
+               f"{rate:.1f}/s eta {eta:.0f}s" if eta != float("inf") else
+               f"batch {frac:4.0%} |{bar}| {n}/{self.total} failed {s.failed}")
+        if self.tty:
+            self.stream.write("\r" + msg + ("\n" if final else ""))
+        else:
+            self.stream.write(msg + "\n")
+        self.stream.flush()
+
+
+def _read_input(path: str) -> list[str]:
+    if path == "-":
+        return sys.stdin.read().splitlines()
+    with open(path, encoding="utf-8") as f:
+        return f.read().splitlines()
+
+
+def _error_record(id_: Any, analysis: str | None, etype: str, message: str,
+                  status: int | None = None, param: str | None = None, line: int | None = None):
+    rec = {"id": id_, "analysis": analysis,
+           "error": {"type": etype, "message": message, "status": status, "param": param}}
+    if line is not None:
+        rec["line"] = line
+    return rec
+
+
+async def run_batch(client, lines: list[str], output: str, failures: str,
+                    analyses: dict[str, dict], concurrency: int = 4,
+                    retry_failed: bool = False, progress: bool = True) -> Summary:
+    """Run ``analyses`` (name -> options) over the JSONL ``lines`` with ``client`` (an
+    :class:`attnscope.client.AsyncClient`); see the module docstring for the files written."""
+    from attnscope.client._errors import APIConnectionError, APIStatusError
+
+    t0 = time.monotonic()
+    summary = Summary(output=output, failures=failures)
+    done_ids = _load_ids(output)
+    failed_ids = _load_ids(failures)
+    if retry_failed:
+        _drop_ids(failures, failed_ids - done_ids)
+        failed_ids = _load_ids(failures)
+    seen = done_ids | failed_ids
+    out, err = _Appender(output), _Appender(failures)
+    models = {name: _request_model(name) for name in analyses}
+
+    def fail(rec):
+        err.write(rec)
+        summary.failed += 1
+        t = rec["error"]["type"]
+        summary.failed_types[t] = summary.failed_types.get(t, 0) + 1
+
+    work: list[tuple[Any, str]] = []
+    queued: set[str] = set()
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        summary.total += 1
+        try:
+            obj = json.loads(raw)
+            if not isinstance(obj, dict) or "id" not in obj:
+                raise ValueError("each line must be an object with 'id' and 'text'")
+            id_ = obj["id"]
+        except ValueError as exc:
+            id_ = f"line:{i}"
+            if _key(id_) in seen:
+                summary.skipped += 1
+            else:
+                fail(_error_record(id_, None, "invalid_input", str(exc), line=i))
+                seen.add(_key(id_))
+            continue
+        k = _key(id_)
+        if k in seen:
+            summary.skipped += 1
+            continue
+        if k in queued:
+            summary.duplicates += 1
+            continue
+        queued.add(k)
+        text = obj.get("text")
+        if not isinstance(text, str):
+            fail(_error_record(id_, None, "invalid_input",
+                               f"'text' must be a string, got {type(text).__name__}", line=i))
+            continue
+        work.append((id_, text))
+
+    bar = _Progress(len(work) + summary.failed, progress)
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in work:
+        queue.put_nowait(item)
+    stop = asyncio.Event()
+
+    async def one(id_, text):
+        results = {}
+        for name, opts in analyses.items():
+            path = ANALYSES[name][0]
+            try:
+                body = models[name](text=text, **opts).model_dump(mode="json", exclude_unset=True)
+            except pydantic.ValidationError as exc:
+                e = exc.errors()[0]
+                fail(_error_record(id_, name, "validation_error",
+                                   f"{'.'.join(map(str, e['loc']))}: {e['msg']}",
+                                   param=".".join(map(str, e["loc"])) or None))
+                return
+            try:
+                results[name] = await client.request("POST", path, body)
+            except APIStatusError as exc:
+                fail(_error_record(id_, name, exc.type or f"http_{exc.status_code}",
+                                   exc.message, exc.status_code, exc.param))
+                return
+        out.write({"id": id_, "results": results})
+        summary.done += 1
+
+    async def worker():
+        while not stop.is_set():
+            try:
+                id_, text = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            try:
+                await one(id_, text)
+            except APIConnectionError as exc:
+                summary.stopped = f"connection failure: {exc.message}"
+                stop.set()
+                return
+            bar.update(summary)
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+    finally:
+        out.close()
+        err.close()
+    summary.seconds = time.monotonic() - t0
+    summary.items_per_second = (summary.done + summary.failed) / max(summary.seconds, 1e-9)
+    bar.update(summary, final=True)
+    return summary
+
+
+def run_cli(args) -> int:
+    """``attnscope batch``: exit 0 all done, 4 some items failed, 3 service unreachable,
+    2 usage error."""
+    import httpx
+
+    from attnscope.client import AsyncClient
+    from attnscope.client.cli import EXIT_CONNECTION, EXIT_NEGATIVE, EXIT_OK, UsageError, default_url
+
+    names = args.analysis or ["attention"]
+    try:
+        params = json.loads(args.params) if args.params else {}
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--params is not valid JSON: {exc}")
+    if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
+        raise UsageError("--params must map analysis names to option objects")
+    unknown = set(params) - set(names)
+    if unknown:
+        raise UsageError(f"--params names analyses not requested with -a: {sorted(unknown)}")
+    analyses = {n: {**ANALYSES[n][2], **params.get(n, {})} for n in names}
+    for n, opts in analyses.items():  # bad options: a usage error now, not N failures later
+        try:
+            _request_model(n)(text="check", **opts)
+        except pydantic.ValidationError as exc:
+            e = exc.errors()[0]
+            raise UsageError(f"--params {n}: {'.'.join(map(str, e['loc']))}: {e['msg']}")
+    if args.concurrency < 1:
+        raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
+    try:
+        lines = _read_input(args.input)
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.input}: {exc}")
+    failures = args.failures or args.output + ".failures.jsonl"
+
+    async def go():
+        limits = httpx.Limits(max_connections=args.concurrency)
+        async with httpx.AsyncClient(limits=limits) as http:
+            client = AsyncClient(args.url or default_url(), api_key=args.api_key,
+                                 timeout=args.timeout, max_retries=args.max_retries,
+                                 http_client=http)
+            return await run_batch(client, lines, args.output, failures, analyses,
+                                   args.concurrency, args.retry_failed, not args.no_progress)
+
+    summary = asyncio.run(go())
+    print("attnscope batch: " + summary.line(), file=sys.stderr)
+    if args.json:
+        print(json.dumps(asdict(summary)))
+    if summary.stopped:
+        return EXIT_CONNECTION
+    return EXIT_NEGATIVE if summary.failed else EXIT_OK

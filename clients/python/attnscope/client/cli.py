@@ -1,0 +1,435 @@
+"""The ``attnscope`` command line: the client's subcommands, and ``serve`` for the service.
+
+    attnscope model                                   # the resident model
+    attnscope attention "Then I tried" --layers 0 --head-mean [--plot attn.png]
+    attnscope links "Then I tried to find"            # query --> key  weight
+    attnscope heads "..." ; attnscope trajectories "..." --plot paths.png ; attnscope verify "..."
+    attnscope batch in.jsonl -o out.jsonl -a attention -a trajectories
+    attnscope serve --model bundled --port 8000       # needs the service installed
+
+Server: ``--url`` or ``ATTNSCOPE_URL`` (then ``ATTNSCOPE_BASE_URL``), default
+``http://127.0.0.1:8000``; API key ``--api-key`` or ``ATTNSCOPE_API_KEY``. TEXT ``-`` reads
+standard input. ``--json`` prints the response as JSON; ``-o key=JSON`` passes any request
+option (e.g. ``-o 'layers=[0,1]'``).
+
+Exit codes: 0 success; 1 the service answered with an error (the envelope's type and
+message are printed); 2 usage error (bad arguments or options, checked before sending);
+3 connection failure or timeout (the service could not be reached); 4 the work ran but
+its result is negative (``verify`` did not pass; ``batch`` recorded failed items).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import pydantic
+
+EXIT_OK, EXIT_SERVER, EXIT_USAGE, EXIT_CONNECTION, EXIT_NEGATIVE = 0, 1, 2, 3, 4
+URL_ENV = "ATTNSCOPE_URL"
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit 2)."""
+
+
+def default_url() -> str:
+    from attnscope.client._client import BASE_URL_ENV, DEFAULT_BASE_URL
+
+    return os.environ.get(URL_ENV) or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connection")
+    g.add_argument("--url", default=None,
+                   help=f"service URL (env {URL_ENV}, then ATTNSCOPE_BASE_URL; default "
+                        "http://127.0.0.1:8000)")
+    g.add_argument("--api-key", default=None, help="API key (env ATTNSCOPE_API_KEY)")
+    g.add_argument("--timeout", type=float, default=60.0, help="seconds per request (60)")
+    g.add_argument("--max-retries", type=int, default=2, help="retries on transient errors (2)")
+    p.add_argument("--json", action="store_true", help="print the response as JSON")
+
+
+def _text_args(p: argparse.ArgumentParser, plot: bool = True) -> None:
+    p.add_argument("text", help="the text to analyse ('-' = standard input)")
+    p.add_argument("--add-bos", action="store_true", default=None,
+                   help="causal models: prepend the BOS token")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=JSON",
+                   help="any request option, value as JSON (e.g. -o 'layers=[0]'); repeatable")
+    if plot:
+        p.add_argument("--plot", metavar="FILE", default=None,
+                       help="save the figure to FILE (.png/.svg/.pdf; needs matplotlib)")
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="attnscope",
+        description="attnscope: attention as a service. Client commands talk to a running "
+                    "service; 'serve' starts one.",
+        epilog="exit codes: 0 ok, 1 server error, 2 usage error, 3 connection failure, "
+               "4 negative result (verify failed / batch items failed)",
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub.add_parser("serve", help="start the HTTP service (attnscope serve --help)", add_help=False)
+
+    p = sub.add_parser("model", help="the resident model")
+    _common(p)
+
+    p = sub.add_parser("tokenize", help="tokens as the analyses see them")
+    _common(p)
+    _text_args(p, plot=False)
+
+    p = sub.add_parser("attention", help="attention patterns (matrix per layer/head)")
+    _common(p)
+    _text_args(p)
+    p.add_argument("--layers", type=_ints, help="layer indices, e.g. 0,1 (default all)")
+    p.add_argument("--heads", type=_ints, help="head indices (default all)")
+    p.add_argument("--head-mean", action="store_true", default=None, help="average the heads")
+    p.add_argument("--scores", action="store_true", help="also return pre-softmax scores")
+    p.add_argument("--round", type=int, default=None, help="decimals in JSON")
+    p.add_argument("--kind", choices=["heatmap", "layers", "heads"], default="heatmap",
+                   help="figure for --plot: one heat map (--layer/--head), the layer grid, or "
+                        "the head grid of --layer")
+    p.add_argument("--layer", type=int, default=None, help="layer of the heat map / head grid")
+    p.add_argument("--head", type=int, default=None, help="head of the heat map (default mean)")
+
+    p = sub.add_parser("trajectories", help="hidden-state paths in PCA space, distances")
+    _common(p)
+    _text_args(p)
+    p.add_argument("--positions", type=_ints, help="token positions (default all)")
+    p.add_argument("--include-final", action="store_true", default=None,
+                   help="keep the final hidden state")
+    p.add_argument("--kind", choices=["paths", "distances"], default="paths",
+                   help="figure for --plot")
+
+    p = sub.add_parser("verify", help="attention recomputed from scratch vs the model's")
+    _common(p)
+    _text_args(p, plot=False)
+    p.add_argument("--layers", type=_ints, help="layer indices (default all)")
+    p.add_argument("--tolerance", type=float, default=None, help="largest difference that passes")
+
+    p = sub.add_parser("heads", help="classify every head (previous-token, induction, sink, ...)")
+    _common(p)
+    _text_args(p)
+    p.add_argument("--exclude-bos", action="store_true", default=None,
+                   help="zero attention to position 0 before scoring")
+    p.add_argument("--no-probe", action="store_true", help="skip the induction probe")
+
+    p = sub.add_parser("links", help="each token's strongest earlier token: query --> key  weight")
+    _common(p)
+    _text_args(p, plot=False)
+    p.add_argument("--layer", type=int, default=0, help="layer (default 0)")
+    p.add_argument("--head", type=int, default=None, help="head (default: mean of the heads)")
+    p.add_argument("--top-k", type=int, default=None, help="links per query (1)")
+    p.add_argument("--include-self", action="store_true", help="allow a token to link to itself")
+    p.add_argument("--ignore", type=_ints, default=None,
+                   help="key positions never chosen, e.g. 0 for the first-token sink")
+
+    from attnscope.client import batch as _batch
+
+    p = sub.add_parser("batch", help="run analyses over a JSONL corpus (resumable)",
+                       description=_batch.__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(p)
+    _batch.add_arguments(p)
+    return ap
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+def _read_text(s: str) -> str:
+    return sys.stdin.read() if s == "-" else s
+
+
+def _options(args, names: dict[str, str]) -> dict[str, Any]:
+    """Request options from dedicated flags (``names``: attr -> field) and ``-o key=JSON``."""
+    out: dict[str, Any] = {}
+    for attr, field in names.items():
+        v = getattr(args, attr, None)
+        if v is not None and v is not False:
+            out[field] = v
+    if getattr(args, "add_bos", None):
+        out["add_bos"] = True
+    for item in getattr(args, "option", []) or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"-o expects KEY=JSON, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw  # a bare string
+    return out
+
+
+def _client(args):
+    from attnscope.client import Client
+
+    return Client(args.url or default_url(), api_key=args.api_key, timeout=args.timeout,
+                  max_retries=args.max_retries)
+
+
+def _print_json(model) -> None:
+    print(model.model_dump_json(indent=None) if hasattr(model, "model_dump_json")
+          else json.dumps(model))
+
+
+def _save(fig, path: str) -> None:
+    fig.savefig(path, dpi=110)
+    print(f"figure saved to {path}", file=sys.stderr)
+
+
+def _plots():
+    try:
+        from attnscope.client import plots
+    except ImportError as exc:
+        raise UsageError(f"--plot needs matplotlib ({exc}); pip install 'attnscope-client[plot]'")
+    return plots
+
+
+def _label(t) -> str:
+    return repr(t.label)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    lines = [fmt.format(*header), fmt.format(*["-" * w for w in widths])]
+    lines += [fmt.format(*[str(x) for x in r]) for r in rows]
+    return "\n".join(x.rstrip() for x in lines)
+
+
+# -- commands ------------------------------------------------------------------------------
+
+def cmd_model(args) -> int:
+    with _client(args) as c:
+        info = c.model()
+    if args.json:
+        _print_json(info)
+        return EXIT_OK
+    for k, v in info.model_dump().items():
+        if v is not None:
+            print(f"{k:<16} {v}")
+    return EXIT_OK
+
+
+def cmd_tokenize(args) -> int:
+    with _client(args) as c:
+        res = c.tokenize(_read_text(args.text), **_options(args, {}))
+    if args.json:
+        _print_json(res)
+        return EXIT_OK
+    rows = [[t.position, t.id, _label(t), "" if t.start is None else f"{t.start}-{t.end}",
+             "yes" if t.special else ""] for t in res.tokens.tokens]
+    print(_table(rows, ["pos", "id", "label", "chars", "special"]))
+    return EXIT_OK
+
+
+def _matrix(m, labels: list[str], causal: bool) -> str:
+    """The matrix with row labels, 2 decimals; a causal model's masked cells left blank."""
+    w = max(len(x) for x in labels)
+    head = " " * (w + 1) + " ".join(f"{j:>5}" for j in range(m.shape[1]))
+    lines = [head]
+    for i, row in enumerate(m):
+        cells = ["     " if (causal and j > i) else f"{v:5.2f}"
+                 for j, v in enumerate(row)]
+        lines.append(f"{labels[i]:>{w}} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def cmd_attention(args) -> int:
+    opts = _options(args, {"layers": "layers", "heads": "heads", "head_mean": "head_mean",
+                           "scores": "include_scores", "round": "round"})
+    with _client(args) as c:
+        res = c.attention(_read_text(args.text), **opts)
+    r = res.attention
+    if args.json:
+        _print_json(res)
+    else:
+        import numpy as np
+
+        p = r.pattern.numpy()
+        labels = [f"{t.position}:{_label(t)}" for t in r.tokens]
+        causal = bool(p.shape[-1] > 1 and np.all(np.triu(p, 1) == 0))
+        print(f"model {res.model.id}  tokens {len(r.tokens)}  pattern {list(p.shape)} "
+              f"[layer, {'' if r.head_mean else 'head, '}query_pos, key_pos]")
+        for li, layer in enumerate(r.layers):
+            if r.head_mean:
+                print(f"\nlayer {layer}, mean of heads {r.heads}")
+                print(_matrix(p[li], labels, causal))
+            else:
+                for hi, head in enumerate(r.heads):
+                    print(f"\nlayer {layer}, head {head}")
+                    print(_matrix(p[li, hi], labels, causal))
+    if args.plot:
+        plots = _plots()
+        if args.kind == "layers":
+            fig = plots.layer_grid(res, head=args.head)
+        elif args.kind == "heads":
+            fig = plots.head_grid(res, layer=args.layer)
+        else:
+            fig = plots.attention_heatmap(res, layer=args.layer, head=args.head)
+        _save(fig, args.plot)
+    return EXIT_OK
+
+
+def cmd_trajectories(args) -> int:
+    opts = _options(args, {"positions": "positions", "include_final": "include_final"})
+    with _client(args) as c:
+        res = c.trajectories(_read_text(args.text), **opts)
+    r = res.trajectories
+    if args.json:
+        _print_json(res)
+    else:
+        ev = ", ".join(f"{x:.3f}" for x in r.explained_variance_ratio)
+        print(f"model {res.model.id}  states {r.states}  explained variance ratio [{ev}]")
+        rows = []
+        for k, pos in enumerate(r.positions):
+            cos = r.cosine_first_last[k]
+            rows.append([pos, _label(r.tokens[pos]), f"{r.distance_projected[k]:.3f}",
+                         f"{r.distance_full[k]:.3f}", "" if cos is None else f"{cos:.3f}"])
+        print(_table(rows, ["pos", "token", "moved (PCA)", "moved (full)", "cos(first,last)"]))
+    if args.plot:
+        plots = _plots()
+        fig = plots.distance_bars(res) if args.kind == "distances" else plots.trajectory_plot(res)
+        _save(fig, args.plot)
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    opts = _options(args, {"layers": "layers", "tolerance": "tolerance"})
+    with _client(args) as c:
+        res = c.verify(_read_text(args.text), **opts)
+    v = res.verification
+    if args.json:
+        _print_json(res)
+    else:
+        rows = [[l.layer, _fmt(l.pattern_max_abs_diff), _fmt(l.output_max_abs_diff),
+                 "pass" if l.passed else "FAIL"] for l in v.layers]
+        print(_table(rows, ["layer", "pattern max|diff|", "output max|diff|", "result"]))
+        print(f"{'PASSED' if v.passed else 'FAILED'}: {v.message} (tolerance {v.tolerance:g}, "
+              f"dtype {v.dtype})")
+    return EXIT_OK if v.passed else EXIT_NEGATIVE
+
+
+def cmd_heads(args) -> int:
+    opts = _options(args, {"exclude_bos": "exclude_bos"})
+    if args.no_probe:
+        opts["probe"] = {"enabled": False}
+    with _client(args) as c:
+        res = c.heads(_read_text(args.text), **opts)
+    if args.json:
+        _print_json(res)
+    else:
+        cols = ["previous_token", "duplicate_token", "induction", "induction_probe", "self",
+                "sink", "entropy_normalized"]
+        rows = []
+        for h in res.heads:
+            sc = h.scores.model_dump()
+            rows.append([h.layer, h.head, h.label] + [_fmt(sc.get(k), blank=True) for k in cols])
+        print(f"model {res.model.id}  texts {res.n_texts}  tokens {res.n_tokens}")
+        print(_table(rows, ["layer", "head", "label", "prev", "dup", "induct", "probe", "self",
+                            "sink", "entropy"]))
+    if args.plot:
+        _save(_plots().head_classification_grid(res), args.plot)
+    return EXIT_OK
+
+
+def cmd_links(args) -> int:
+    opts = _options(args, {"head": "head", "top_k": "top_k", "ignore": "ignore"})
+    if args.include_self:
+        opts["exclude_self"] = False
+    with _client(args) as c:
+        res = c.links(_read_text(args.text), layer=args.layer, **opts)
+    if args.json:
+        _print_json(res)
+        return EXIT_OK
+    r = res.links
+    where = f"layer {res.layer}, " + ("head mean" if res.head is None else f"head {res.head}")
+    print(f"model {res.model.id}  {where}")
+    lines = []
+    for q in r.links:
+        for t in q.links:
+            lines.append((f"{q.query_pos}:{q.query!r}", f"{t.key_pos}:{t.key!r}", t.weight))
+    w = max((len(a) for a, _, _ in lines), default=0)
+    wk = max((len(b) for _, b, _ in lines), default=0)
+    for a, b, wt in lines:
+        print(f"{a:>{w}} --> {b:<{wk}}  {wt:.3f}")
+    if r.skipped:
+        print(f"(no eligible key: positions {r.skipped})")
+    return EXIT_OK
+
+
+def _fmt(x, blank: bool = False) -> str:
+    if x is None and blank:
+        return ""
+    return "NaN" if x is None else f"{x:.3g}"
+
+
+COMMANDS = {"model": cmd_model, "tokenize": cmd_tokenize, "attention": cmd_attention,
+            "trajectories": cmd_trajectories, "verify": cmd_verify, "heads": cmd_heads,
+            "links": cmd_links}
+
+
+def _serve(argv: list[str]) -> int:
+    try:
+        from attnscope.service import cli as service_cli
+    except ImportError as exc:
+        print("attnscope serve: the service is not installed in this environment "
+              f"({exc}). Install the full package (pip install attnscope) to run a server; "
+              "this client talks to one with --url.", file=sys.stderr)
+        return EXIT_USAGE
+    return service_cli.main(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``attnscope`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        return _serve(argv)
+    from attnscope.client._errors import (
+        APIConnectionError, APIResponseValidationError, APIStatusError)
+
+    ap = build_parser()
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as exc:  # argparse: 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    try:
+        if args.cmd == "batch":
+            from attnscope.client import batch as _batch
+
+            return _batch.run_cli(args)
+        return COMMANDS[args.cmd](args)
+    except UsageError as exc:
+        print(f"attnscope {args.cmd}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except pydantic.ValidationError as exc:
+        errs = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'request'}: {e['msg']}"
+                         for e in exc.errors())
+        print(f"attnscope {args.cmd}: invalid request: {errs}", file=sys.stderr)
+        return EXIT_USAGE
+    except APIConnectionError as exc:
+        print(f"attnscope {args.cmd}: connection failure: {exc.message} (is the service "
+              f"running? --url / {URL_ENV})", file=sys.stderr)
+        return EXIT_CONNECTION
+    except APIStatusError as exc:
+        print(f"attnscope {args.cmd}: server error {exc.status_code} {exc.type}: {exc.message}"
+              + (f" (param {exc.param})" if exc.param else ""), file=sys.stderr)
+        return EXIT_SERVER
+    except APIResponseValidationError as exc:
+        print(f"attnscope {args.cmd}: unexpected answer: {exc.message}", file=sys.stderr)
+        return EXIT_SERVER
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The figures of the source documents, from a response, in one call (extra ``[plot]``).
+
+Source: 000_1c89b6c8c2a32040.txt (heat map of one attention matrix with the masked upper
+triangle left blank, "Layerwise Attention Weights" grid, "Attention Heads at Layer 2" grid,
+"Layer-by-layer Token Representation Trajectories" with first/middle/last state labels, "How
+Far Did Each Token Move?" bars) and 004_e7341cee07d297e4.txt (head classification: a
+layer x head grid coloured by label). seaborn is not needed: matplotlib's ``imshow`` with
+a masked array leaves masked cells blank, as ``sns.heatmap(mask=...)`` does.
+
+Every function returns a :class:`matplotlib.figure.Figure` built without pyplot on the Agg
+canvas (headless, no global state); save it with ``fig.savefig("x.png")``. In a notebook the
+returned Figure displays itself. Token labels are ``repr(label)`` as in the source
+(``' my'`` shows its leading space).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "attnscope.client.plots needs matplotlib: pip install 'attnscope-client[plot]'"
+    ) from exc
+
+from attnscope.client._tensors import to_numpy
+
+__all__ = [
+    "attention_heatmap",
+    "layer_grid",
+    "head_grid",
+    "trajectory_plot",
+    "distance_bars",
+    "head_classification_grid",
+    "token_labels",
+]
+
+
+def _new_figure(figsize) -> Figure:
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _unwrap(obj: Any, *fields: str) -> Any:
+    """A response -> its single result (``attention``/``trajectories``/... or ``results[0]``)."""
+    for f in fields:
+        v = getattr(obj, f, None)
+        if v is not None:
+            return v
+    results = getattr(obj, "results", None)
+    if results:
+        return results[0]
+    return obj
+
+
+def token_labels(tokens: Sequence[Any]) -> list[str]:
+    """``repr`` of each token's label (schema ``Token`` objects, dicts or strings)."""
+    out = []
+    for t in tokens:
+        label = t if isinstance(t, str) else (t["label"] if isinstance(t, dict) else t.label)
+        out.append(repr(label))
+    return out
+
+
+def _is_causal(m: np.ndarray) -> bool:
+    """A pattern whose strict upper triangle is all zero comes from a causal model."""
+    if m.shape[-1] < 2:
+        return False
+    return bool(np.all(np.triu(np.nan_to_num(m, neginf=0.0), k=1) == 0.0))
+
+
+def _draw(ax, m: np.ndarray, labels: list[str] | None, causal: bool | None, title: str | None,
+          vmax: float | None = None, tick_labels: bool = True, fontsize: float = 8):
+    m = np.asarray(m, dtype=np.float64)
+    if causal is None:
+        causal = _is_causal(m)
+    mask = ~np.isfinite(m)
+    if causal:
+        mask |= np.triu(np.ones(m.shape, dtype=bool), k=1)
+    data = np.ma.masked_array(m, mask=mask)
+    cmap = _blues()
+    finite = m[~mask]
+    hi = vmax if vmax is not None else (float(np.percentile(finite, 98)) if finite.size else 1.0)
+    lo = float(finite.min()) if finite.size and finite.min() < 0 else 0.0
+    im = ax.imshow(data, cmap=cmap, vmin=lo, vmax=max(hi, lo + 1e-9), interpolation="nearest")
+    n_q, n_k = m.shape
+    ax.set_xticks(range(n_k))
+    ax.set_yticks(range(n_q))
+    if labels is not None and tick_labels:
+        ax.set_xticklabels(labels[:n_k], rotation=90, fontsize=fontsize)
+        ax.set_yticklabels(labels[:n_q], fontsize=fontsize)
+    else:
+        ax.set_xticklabels([])
+        ax.set_yticklabels([])
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    if title:
+        ax.set_title(title)
+    return im
+
+
+def _blues():
+    import matplotlib
+
+    return matplotlib.colormaps["Blues"].with_extremes(bad=(1, 1, 1, 0))  # masked: blank
+
+
+def _pattern(result: Any) -> tuple[np.ndarray, bool, list[int], list[int], list[str]]:
+    res = _unwrap(result, "attention")
+    p = to_numpy(res.pattern)
+    return p, bool(res.head_mean), list(res.layers), list(res.heads), token_labels(res.tokens)
+
+
+def attention_heatmap(result: Any, layer: int | None = None, head: int | None = None, *,
+                      labels: Sequence[str] | None = None, causal: bool | None = None,
+                      title: str | None = None, figsize=(6, 5.5)) -> Figure:
+    """Heat map of one attention matrix ``[query_pos, key_pos]`` with one labelled tick per
+    token on each axis; for a causal model the masked upper triangle is left blank.
+
+    Args:
+        result: an ``AttentionResponse``/``AttentionResult``, or a 2-D array (then give
+            ``labels``).
+        layer: a layer index present in ``result.layers`` (default: the first returned).
+        head: a head index in ``result.heads``; None = the mean over the returned heads (or
+            the head mean the server computed).
+        causal: blank the strict upper triangle; None = infer (it is all zero).
+    """
+    if isinstance(result, (np.ndarray, list)):
+        m = np.asarray(result, dtype=np.float64)
+        lab = list(labels) if labels is not None else None
+        name = title or "Attention Weights"
+    else:
+        p, head_mean, layers, heads, lab = _pattern(result)
+        if labels is not None:
+            lab = list(labels)
+        li = layers.index(layer) if layer is not None else 0
+        m = p[li]
+        if head_mean or m.ndim == 2:
+            if head is not None:
+                raise ValueError("the result holds the head mean; request without head_mean "
+                                 "to plot one head")
+        elif head is None:
+            m = m.mean(axis=0)
+        else:
+            m = m[heads.index(head)]
+        where = f"layer {layers[li]}" + (f", head {head}" if head is not None else ", head mean")
+        name = title or f"Attention Weights ({where})"
+    if m.ndim != 2:
+        raise ValueError(f"need a [query_pos, key_pos] matrix, got shape {list(m.shape)}")
+    fig = _new_figure(figsize)
+    ax = fig.add_subplot()
+    im = _draw(ax, m, lab, causal, name)
+    fig.colorbar(im, ax=ax, shrink=0.8)
+    return fig
+
+
+def _grid(mats: list[np.ndarray], titles: list[str], labels, causal, suptitle: str,
+          ncols: int) -> Figure:
+    n = len(mats)
+    ncols = max(1, min(ncols, n))
+    nrows = (n + ncols - 1) // ncols
+    fig = _new_figure((3.6 * ncols, 3.6 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, m, t in zip(axes, mats, titles):
+        _draw(ax, m, labels, causal, t, fontsize=6)
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    fig.suptitle(suptitle)
+    return fig
+
+
+def layer_grid(result: Any, head: int | None = None, *, causal: bool | None = None,
+               ncols: int = 3) -> Figure:
+    """One heat map per returned layer ("Layerwise Attention Weights"): the mean over the
+    returned heads (as the source does) or one ``head``."""
+    p, head_mean, layers, heads, lab = _pattern(result)
+    if head_mean:
+        mats = [p[i] for i in range(len(layers))]
+    elif head is None:
+        mats = [p[i].mean(axis=0) for i in range(len(layers))]
+    else:
+        mats = [p[i, heads.index(head)] for i in range(len(layers))]
+    sup = "Layerwise Attention Weights" + (f" (head {head})" if head is not None else "")
+    return _grid(mats, [f"Layer {l}" for l in layers], lab, causal, sup, ncols)
+
+
+def head_grid(result: Any, layer: int | None = None, *, causal: bool | None = None,
+              ncols: int = 3) -> Figure:
+    """One heat map per returned head of one layer ("Attention Heads at Layer N")."""
+    p, head_mean, layers, heads, lab = _pattern(result)
+    if head_mean:
+        raise ValueError("the result holds the head mean; request without head_mean")
+    li = layers.index(layer) if layer is not None else 0
+    mats = [p[li, j] for j in range(len(heads))]
+    return _grid(mats, [f"Head {h}" for h in heads], lab, causal,
+                 f"Attention Heads at Layer {layers[li]}", ncols)
+
+
+def trajectory_plot(result: Any, positions: Sequence[int] | None = None, *,
+                    figsize=(7, 7)) -> Figure:
+    """Per-token paths through the layers in PCA space ("Layer-by-layer Token Representation
+    Trajectories"): one line per token, the first, middle and last states labelled with their
+    hidden-state index, the last point labelled with the token.
+
+    Args:
+        result: a ``TrajectoriesResponse``/``TrajectoryResult`` (paths ``[token, state,
+            component]``, at least 2 components).
+        positions: token positions to draw (a subset of ``result.positions``); None = all.
+    """
+    res = _unwrap(result, "trajectories")
+    paths = to_numpy(res.paths)
+    if paths.ndim != 3 or paths.shape[2] < 2:
+        raise ValueError(f"need paths [token, state, >=2 components], got {list(paths.shape)}")
+    lab = token_labels(res.tokens)
+    order = list(res.positions)
+    states = list(res.states)
+    chosen = order if positions is None else list(positions)
+    n_state = paths.shape[1]
+    fig = _new_figure(figsize)
+    ax = fig.add_subplot()
+    for pos in chosen:
+        k = order.index(pos)
+        x, y = paths[k, :, 0], paths[k, :, 1]
+        ax.plot(x, y, marker="o", label=lab[pos])
+        for s in sorted({0, n_state // 2, n_state - 1}):
+            ax.text(x[s], y[s], str(states[s]), ha="center", va="center", fontsize=8)
+        ax.text(x[-1], y[-1], lab[pos], ha="left", va="bottom")
+    ax.set(title="Layer-by-layer Token Representation Trajectories", xlabel="PC 1",
+           ylabel="PC 2")
+    ax.legend(fontsize=7, loc="best")
+    return fig
+
+
+def distance_bars(result: Any, kind: str = "projected", *, figsize=(8, 4.5)) -> Figure:
+    """Start-to-end distance per token ("How Far Did Each Token Move?").
+
+    Args:
+        kind: 'projected' (distance in PCA space, as the source) or 'full' (raw hidden states).
+    """
+    res = _unwrap(result, "trajectories")
+    lab = token_labels(res.tokens)
+    d = np.asarray(res.distance_projected if kind == "projected" else res.distance_full, float)
+    names = [lab[p] for p in res.positions]
+    fig = _new_figure(figsize)
+    ax = fig.add_subplot()
+    ax.bar(range(len(d)), d, color="tab:blue")
+    ax.set_xticks(range(len(d)))
+    ax.set_xticklabels(names, rotation=90, fontsize=8)
+    ax.set(title="How Far Did Each Token Move?", xlabel="Token",
+           ylabel="Distance in PCA space" if kind == "projected" else "Distance (model units)")
+    return fig
+
+
+LABEL_COLOURS = {
+    "induction": "#d62728", "previous_token": "#1f77b4", "duplicate_token": "#9467bd",
+    "next_token": "#17becf", "self": "#2ca02c", "sink": "#ff7f0e", "broad": "#bcbd22",
+    "none": "#d9d9d9",
+}
+"""A fixed colour per head label (the labels of ``attnscope.schemas.heads.HeadLabel``), so
+figures of different models compare at a glance; other labels get further colours."""
+_SPARE = ["#8c564b", "#e377c2", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a"]
+
+
+def head_classification_grid(result: Any = None, *, labels: Any = None,
+                             figsize=None) -> Figure:
+    """Layer x head grid, each cell coloured by the head's label (004_e7341cee07d297e4.txt's
+    automatic head classification), the label written in the cell, a legend of labels.
+
+    Args:
+        result: a heads response/result whose ``heads`` items carry ``layer``, ``head`` and
+            ``label``; or None and give ``labels``.
+        labels: a ``[layer][head]`` nested list of label strings.
+    """
+    if labels is None:
+        res = _unwrap(result, "classification", "heads_result")
+        items = getattr(res, "heads", None)
+        if items is None:
+            raise ValueError("need a heads result (items with layer, head, label) or labels=")
+        cells = {}
+        for it in items:
+            get = (lambda k: it[k]) if isinstance(it, dict) else (lambda k: getattr(it, k))
+            cells[(int(get("layer")), int(get("head")))] = str(get("label"))
+        n_l = max(l for l, _ in cells) + 1
+        n_h = max(h for _, h in cells) + 1
+        grid = [[cells.get((l, h), "") for h in range(n_h)] for l in range(n_l)]
+    else:
+        grid = [[str(x) for x in row] for row in labels]
+        n_l, n_h = len(grid), max(len(r) for r in grid)
+    names = sorted({x for row in grid for x in row if x}, key=lambda s: (s == "none", s))
+    index = {n: i for i, n in enumerate(names)}
+    codes = np.full((n_l, n_h), np.nan)
+    for l in range(n_l):
+        for h in range(len(grid[l])):
+            if grid[l][h]:
+                codes[l, h] = index[grid[l][h]]
+    spare = iter(_SPARE * (1 + len(names) // len(_SPARE)))
+    colours = [LABEL_COLOURS.get(n) or next(spare) for n in names]
+    cmap = ListedColormap(colours or ["#ffffff"]).with_extremes(bad=(1, 1, 1, 0))
+    fig = _new_figure(figsize or (max(4.0, 1.1 * n_h + 2.5), max(2.5, 0.8 * n_l + 1.5)))
+    ax = fig.add_subplot()
+    ax.imshow(np.ma.masked_invalid(codes), cmap=cmap, vmin=-0.5,
+              vmax=max(len(names) - 0.5, 0.5), aspect="auto", interpolation="nearest")
+    for l in range(n_l):
+        for h in range(len(grid[l])):
+            if grid[l][h]:
+                ax.text(h, l, grid[l][h], ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(n_h))
+    ax.set_xticklabels([str(h) for h in range(n_h)])
+    ax.set_yticks(range(n_l))
+    ax.set_yticklabels([str(l) for l in range(n_l)])
+    ax.set(xlabel="head", ylabel="layer", title="Head classification")
+    ax.legend(handles=[Patch(color=colours[i], label=n) for i, n in enumerate(names)],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    return fig

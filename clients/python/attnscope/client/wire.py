@@ -1,0 +1,206 @@
+"""Decode every tensor form attnscope sends, to numpy (numpy and the standard library only).
+
+The server side is ``service/encoding.py``; the forms (README "Tensors on the wire"):
+
+* nested JSON lists (``null`` = a masked score, decoded as ``-inf``);
+* ``{"encoding": "base64", "dtype", "shape", "data", "layout"}``: little-endian bytes;
+  ``layout`` 'tril' packs the lower triangle of the last two axes row by row;
+* ``{"encoding": "tril", "shape", "data"}``: JSON ragged rows (row q has q + 1 values);
+* ``{"encoding": "sparse", "format", "shape", "indices", "values", "row_mass", ...}``;
+* ``{"encoding": "binary", "name", ...}``: a tensor of a binary response
+  (``Accept: application/x-safetensors``), whose bytes live in the safetensors file.
+
+Entry points: :func:`decode_tensor` (one wire value -> ndarray), :func:`sparse_to_dense`,
+:func:`read_safetensors` (bytes -> JSON body + named arrays) and :func:`decode_binary_response`
+(bytes -> the JSON body with every tensor replaced by its ndarray).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any, Mapping
+
+import numpy as np
+
+SAFETENSORS = "application/x-safetensors"
+_NP = {"float32": "<f4", "float16": "<f2", "float64": "<f8", "int32": "<i4", "int64": "<i8"}
+_ST = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I32": "<i4", "I64": "<i8", "I16": "<i2",
+       "I8": "i1", "U8": "u1", "BOOL": "?"}
+
+
+def _as_dict(v: Any) -> Any:
+    if hasattr(v, "model_dump"):  # a pydantic model (the client's parsed response)
+        return v.model_dump()
+    return v
+
+
+def _unpack_tril(packed: np.ndarray, shape: list[int], fill: float) -> np.ndarray:
+    T = shape[-1]
+    lead = shape[:-2]
+    out = np.full((*lead, T, T), fill, dtype=packed.dtype)
+    iq, ik = np.tril_indices(T)
+    out[..., iq, ik] = packed.reshape(*lead, len(iq))
+    return out
+
+
+def decode_tensor(
+    value: Any, arrays: Mapping[str, np.ndarray] | None = None, fill: float | None = None,
+) -> np.ndarray:
+    """One wire tensor as an ndarray of its logical shape.
+
+    Args:
+        value: nested lists, or a dict / pydantic model of one of the forms above.
+        arrays: the named arrays of a binary response (for ``{"encoding": "binary"}`` refs);
+            see :func:`read_safetensors`.
+        fill: value of entries not sent (above the diagonal for 'tril', dropped entries for
+            sparse); default: the tensor's own ``fill`` ('0', or '-inf' for pre-softmax
+            scores), 0.0 for sparse.
+
+    Returns:
+        JSON lists: float32; base64/binary: the wire dtype (float16/float32, native order);
+        sparse: float32 dense array (dropped entries ``fill``).
+
+    Raises:
+        ValueError: unknown form or dtype, data length not matching the shape, ragged lists.
+    """
+    value = _as_dict(value)
+    if isinstance(value, dict):
+        enc = value.get("encoding")
+        if enc == "base64":
+            wire = _NP.get(str(value.get("dtype")))
+            if wire is None:
+                raise ValueError(f"unknown tensor dtype {value.get('dtype')!r}")
+            a = np.frombuffer(base64.b64decode(value["data"]), dtype=wire)
+            return _logical(a, value, fill)
+        if enc == "binary":
+            if arrays is None or value["name"] not in arrays:
+                raise ValueError(f"binary tensor {value.get('name')!r}: pass the arrays of the "
+                                 "safetensors response (read_safetensors)")
+            return _logical(arrays[value["name"]], value, fill)
+        if enc == "tril":
+            shape = [int(s) for s in value["shape"]]
+            T = shape[-1]
+            flat: list[np.ndarray] = []
+
+            def walk(x, depth):
+                if depth == len(shape) - 2:
+                    flat.extend(np.asarray(x[q], dtype=np.float32) for q in range(T))  # None->nan
+                    return
+                for y in x:
+                    walk(y, depth + 1)
+
+            walk(value["data"], 0)
+            packed = np.concatenate(flat) if flat else np.zeros(0, np.float32)
+            packed[np.isnan(packed)] = -np.inf
+            return _unpack_tril(packed, shape, _fill(value, fill))
+        if enc == "sparse":
+            return sparse_to_dense(value, arrays, 0.0 if fill is None else fill)
+        raise ValueError(f"unknown tensor encoding {enc!r}")
+    try:
+        a = np.array(value, dtype=np.float64)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"not a rectangular numeric tensor: {exc}") from exc
+    a[np.isnan(a)] = -np.inf  # the service never sends NaN: null is a masked (-inf) entry
+    return np.ascontiguousarray(a.astype(np.float32))
+
+
+def _fill(value: dict, fill: float | None) -> float:
+    if fill is not None:
+        return fill
+    return -np.inf if value.get("fill") == "-inf" else 0.0
+
+
+def _logical(a: np.ndarray, value: dict, fill: float | None) -> np.ndarray:
+    shape = [int(s) for s in value["shape"]]
+    a = a.astype(a.dtype.newbyteorder("="), copy=False)
+    if value.get("layout", "full") == "tril":
+        n = int(np.prod(shape[:-2], dtype=np.int64)) * shape[-1] * (shape[-1] + 1) // 2
+        if a.size != n:
+            raise ValueError(f"tril tensor holds {a.size} elements; shape {shape} needs {n}")
+        return _unpack_tril(a.reshape(-1), shape, _fill(value, fill))
+    n = int(np.prod(shape, dtype=np.int64))
+    if a.size != n:
+        raise ValueError(f"tensor holds {a.size} elements; shape {shape} needs {n}")
+    return a.reshape(shape)
+
+
+def sparse_to_dense(
+    value: Any, arrays: Mapping[str, np.ndarray] | None = None, fill: float = 0.0
+) -> np.ndarray:
+    """Dense float32 array of a SparseTensor (dropped entries = ``fill``)."""
+    value = _as_dict(value)
+    shape = [int(s) for s in value["shape"]]
+    idx = np.asarray(_part(value["indices"], arrays), dtype=np.int64)
+    vals = np.asarray(_part(value["values"], arrays), dtype=np.float32).reshape(-1)
+    out = np.full(int(np.prod(shape, dtype=np.int64)), fill, dtype=np.float32)
+    if value.get("format", "flat") == "coo":
+        idx = np.ravel_multi_index(tuple(idx.reshape(-1, len(shape)).T), shape) if idx.size else idx
+    out[idx.reshape(-1)] = vals
+    return out.reshape(shape)
+
+
+def sparse_parts(value: Any, arrays: Mapping[str, np.ndarray] | None = None) -> dict:
+    """A SparseTensor's parts as arrays: ``indices``, ``values``, ``row_mass`` (+ metadata)."""
+    value = _as_dict(value)
+    out = {k: v for k, v in value.items() if k not in ("indices", "values", "row_mass")}
+    for k in ("indices", "values", "row_mass"):
+        out[k] = np.asarray(_part(value[k], arrays))
+    return out
+
+
+def _part(v: Any, arrays) -> Any:
+    v = _as_dict(v)
+    if isinstance(v, dict):
+        return decode_tensor(v, arrays)
+    return v
+
+
+def read_safetensors(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """Parse a safetensors file (a binary response): ``(body, arrays)``.
+
+    ``body`` is the JSON response from ``__metadata__["attnscope"]`` (tensors appear as
+    ``{"encoding": "binary", "name", ...}`` refs), ``arrays`` maps names to read-only ndarrays
+    viewing ``data`` (no copy) in the stored shape.
+
+    Raises:
+        ValueError: not a safetensors file, or offsets outside the data.
+    """
+    mv = memoryview(data)
+    if len(mv) < 8:
+        raise ValueError("not a safetensors file: shorter than 8 bytes")
+    n = int.from_bytes(mv[:8], "little")
+    if n > len(mv) - 8:
+        raise ValueError(f"not a safetensors file: header length {n} > {len(mv) - 8} bytes")
+    header = json.loads(bytes(mv[8 : 8 + n]))
+    meta = header.pop("__metadata__", None) or {}
+    base = 8 + n
+    arrays: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        b, e = info["data_offsets"]
+        if not 0 <= b <= e <= len(mv) - base:
+            raise ValueError(f"tensor {name!r}: offsets {b}..{e} outside the data")
+        dt = np.dtype(_ST[info["dtype"]])
+        arrays[name] = np.frombuffer(mv[base + b : base + e], dtype=dt).reshape(info["shape"])
+    body = json.loads(meta["attnscope"]) if "attnscope" in meta else {}
+    return body, arrays
+
+
+def decode_binary_response(data: bytes) -> dict:
+    """A binary response as its JSON body with every tensor (binary ref, including the parts
+    of sparse tensors) replaced by an ndarray of its logical shape ('tril' unpacked)."""
+    body, arrays = read_safetensors(data)
+
+    def walk(x):
+        if isinstance(x, dict):
+            if x.get("encoding") == "binary":
+                return decode_tensor(x, arrays)
+            if x.get("encoding") == "sparse":
+                return {**x, **{k: decode_tensor(x[k], arrays) if isinstance(x[k], dict) else
+                                np.asarray(x[k]) for k in ("indices", "values", "row_mass")}}
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(body)

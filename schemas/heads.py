@@ -1,0 +1,145 @@
+"""POST /v1/heads: classify every attention head from its scores."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from attnscope.schemas.common import LenientModel, ModelRef, StrictModel, TextOrTexts, Token
+
+HeadLabel = Literal[
+    "induction", "previous_token", "duplicate_token", "next_token", "self", "sink", "broad", "none"
+]
+
+
+def _th(default: float, what: str) -> object:
+    return Field(default, ge=0.0, le=1.0, description=what + f" Default {default}.")
+
+
+class HeadThresholds(StrictModel):
+    """Thresholds of the labels: a label needs its score strictly above its threshold. Labels
+    are tried in the order induction, previous_token, duplicate_token, next_token, self, sink,
+    broad; the first that passes wins, else 'none'. Give only the ones to change."""
+
+    induction: float = _th(
+        0.3, "Compared with scores.induction_probe when the probe ran, else scores.induction."
+    )
+    previous_token: float = _th(0.5, "Compared with scores.previous_token (seed 004: > 0.5).")
+    duplicate_token: float = _th(0.3, "Compared with scores.duplicate_token.")
+    next_token: float = _th(0.5, "Compared with scores.next_token (encoders only).")
+    self: float = _th(0.5, "Compared with scores.self.")
+    sink: float = _th(0.6, "Compared with scores.sink (seed 004: > 0.6).")
+    broad: float = _th(0.8, "Compared with scores.entropy_normalized.")
+
+
+class InductionProbe(StrictModel):
+    """Induction probe (Olsson et al. 2022): a start token and a seeded random segment of
+    distinct non-special token ids, repeated; encoders get [CLS] ... [SEP] around it."""
+
+    enabled: bool = Field(True, description="Run the probe (one extra forward, cached).")
+    segment_length: int = Field(
+        25, ge=1, le=4096, description="Tokens in the random segment (default 25). The probe "
+        "(1 start token [+1 for encoders' SEP] + segment_length x repeats) must fit in n_ctx."
+    )
+    repeats: int = Field(4, ge=2, le=64, description="Copies of the segment (default 4, >= 2).")
+    seed: int = Field(
+        0, ge=0, le=2**63 - 1, description="Seed of torch.Generator for the segment (default 0)."
+    )
+
+
+class HeadsRequest(TextOrTexts):
+    """Scores and a label for every head, from one text or several (scores averaged over texts)."""
+
+    thresholds: HeadThresholds = Field(
+        default_factory=HeadThresholds, description="Label thresholds (defaults documented per field)."
+    )
+    probe: InductionProbe = Field(
+        default_factory=InductionProbe, description="The induction probe (on by default)."
+    )
+    exclude_bos: bool = Field(
+        False, description="TransformerLens detect_head option for previous_token, "
+        "duplicate_token, induction and next_token: zero the attention to key position 0 "
+        "(BOS / [CLS] / first token) before scoring."
+    )
+    exclude_current_token: bool = Field(
+        False, description="TransformerLens detect_head option for the same scores: zero each "
+        "query's attention to itself before scoring."
+    )
+    round: int | None = Field(
+        None, ge=0, le=10, description="Decimal places for the scores; null = full precision."
+    )
+
+
+class HeadScoreSet(LenientModel):
+    """Every score of one head (averaged over texts where several were given). null = not
+    defined (e.g. next_token for a causal model, induction_probe when the probe is off, a
+    pattern score whose remaining attention mass is 0 after exclusions)."""
+
+    previous_token: float | None = Field(
+        None, description="TransformerLens detect_head 'previous_token_head' score "
+        "(error_measure 'mul'): fraction of the head's attention mass on key = query-1; "
+        "sum(A*P)/sum(A), in [0, 1]."
+    )
+    duplicate_token: float | None = Field(
+        None, description="TransformerLens 'duplicate_token_head' score: fraction of attention "
+        "mass on earlier copies of the query token, in [0, 1]. 0 for a text without repeats."
+    )
+    induction: float | None = Field(
+        None, description="TransformerLens 'induction_head' score on the text: fraction of "
+        "attention mass on tokens right after an earlier copy of the query token, in [0, 1]."
+    )
+    next_token: float | None = Field(
+        None, description="Fraction of attention mass on key = query+1 (same formula), in "
+        "[0, 1]; encoders only (null for causal models)."
+    )
+    self: float | None = Field(
+        None, description="Mean over query rows of the attention to itself (diagonal), [0, 1]."
+    )
+    sink: float | None = Field(
+        None, description="Mean over query rows of the attention to position 0 (BOS / [CLS] / "
+        "first token), [0, 1] (seed 004: M[:, 0].mean())."
+    )
+    entropy: float | None = Field(
+        None, description="Mean over query rows of the row entropy -sum A ln A, in nats (>= 0)."
+    )
+    entropy_normalized: float | None = Field(
+        None, description="Mean over query rows with >= 2 visible keys of entropy / "
+        "ln(visible keys) (q+1 causal, T encoder), in [0, 1]; 1 = uniform attention."
+    )
+    mean_distance: float | None = Field(
+        None, description="Mean over query rows of sum_k A[q,k] |q-k|: expected query-key "
+        "distance in tokens, in [0, T-1]."
+    )
+    induction_probe: float | None = Field(
+        None, description="Induction probe score: mean over the tokens of repeats 2..R of the "
+        "attention to the token right after the same token's occurrence in the previous "
+        "repeat (Olsson et al. 2022), in [0, 1]; null when the probe is off."
+    )
+
+
+class HeadResult(LenientModel):
+    layer: int = Field(description="Layer index, from 0.")
+    head: int = Field(description="Head index within the layer, from 0.")
+    label: HeadLabel = Field(description="The first label whose score passes its threshold.")
+    scores: HeadScoreSet = Field(description="Every score of this head.")
+
+
+class ProbeInfo(LenientModel):
+    segment_length: int = Field(description="Tokens in the random segment.")
+    repeats: int = Field(description="Copies of the segment.")
+    seed: int = Field(description="Generator seed.")
+    start: int = Field(description="Position of the segment's first token (after the start token).")
+    tokens: list[Token] = Field(description="The probe's tokens (ids and labels; no offsets).")
+
+
+class HeadsResponse(LenientModel):
+    model: ModelRef
+    n_texts: int = Field(description="Texts the scores are averaged over.")
+    n_tokens: list[int] = Field(description="Token count of each text, in order.")
+    exclude_bos: bool = Field(description="As requested.")
+    exclude_current_token: bool = Field(description="As requested.")
+    thresholds: HeadThresholds = Field(description="The thresholds used (defaults + overrides).")
+    label_order: list[HeadLabel] = Field(description="The order in which labels are tried.")
+    probe: ProbeInfo | None = Field(None, description="The probe run; null when disabled.")
+    heads: list[HeadResult] = Field(description="Every head, layer-major.")

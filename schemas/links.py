@@ -1,0 +1,64 @@
+"""POST /v1/links: for each query token, its strongest earlier key token(s)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from attnscope.schemas.common import LenientModel, ModelRef, TextOrTexts, Token
+
+
+class LinksRequest(TextOrTexts):
+    """Strongest links of one layer's head mean or of one head (seed 000_1c89b6c8c2a32040.txt,
+    ``strongest_previous_token``)."""
+
+    layer: int = Field(ge=0, description="Layer index (0-based, < n_layers).")
+    head: int | None = Field(
+        None, ge=0, description="Head index (< n_heads); null = the mean over the layer's heads."
+    )
+    top_k: int = Field(1, ge=1, le=4096, description="Links per query, strongest first (default 1).")
+    exclude_self: bool = Field(True, description="Never link a token to itself (default true).")
+    ignore: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, description="Key positions never chosen as links, e.g. [0] for "
+        "the first-token sink; each must be < the text's token count."
+    )
+    direction: Literal["earlier", "any"] = Field(
+        "earlier", description="'earlier': keys at or before the query only (future keys never "
+        "count, the document's rule); 'any': every key (encoders only)."
+    )
+    round: int | None = Field(
+        None, ge=0, le=10, description="Decimal places for the weights; null = full precision."
+    )
+
+
+class LinkTarget(LenientModel):
+    key_pos: int = Field(description="Position of the key token.")
+    key: str = Field(description="The key token's label.")
+    weight: float = Field(description="Attention weight query -> key, in [0, 1].")
+
+
+class QueryLinks(LenientModel):
+    query_pos: int = Field(description="Position of the query token.")
+    query: str = Field(description="The query token's label.")
+    links: list[LinkTarget] = Field(description="1..top_k links, weight descending (ties: lower key_pos).")
+
+
+class LinksResult(LenientModel):
+    tokens: list[Token] = Field(description="The analysed tokens.")
+    links: list[QueryLinks] = Field(
+        description="One entry per query with an eligible key, in query order; may be empty."
+    )
+    skipped: list[int] = Field(
+        description="Query positions with no eligible key (e.g. position 0 with exclude_self, "
+        "or every key ignored): skipped, not given a fake link."
+    )
+
+
+class LinksResponse(LenientModel):
+    model: ModelRef
+    layer: int = Field(description="Layer analysed.")
+    head: int | None = Field(description="Head analysed; null = the layer's head mean.")
+    direction: Literal["earlier", "any"] = Field(description="As requested.")
+    links: LinksResult | None = Field(None, description="For a 'text' request.")
+    results: list[LinksResult] | None = Field(None, description="For a 'texts' request, in order.")

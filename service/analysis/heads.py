@@ -1,0 +1,321 @@
+"""Head classification: per-head pattern scores, an induction probe, and a label per head.
+
+Pure functions on tensors (no HTTP, no model). Every score is computed per head from one
+text's attention pattern ``[layer, head, query_pos, key_pos]`` (post-softmax, rows sum to 1)
+and, for several texts, averaged over texts by the caller (:func:`mean_over_texts`).
+
+Scores (all float, per head; name: formula, range/unit):
+
+- ``previous_token``: TransformerLens ``detect_head(..., "previous_token_head")``,
+  ``sum(A * P) / sum(A)`` with P = ones on the sub-diagonal (key = query - 1); [0, 1].
+- ``duplicate_token``: same, P[q, k] = 1 where k < q and ``ids[k] == ids[q]``; [0, 1].
+- ``induction``: same, P[q, k] = 1 where 1 <= k <= q and ``ids[k-1] == ids[q]`` (k-1 != q):
+  the token right after an earlier copy of the query token; [0, 1].
+- ``next_token``: same, P = ones on the super-diagonal (key = query + 1); [0, 1]; encoders
+  only (NaN/null for causal models, whose queries never see the next token).
+- ``self``: mean over query rows of ``A[q, q]``; [0, 1].
+- ``sink``: mean over query rows of ``A[q, 0]`` (seed 004: ``M[:, 0].mean()``); [0, 1].
+- ``entropy``: mean over query rows of ``-sum_k A[q,k] ln A[q,k]`` (0 ln 0 = 0); nats, >= 0.
+- ``entropy_normalized``: mean over rows with >= 2 visible keys of ``H_q / ln(n_visible_q)``
+  (n_visible_q = q + 1 causal, T encoder); [0, 1], 1 = uniform over the visible keys.
+- ``mean_distance``: mean over query rows of ``sum_k A[q,k] |q - k|``; tokens, [0, T-1].
+- ``induction_probe``: :func:`induction_probe_score` on repeated random tokens; [0, 1].
+
+The three TransformerLens scores follow ``transformer_lens/head_detector.py``
+(``compute_head_attention_similarity_score`` with ``error_measure="mul"``): the fraction of the
+head's attention mass that falls on the detection pattern. ``exclude_bos`` zeroes column 0 and
+``exclude_current_token`` zeroes the diagonal of A *before* both sums, so with an exclusion the
+denominator is the remaining mass (a ratio of totals, as TransformerLens computes it, not a
+mean of per-row ratios); without exclusions ``sum(A) = T`` and the score is the mean over query
+rows of each row's mass on the pattern. A score whose denominator is 0 (everything excluded) is
+NaN (null on the wire). A text with no repeated token scores 0 on ``duplicate_token`` and
+``induction`` (there is no pattern to put mass on), as in TransformerLens. Seed 004 scores
+previous-token heads as the mean of the sub-diagonal over rows 1..T-1; without exclusions
+``previous_token`` here is that value times (T-1)/T (row 0 has no previous token and counts 0).
+
+Labels (:func:`classify`): the first of ``LABEL_ORDER`` whose score exceeds its threshold
+(:data:`DEFAULT_THRESHOLDS`), else ``"none"``. Sources: TransformerLens ``head_detector.py``;
+Olsson et al. 2022, "In-context Learning and Induction Heads"; Clark et al. 2019, "What Does
+BERT Look At?"; the seed documents 004_e7341cee07d297e4.txt (previous > 0.5, sink > 0.6)
+and 003_fd2ce6cc010446bf.txt (identity, local, special-token patterns).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+
+from attnscope.service.errors import ContextLengthExceeded, InvalidRequest
+
+#: Order in which labels are tried; the first whose score passes its threshold wins.
+LABEL_ORDER: tuple[str, ...] = (
+    "induction", "previous_token", "duplicate_token", "next_token", "self", "sink", "broad",
+)
+
+#: Default thresholds (a label needs its score strictly above the threshold).
+#: previous_token and sink come from seed 004_e7341cee07d297e4.txt; the others are ours.
+#: ``induction`` is compared with ``induction_probe`` when the probe ran, else with the text's
+#: ``induction`` score; ``broad`` is compared with ``entropy_normalized``.
+DEFAULT_THRESHOLDS: dict[str, float] = {
+    "induction": 0.3,
+    "previous_token": 0.5,
+    "duplicate_token": 0.3,
+    "next_token": 0.5,
+    "self": 0.5,
+    "sink": 0.6,
+    "broad": 0.8,
+}
+
+SCORE_NAMES: tuple[str, ...] = (
+    "previous_token", "duplicate_token", "induction", "next_token", "self", "sink",
+    "entropy", "entropy_normalized", "mean_distance", "induction_probe",
+)
+
+
+# --------------------------------------------------------------- detection patterns
+def previous_token_detection_pattern(n: int) -> torch.Tensor:
+    """``[n, n]`` float32: 1 where key_pos = query_pos - 1 (TransformerLens
+    ``get_previous_token_head_detection_pattern``)."""
+    return torch.diag(torch.ones(max(n - 1, 0)), -1) if n > 1 else torch.zeros(n, n)
+
+
+def next_token_detection_pattern(n: int) -> torch.Tensor:
+    """``[n, n]`` float32: 1 where key_pos = query_pos + 1 (the mirror of previous-token)."""
+    return torch.diag(torch.ones(max(n - 1, 0)), 1) if n > 1 else torch.zeros(n, n)
+
+
+def duplicate_token_detection_pattern(ids: Sequence[int]) -> torch.Tensor:
+    """``[n, n]`` float32: 1 where key_pos < query_pos and the two tokens have the same id
+    (TransformerLens ``get_duplicate_token_head_detection_pattern``)."""
+    t = torch.as_tensor(list(ids), dtype=torch.long)
+    eq = (t[:, None] == t[None, :]).float()
+    return torch.tril(eq, diagonal=-1)
+
+
+def induction_detection_pattern(ids: Sequence[int]) -> torch.Tensor:
+    """``[n, n]`` float32: 1 at (q, k) where k <= q, k >= 1 and ``ids[k-1] == ids[q]`` with
+    k-1 != q: the token right after an earlier copy of the query token (TransformerLens
+    ``get_induction_head_detection_pattern``: the duplicate pattern shifted one key right)."""
+    dup = duplicate_token_detection_pattern(ids)
+    n = dup.shape[0]
+    out = torch.zeros_like(dup)
+    if n > 1:
+        out[:, 1:] = dup[:, :-1]
+    return torch.tril(out)
+
+
+# ------------------------------------------------------------------------ scores
+def pattern_match_score(
+    pattern: torch.Tensor,  # [..., query_pos, key_pos], e.g. [layer, head, T, T]
+    detection: torch.Tensor,  # [query_pos, key_pos], 0/1
+    exclude_bos: bool = False,
+    exclude_current_token: bool = False,
+) -> torch.Tensor:
+    """Fraction of each head's attention mass on ``detection``: ``sum(A*P) / sum(A)``.
+
+    TransformerLens ``compute_head_attention_similarity_score(error_measure="mul")``:
+    ``exclude_bos`` zeroes key column 0 and ``exclude_current_token`` the diagonal of A before
+    both sums. Returns float64 of the leading shape (``[layer, head]``) in [0, 1]; NaN where
+    the remaining mass is 0.
+    """
+    a = pattern.double()
+    if exclude_bos or exclude_current_token:
+        a = a.clone()
+        if exclude_bos:
+            a[..., :, 0] = 0
+        if exclude_current_token:
+            a.diagonal(dim1=-2, dim2=-1).zero_()
+    num = (a * detection.double()).sum((-2, -1))
+    den = a.sum((-2, -1))
+    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.full_like(den, math.nan))
+
+
+def row_entropy(pattern: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of each row: ``-sum_k A ln A`` (0 ln 0 = 0). ``[..., query_pos]`` float64."""
+    a = pattern.double()
+    return -torch.where(a > 0, a * a.clamp_min(1e-300).log(), torch.zeros_like(a)).sum(-1)
+
+
+def head_scores(
+    pattern: torch.Tensor,  # [layer, head, query_pos, key_pos]
+    token_ids: Sequence[int],
+    causal: bool,
+    exclude_bos: bool = False,
+    exclude_current_token: bool = False,
+) -> dict[str, torch.Tensor]:
+    """All text-based scores of every head for one text (see the module docstring).
+
+    Args:
+        pattern: post-softmax attention, float, ``[layer, head, T, T]``, T >= 1.
+        token_ids: the T token ids (for the duplicate-token and induction patterns).
+        causal: whether the model is causal (next_token is NaN for causal models; the entropy
+            normaliser uses the q+1 visible keys of a causal query, T otherwise).
+        exclude_bos, exclude_current_token: TransformerLens options for the pattern scores
+            (previous_token, duplicate_token, induction, next_token).
+
+    Returns:
+        name -> float64 ``[layer, head]`` for every name in :data:`SCORE_NAMES` except
+        ``induction_probe``. NaN marks an undefined score.
+
+    Raises:
+        ValueError: ``pattern`` is not ``[L, H, T, T]`` with T == len(token_ids).
+    """
+    if pattern.dim() != 4 or pattern.shape[-1] != pattern.shape[-2]:
+        raise ValueError(f"pattern must be [layer, head, T, T]; got {tuple(pattern.shape)}")
+    T = pattern.shape[-1]
+    if len(token_ids) != T:
+        raise ValueError(f"{len(token_ids)} token ids for a pattern over {T} positions")
+    det = {
+        "previous_token": previous_token_detection_pattern(T).double(),
+        "duplicate_token": duplicate_token_detection_pattern(token_ids).double(),
+        "induction": induction_detection_pattern(token_ids).double(),
+    }
+    if not causal:
+        det["next_token"] = next_token_detection_pattern(T).double()
+    n_visible = (torch.arange(1, T + 1, dtype=torch.float64) if causal
+                 else torch.full((T,), float(T), dtype=torch.float64))
+    rows = n_visible >= 2
+    pos = torch.arange(T, dtype=torch.float64)
+    dist = (pos[:, None] - pos[None, :]).abs()  # [query_pos, key_pos], tokens
+    per_layer = []
+    for layer in range(pattern.shape[0]):  # one layer at a time bounds float64 memory
+        a = pattern[layer].double()  # [head, T, T]
+        out = {
+            name: pattern_match_score(a, p, exclude_bos, exclude_current_token)
+            for name, p in det.items()
+        }
+        if causal:
+            out["next_token"] = torch.full(a.shape[:1], math.nan, dtype=torch.float64)
+        out["self"] = a.diagonal(dim1=-2, dim2=-1).mean(-1)
+        out["sink"] = a[..., :, 0].mean(-1)
+        ent = row_entropy(a)  # [head, T], nats
+        out["entropy"] = ent.mean(-1)
+        if rows.any():
+            out["entropy_normalized"] = (ent[..., rows] / n_visible[rows].log()).mean(-1)
+        else:
+            out["entropy_normalized"] = torch.full(a.shape[:1], math.nan, dtype=torch.float64)
+        out["mean_distance"] = (a * dist).sum(-1).mean(-1)
+        per_layer.append(out)
+    return {name: torch.stack([d[name] for d in per_layer]) for name in per_layer[0]}
+
+
+def mean_over_texts(per_text: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Average each score over texts, ignoring texts where it is NaN (NaN if NaN for all).
+
+    ``per_text``: one dict name -> ``[layer, head]`` per text. Returns the same names.
+    Equals TransformerLens ``detect_head(model, [texts...])`` (``torch.stack(...).mean(0)``)
+    whenever no score is NaN.
+    """
+    names = per_text[0].keys()
+    out = {}
+    for name in names:
+        x = torch.stack([d[name] for d in per_text])
+        ok = ~x.isnan()
+        n = ok.sum(0)
+        s = torch.where(ok, x, torch.zeros_like(x)).sum(0)
+        out[name] = torch.where(n > 0, s / n.clamp_min(1), torch.full_like(s, math.nan))
+    return out
+
+
+# ---------------------------------------------------------------- induction probe
+def build_induction_probe(
+    candidates: Sequence[int],
+    segment_length: int,
+    repeats: int,
+    seed: int,
+    prefix: Sequence[int],
+    suffix: Sequence[int],
+    n_ctx: int,
+) -> list[int]:
+    """Token ids of the induction probe: ``prefix + segment * repeats + suffix``.
+
+    The segment is ``segment_length`` *distinct* ids drawn from ``candidates`` (non-special
+    vocabulary ids) by ``torch.randperm`` with a ``torch.Generator`` seeded with ``seed``
+    (reproducible across runs and machines with the same torch). Distinct ids make "the same
+    token's earlier occurrence" unambiguous. Causal models: prefix = [BOS], suffix = [];
+    encoders: prefix = [CLS], suffix = [SEP]. Olsson et al. 2022 (repeated random tokens).
+
+    Raises:
+        InvalidRequest: fewer candidates than ``segment_length``.
+        ContextLengthExceeded: the probe has more than ``n_ctx`` tokens (the message names the
+            limit and the count).
+    """
+    n = len(prefix) + segment_length * repeats + len(suffix)
+    if n > n_ctx:
+        raise ContextLengthExceeded(
+            f"the induction probe has {n} tokens ({len(prefix) + len(suffix)} framing + "
+            f"segment_length {segment_length} x repeats {repeats}); the model's context is "
+            f"{n_ctx} tokens (n_ctx): lower probe.segment_length or probe.repeats",
+            "probe.segment_length",
+        )
+    if segment_length > len(candidates):
+        raise InvalidRequest(
+            f"probe.segment_length = {segment_length} exceeds the {len(candidates)} distinct "
+            "non-special token ids of the vocabulary", "probe.segment_length",
+        )
+    g = torch.Generator().manual_seed(int(seed))
+    cand = torch.as_tensor(list(candidates), dtype=torch.long)
+    segment = cand[torch.randperm(len(cand), generator=g)[:segment_length]].tolist()
+    return list(prefix) + segment * repeats + list(suffix)
+
+
+def induction_probe_score(
+    pattern: torch.Tensor,  # [layer, head, query_pos, key_pos]
+    start: int,
+    segment_length: int,
+    repeats: int,
+) -> torch.Tensor:
+    """Mean attention from each repeat's tokens to the token right after the same token's
+    previous occurrence (Olsson et al. 2022's prefix-matching measure; the "induction stripe").
+
+    The segment occupies positions ``start + r*S .. start + (r+1)*S - 1`` for repeat r. For
+    every query q in repeats 1..R-1 (the first copy has no earlier occurrence) the target key
+    is ``q - S + 1``: the successor of q's copy in the previous repeat. Score = mean over those
+    ``(R-1)*S`` queries of ``A[q, q - S + 1]``; float64 ``[layer, head]`` in [0, 1] (1 = all
+    attention on the induction target). Encoders are scored the same way (their queries could
+    also see later copies; only the earlier-occurrence target counts).
+
+    Raises:
+        ValueError: ``repeats < 2`` or the pattern is shorter than ``start + S*R``.
+    """
+    S, R = segment_length, repeats
+    if R < 2 or S < 1 or pattern.shape[-1] < start + S * R:
+        raise ValueError("the probe needs repeats >= 2 and a pattern covering every repeat")
+    q = torch.arange(start + S, start + S * R)
+    k = q - S + 1
+    return pattern.double()[..., q, k].mean(-1)
+
+
+# -------------------------------------------------------------------- labels
+def classify(
+    scores: Mapping[str, float | None],
+    thresholds: Mapping[str, float] | None = None,
+) -> str:
+    """The label of one head from its scores.
+
+    Tries :data:`LABEL_ORDER` in order and returns the first label whose score is strictly
+    above its threshold (``thresholds`` overrides :data:`DEFAULT_THRESHOLDS` key by key), else
+    ``"none"``. Score used per label: ``induction`` -> ``induction_probe`` when present (not
+    None/NaN), else ``induction``; ``broad`` -> ``entropy_normalized``; every other label ->
+    the score of the same name. Missing/None/NaN scores never pass. Seed
+    004_e7341cee07d297e4.txt tries previous (> 0.5) before sink (> 0.6), as here.
+    """
+    th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+
+    def val(name):
+        v = scores.get(name)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+    for label in LABEL_ORDER:
+        if label == "induction":
+            v = val("induction_probe")
+            v = val("induction") if v is None else v
+        elif label == "broad":
+            v = val("entropy_normalized")
+        else:
+            v = val(label)
+        if v is not None and v > th[label]:
+            return label
+    return "none"

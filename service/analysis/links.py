@@ -1,0 +1,111 @@
+"""Strongest links: for each query token, the key token(s) it attends to most.
+
+Source: ``strongest_previous_token`` in 000_1c89b6c8c2a32040.txt ("Token-to-token
+relationships"). For each query row of one attention matrix (a layer's head mean, or one
+head): future keys never count (key_pos > query_pos), the query itself is excluded when
+``exclude_self``, positions in ``ignore`` are never chosen (e.g. the first-token sink at 0);
+a query left with no eligible key is skipped, not given a fake link; otherwise the key with
+the largest weight is its link (ties: the lowest key_pos, as ``numpy.argmax``). ``top_k``
+extends this to the k largest eligible weights, in descending order (ties by lower key_pos).
+
+Beyond the document: encoders (bidirectional attention) may set ``direction="any"`` to let
+keys after the query count too; ``"earlier"`` is the document's rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+Direction = Literal["earlier", "any"]
+
+
+@dataclass(frozen=True)
+class Link:
+    key_pos: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class QueryLinks:
+    query_pos: int
+    links: tuple[Link, ...]  # 1..top_k, weight descending
+
+
+def eligible_keys(
+    n: int,
+    exclude_self: bool = True,
+    ignore: Sequence[int] = (),
+    direction: Direction = "earlier",
+) -> torch.Tensor:
+    """Boolean ``[query_pos, key_pos]``: True where a key may be a query's link.
+
+    ``"earlier"``: key_pos <= query_pos (future keys never count); ``"any"``: every key.
+    ``exclude_self`` removes the diagonal; every position in ``ignore`` is removed as a key.
+
+    Raises:
+        ValueError: an ``ignore`` position outside ``[0, n)``.
+    """
+    ok = torch.ones(n, n, dtype=torch.bool)
+    if direction == "earlier":
+        ok = ok.tril()
+    elif direction != "any":
+        raise ValueError(f"direction must be 'earlier' or 'any'; got {direction!r}")
+    if exclude_self:
+        ok.fill_diagonal_(False)
+    for p in ignore:
+        if not 0 <= p < n:
+            raise ValueError(f"ignore position {p} outside [0, {n})")
+        ok[:, p] = False
+    return ok
+
+
+def strongest_links(
+    weights: torch.Tensor,  # [query_pos, key_pos]
+    top_k: int = 1,
+    exclude_self: bool = True,
+    ignore: Sequence[int] = (),
+    direction: Direction = "earlier",
+) -> list[QueryLinks]:
+    """The strongest eligible key(s) of every query (000_1c89b6c8c2a32040.txt,
+    ``strongest_previous_token``, generalised to top-k).
+
+    Args:
+        weights: one attention matrix, float, ``[query_pos, key_pos]`` (a head, or a layer's
+            head mean), values in [0, 1].
+        top_k: links per query (>= 1); a query with fewer eligible keys gets all of them.
+        exclude_self, ignore, direction: see :func:`eligible_keys`.
+
+    Returns:
+        One :class:`QueryLinks` per query that has at least one eligible key, in query order;
+        queries with none (e.g. position 0 with ``exclude_self``; everything ignored) are
+        absent. Weights are the attention weights (fraction of the query's attention, [0, 1]),
+        as Python floats of the input dtype's values.
+
+    Raises:
+        ValueError: ``weights`` not square, ``top_k < 1``, or an ``ignore`` position out of range.
+    """
+    if weights.dim() != 2 or weights.shape[0] != weights.shape[1]:
+        raise ValueError(f"weights must be [query_pos, key_pos]; got {tuple(weights.shape)}")
+    if top_k < 1:
+        raise ValueError("top_k must be >= 1")
+    n = weights.shape[0]
+    ok = eligible_keys(n, exclude_self, ignore, direction)
+    w = weights
+    out = []
+    for q in range(n):
+        keys = ok[q].nonzero().squeeze(-1)
+        if keys.numel() == 0:
+            continue
+        vals = w[q, keys]
+        order = torch.sort(vals, descending=True, stable=True).indices[:top_k]
+        out.append(QueryLinks(q, tuple(Link(int(keys[i]), float(vals[i])) for i in order)))
+    return out
+
+
+def skipped_queries(n: int, links: Sequence[QueryLinks]) -> list[int]:
+    """Query positions in ``[0, n)`` that got no link."""
+    have = {ql.query_pos for ql in links}
+    return [q for q in range(n) if q not in have]

@@ -1,0 +1,219 @@
+"""Scratch attention: the textbook scaled dot-product attention on raw inputs.
+
+Source: 000_1c89b6c8c2a32040.txt ("Implementing attention": ``attention(Q, K, V, mask)`` in
+five numbered steps; "Using query and key projections": ``project_embeddings``; "Attention
+Variants": self, causal, cross, multi-head split) and 001_92e9928af52718c3.txt ("A Simple
+Attention Example": the same without the 1/sqrt(d_k) scaling on a toy embedding).
+Vaswani et al. 2017, eq. 1: Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from attnscope.service.errors import InvalidRequest
+
+
+def attention(
+    Q: torch.Tensor,  # [..., query_pos, d_k]
+    K: torch.Tensor,  # [..., key_pos, d_k]
+    V: torch.Tensor,  # [..., key_pos, d_v]
+    mask: torch.Tensor | None = None,  # [query_pos, key_pos], 0/False = hidden
+    scale: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention, as the source's ``attention()`` (000_1c89b6c8c2a32040.txt).
+
+    Returns ``(output [..., query_pos, d_v], weights [..., query_pos, key_pos], scores
+    [..., query_pos, key_pos])``; ``weights`` are post-softmax (rows sum to 1), ``scores`` the
+    pre-softmax values with masked entries ``-inf``. Same dtype as the inputs. A row whose keys
+    are all masked would be NaN; callers must not build such masks.
+    """
+    # 1. Compare every query with every key using dot(Q, K)
+    scores = Q @ K.transpose(-1, -2)  # [..., query_pos, key_pos]
+
+    # 2. Scale the scores by K's dimension size so they do not get too large (optional:
+    #    001_92e9928af52718c3.txt's first example does not scale)
+    if scale:
+        scores = scores / math.sqrt(K.shape[-1])
+
+    # 3. Optionally mask scores to the right (future keys -> -inf)
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, float("-inf"))
+
+    # 4. Normalize scores into attention weights via softmax over the keys
+    weights = F.softmax(scores, dim=-1)
+
+    # 5. Compute outputs as weighted sums of values using dot(weights, V)
+    output = weights @ V  # [..., query_pos, d_v]
+    return output, weights, scores
+
+
+def causal_mask(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``torch.tril(torch.ones(n, n))`` as the source builds it: 1 = visible, 0 = future."""
+    return torch.tril(torch.ones(n, n, dtype=dtype))
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``[pos, d] -> [head, pos, d // n_heads]`` (the source's ``view(...).transpose(0, 1)``)."""
+    n_pos, d = x.shape
+    return x.reshape(n_pos, n_heads, d // n_heads).transpose(0, 1)
+
+
+def scratch_attention(
+    q: torch.Tensor,  # [query_pos, d_k_total]
+    k: torch.Tensor,  # [key_pos, d_k_total]
+    v: torch.Tensor,  # [key_pos, d_v_total]
+    variant: str = "self",
+    n_heads: int = 1,
+    scale: bool = True,
+    names: tuple[str, str, str] = ("q", "k", "v"),
+) -> dict:
+    """Run :func:`attention` on raw matrices, with a variant and an optional multi-head split.
+
+    ``variant`` 'causal' applies the tril mask (needs query_pos == key_pos); 'self' and
+    'cross' apply none. With ``n_heads`` > 1 the widths of q/k and of v are split into equal
+    slices, attention runs per head and the outputs are concatenated along the last axis
+    (source: "Multi-head attention" in 000_1c89b6c8c2a32040.txt).
+
+    Returns a dict: ``weights`` and ``scores`` ``[head, query_pos, key_pos]``, ``output``
+    ``[query_pos, d_v_total]`` (same dtype as the inputs), ``d_k`` and ``d_v`` (per head),
+    ``scaling`` (1/sqrt(d_k) or 1.0).
+
+    Raises:
+        InvalidRequest: incompatible shapes (names the field and both sizes), a width not
+            divisible by ``n_heads``, a causal variant with query_pos != key_pos.
+    """
+    nq, nk = names[0], names[1]
+    if q.ndim != 2 or k.ndim != 2 or v.ndim != 2:
+        raise InvalidRequest("q, k and v must be matrices [pos, d]", nq)
+    if q.shape[1] != k.shape[1]:
+        raise InvalidRequest(
+            f"{nq} and {nk} must have the same width d_k: {nq} is {list(q.shape)}, "
+            f"{nk} is {list(k.shape)}", nk,
+        )
+    if k.shape[0] != v.shape[0]:
+        raise InvalidRequest(
+            f"{nk} and {names[2]} must have the same number of rows (key positions): {nk} is "
+            f"{list(k.shape)}, {names[2]} is {list(v.shape)}", names[2],
+        )
+    for name, width in ((nk, k.shape[1]), (names[2], v.shape[1])):
+        if width % n_heads:
+            raise InvalidRequest(
+                f"n_heads = {n_heads} must divide the width of {name} ({width})", "n_heads"
+            )
+    mask = None
+    if variant == "causal":
+        if q.shape[0] != k.shape[0]:
+            raise InvalidRequest(
+                f"variant 'causal' needs as many queries as keys: {nq} has {q.shape[0]} rows, "
+                f"{nk} has {k.shape[0]}", "variant",
+            )
+        mask = causal_mask(q.shape[0], q.dtype)
+    Qh, Kh, Vh = (split_heads(x, n_heads) for x in (q, k, v))  # [head, pos, d/head]
+    output, weights, scores = attention(Qh, Kh, Vh, mask=mask, scale=scale)
+    d_k = Kh.shape[-1]
+    if not (torch.isfinite(weights).all() and torch.isfinite(output).all()
+            and not torch.isnan(scores).any() and not torch.isposinf(scores).any()):
+        raise InvalidRequest(
+            f"attention overflows {str(q.dtype).replace('torch.', '')}: the inputs are too "
+            f"large in magnitude (max |{nq}| = {q.abs().max().item():.3g}, max |{nk}| = "
+            f"{k.abs().max().item():.3g}, max |{names[2]}| = {v.abs().max().item():.3g}); "
+            "scale them down", nq,
+        )
+    return {
+        "weights": weights,  # [head, query_pos, key_pos]
+        "scores": scores,  # [head, query_pos, key_pos]
+        "output": torch.cat(list(output), dim=-1),  # [query_pos, n_heads * d_v]
+        "d_k": int(d_k),
+        "d_v": int(Vh.shape[-1]),
+        "scaling": 1.0 / math.sqrt(d_k) if scale else 1.0,
+    }
+
+
+def project_embeddings(
+    emb: torch.Tensor,  # [vocab, d_model]
+    seq_emb: torch.Tensor,  # [n_token, d_model]
+    n_components: int,
+    random_state: int = 0,
+) -> torch.Tensor:
+    """Project token embeddings onto PCA components learnt from the whole embedding matrix.
+
+    As ``project_embeddings`` in 000_1c89b6c8c2a32040.txt: ``PCA(n_components, whiten=True,
+    svd_solver="randomized")`` fitted on ``emb``, then ``transform(seq_emb)``; here with a fixed
+    ``random_state`` so the answer is reproducible. Returns ``[n_token, n_components]`` in
+    ``seq_emb``'s dtype (whitened: unit variance per component over the vocabulary).
+
+    Raises:
+        InvalidRequest: ``n_components`` above min(vocab, d_model) (param ``project``).
+    """
+    pca = fit_embedding_pca(emb, n_components, random_state)
+    projected = pca.transform(seq_emb.detach().cpu().numpy())
+    return torch.tensor(projected, dtype=seq_emb.dtype)
+
+
+def fit_embedding_pca(emb: torch.Tensor, n_components: int, random_state: int = 0):
+    """The fitted scikit-learn PCA of :func:`project_embeddings` (fit once, transform many).
+
+    Raises:
+        InvalidRequest: ``n_components`` above min(vocab, d_model) (param ``project``).
+    """
+    from sklearn.decomposition import PCA
+
+    limit = min(emb.shape)
+    if not 1 <= n_components <= limit:
+        raise InvalidRequest(
+            f"project = {n_components}: PCA of the embedding matrix {list(emb.shape)} can have "
+            f"at most min(vocab, d_model) = {limit} components", "project",
+        )
+    pca = PCA(n_components=n_components, whiten=True, svd_solver="randomized",
+              random_state=random_state)
+    return pca.fit(emb.detach().cpu().numpy())
+
+
+def embedding_qkv(
+    emb: torch.Tensor,  # [vocab, d_model]
+    key_ids: list[int],
+    query_ids: list[int] | None = None,
+    variant: str = "self",
+    project: int | None = None,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V from static token embeddings (float64), as the source's variants build them.
+
+    ``seq_emb = emb[key_ids]``. self/causal: ``Q = K = V = seq_emb``. cross: ``K = V =
+    seq_emb``, ``Q = emb[query_ids]``, or, without ``query_ids``, uniform random numbers in
+    [0, 1) shaped like K drawn from a ``torch.Generator`` seeded with ``seed`` (the source's
+    ``torch.rand_like``). With ``project``: Q and K (never V) are replaced by their
+    :func:`project_embeddings` (one PCA fitted on ``emb``; random queries are drawn in the
+    projected width). Returns ``(Q [query_pos, d_k], K [key_pos, d_k], V [key_pos, d_model])``.
+    """
+    emb = emb.detach().to("cpu", torch.float64)
+    seq_emb = emb[torch.tensor(key_ids, dtype=torch.long)]
+    q_emb = None
+    if variant == "cross" and query_ids is not None:
+        q_emb = emb[torch.tensor(query_ids, dtype=torch.long)]
+    V = seq_emb
+    K = seq_emb
+    if project is not None:
+        pca = fit_embedding_pca(emb, project, random_state=seed)
+        K = torch.tensor(pca.transform(seq_emb.numpy()), dtype=torch.float64)
+        if q_emb is not None:
+            q_emb = torch.tensor(pca.transform(q_emb.numpy()), dtype=torch.float64)
+    if variant == "cross":
+        if q_emb is None:
+            g = torch.Generator().manual_seed(int(seed))
+            Q = torch.rand(K.shape, generator=g, dtype=torch.float64)
+        else:
+            Q = q_emb
+    else:
+        Q = K
+    return Q, K, V
+
+
+def as_matrix(rows: list[list[float]]) -> torch.Tensor:
+    """JSON rows -> float64 tensor ``[pos, d]``."""
+    return torch.tensor(np.asarray(rows, dtype=np.float64))

@@ -1,0 +1,153 @@
+"""Hidden-state trajectories: each token's path through the layers in one shared PCA space.
+
+Source: 000_1c89b6c8c2a32040.txt, "Contextual Embeddings" -> "Projecting hidden states into a
+shared space" and "Measuring trajectories":
+
+1. drop the final hidden state (GPT-2 applies its final LayerNorm there) -- an option keeps it;
+2. flatten ``[n_state, n_token, d_model] -> [n_state * n_token, d_model]`` in float64;
+3. standardise with ``StandardScaler`` (zero mean, unit variance per dimension);
+4. ``PCA(n_components=2, random_state=0).fit_transform`` (more components on request);
+5. reshape to ``[n_state, n_token, n_components]``; a token's path is ``[:, token, :]``;
+6. start-to-end Euclidean distance of each token in the projected space.
+
+Beyond the document: the same distance in the full (raw, unstandardised) hidden-state space
+and the cosine similarity of each token's first and last state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
+
+
+def trajectories(
+    hidden_states: torch.Tensor,  # [layer+1, pos, d_model]
+    include_final: bool = False,
+    n_components: int = 2,
+    positions: list[int] | None = None,
+    random_state: int = 0,
+    where: str = "text",
+) -> dict:
+    """PCA trajectories of one text's hidden states (see the module docstring for the steps).
+
+    Args:
+        hidden_states: ``[n_layers + 1, n_tokens, d_model]``, index 0 = embedding output.
+        include_final: keep the last hidden state (default: dropped, as the source does).
+        n_components: PCA components, 1 <= n <= min(n_state * n_tokens, d_model).
+        positions: selected token positions (each in [0, n_tokens)), null = all; the PCA is
+            always fitted on every token and state.
+        random_state: the PCA's random_state (the source uses 0).
+        where: the request field holding this text (``"text"`` or ``"texts.<i>"``), named in
+            error messages.
+
+    Returns:
+        dict with ``states`` (hidden-state indices used), ``positions``, ``n_components``,
+        ``explained_variance_ratio`` (float64 ``[n_components]``, in [0, 1]), ``paths``
+        (float64 ``[n_selected, n_state, n_components]``), ``distance_projected``,
+        ``distance_full`` (float64 ``[n_selected]``, >= 0) and ``cosine_first_last``
+        (``[n_selected]`` in [-1, 1], NaN where a state vector is zero).
+
+    Raises:
+        OutOfRange: a position outside the text (param ``positions.<i>``).
+        InvalidRequest: a PCA the data cannot support (param ``n_components``, or ``text`` for
+            a single sample): fewer than 2 samples, n_components > min(n_samples, d_model),
+            hidden states with no variance.
+        NonFiniteValues: the hidden states hold NaN/inf.
+    """
+    from sklearn.decomposition import PCA
+    from sklearn.preprocessing import StandardScaler
+
+    n_total, n_token, d_model = hidden_states.shape
+    positions = check_trajectory_request(
+        n_total, n_token, d_model, include_final, n_components, positions, where
+    )
+    # 1. drop the final hidden state unless asked to keep it
+    states = list(range(n_total if include_final else n_total - 1))
+    traj = hidden_states[: len(states)]
+    n_state = len(states)
+    # 2. flatten states x tokens, float64 as the source
+    flat = traj.reshape(n_state * n_token, d_model).to(torch.float64).numpy()
+    if not np.isfinite(flat).all():
+        raise NonFiniteValues(
+            f"{where}: the hidden states hold non-finite values (NaN or inf); refusing to project"
+        )
+    # 3. standardise
+    scaled = StandardScaler().fit_transform(flat)
+    if not np.any(scaled):
+        raise InvalidRequest(
+            f"{where}: the hidden states do not vary across states and tokens, so PCA "
+            "has no direction to find", where,
+        )
+    # 4. PCA with a fixed random state
+    pca = PCA(n_components=n_components, random_state=random_state)
+    projected = pca.fit_transform(scaled)
+    evr = np.asarray(pca.explained_variance_ratio_, dtype=np.float64)
+    # 5. reshape to per-token paths [n_state, n_token, n_components]
+    projected = projected.reshape(n_state, n_token, n_components)
+    sel = np.asarray(positions, dtype=np.int64)
+    paths = np.ascontiguousarray(projected[:, sel, :].transpose(1, 0, 2))  # [token, state, comp]
+    # 6. start-to-end distances
+    distance_projected = np.linalg.norm(paths[:, -1, :] - paths[:, 0, :], axis=-1)
+    first = traj[0].to(torch.float64).numpy()[sel]  # [n_selected, d_model]
+    last = traj[-1].to(torch.float64).numpy()[sel]
+    distance_full = np.linalg.norm(last - first, axis=-1)
+    norms = np.linalg.norm(first, axis=-1) * np.linalg.norm(last, axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cosine = np.where(norms > 0, (first * last).sum(-1) / norms, np.nan)
+    cosine = np.clip(cosine, -1.0, 1.0)
+    return {
+        "states": states,
+        "positions": list(positions),
+        "n_components": n_components,
+        "explained_variance_ratio": evr,
+        "paths": paths,
+        "distance_projected": distance_projected,
+        "distance_full": distance_full,
+        "cosine_first_last": cosine,
+    }
+
+
+def check_trajectory_request(
+    n_hidden: int,
+    n_token: int,
+    d_model: int,
+    include_final: bool,
+    n_components: int,
+    positions: list[int] | None,
+    where: str = "text",
+) -> list[int]:
+    """Everything :func:`trajectories` can refuse before a forward pass (cheap checks first).
+
+    ``n_hidden`` = n_layers + 1 hidden states. Returns the selected positions (all when None).
+
+    Raises:
+        OutOfRange: a position outside the text (param ``positions.<i>``).
+        InvalidRequest: fewer than 2 samples (states x tokens) for PCA (param ``where``), or
+            n_components > min(n_samples, d_model) (param ``n_components``).
+    """
+    if positions is None:
+        positions = list(range(n_token))
+    for i, p in enumerate(positions):
+        if not 0 <= p < n_token:
+            raise OutOfRange(
+                f"{where}: positions[{i}] = {p} is out of range: the text has {n_token} "
+                f"tokens (valid positions 0..{n_token - 1})", f"positions.{i}",
+            )
+    n_state = n_hidden if include_final else n_hidden - 1
+    n_samples = n_state * n_token
+    if n_samples < 2:
+        raise InvalidRequest(
+            f"{where}: PCA needs at least 2 samples (states x tokens) but this text gives "
+            f"{n_state} state(s) x {n_token} token(s) = {n_samples}; use a longer text or "
+            "include_final", where,
+        )
+    limit = min(n_samples, d_model)
+    if n_components > limit:
+        raise InvalidRequest(
+            f"{where}: n_components = {n_components} is more than PCA can give: at most "
+            f"min(n_samples, d_model) = min({n_state} states x {n_token} tokens = {n_samples}, "
+            f"{d_model}) = {limit}", "n_components",
+        )
+    return list(positions)

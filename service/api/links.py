@@ -1,0 +1,84 @@
+"""POST /v1/links: each query token's strongest earlier key token(s)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from fastapi import APIRouter
+
+from attnscope.schemas import ErrorResponse, LinksRequest, LinksResponse
+from attnscope.service.analysis.links import skipped_queries, strongest_links
+from attnscope.service.api.common import forward_request, tokenize_request
+from attnscope.service.deps import RuntimeDep, SlotDep
+from attnscope.service.encoding import ORJSONResponse
+from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
+
+router = APIRouter(tags=["links"])
+
+ERRORS = {
+    413: {"model": ErrorResponse, "description": "Request body too large."},
+    422: {"model": ErrorResponse, "description": "Invalid request: layer/head/ignore position "
+          "out of range, direction 'any' on a causal model, too many tokens."},
+    429: {"model": ErrorResponse, "description": "Overloaded: the device queue is full."},
+    503: {"model": ErrorResponse, "description": "The model is not loaded yet."},
+}
+
+
+def _check(value: int | None, limit: int, field: str, what: str) -> None:
+    if value is not None and not 0 <= value < limit:
+        raise OutOfRange(f"{field} = {value} is out of range: the model has {limit} {what}s "
+                         f"(valid indices 0..{limit - 1})", field)
+
+
+@router.post("/v1/links", response_model=LinksResponse, responses=ERRORS,
+             summary="Strongest earlier link(s) of every query token")
+async def links(req: LinksRequest, rt: RuntimeDep, slot: SlotDep):
+    """For each query token, its ``top_k`` strongest eligible key tokens in one layer's head
+    mean (``head`` null) or one head, as ``strongest_previous_token`` in
+    000_1c89b6c8c2a32040.txt defines it: future keys never count, self excluded by default,
+    ``ignore`` positions never chosen, a query with no eligible key is skipped (listed in
+    ``skipped``). ``weight`` = attention weight in [0, 1]. Encoders: ``direction`` 'any'
+    lets later keys count too.
+
+    Errors: 422 layer/head/ignore out of range, 'any' on a causal model, too many tokens;
+    413; 429; 503.
+    """
+    _check(req.layer, rt.adapter.n_layers, "layer", "layer")
+    _check(req.head, rt.adapter.n_heads, "head", "head")
+    if req.direction == "any" and rt.adapter.causal:
+        raise InvalidRequest("direction 'any' applies to encoders only: in this causal model "
+                             "no query sees a later key", "direction")
+    items = await tokenize_request(rt, req)
+    for i, it in enumerate(items):
+        for j, p in enumerate(req.ignore):
+            if p >= len(it):
+                where = "text" if req.text is not None else f"texts.{i}"
+                raise OutOfRange(f"ignore[{j}] = {p} is out of range: {where} has {len(it)} "
+                                 f"tokens (valid positions 0..{len(it) - 1})", f"ignore.{j}")
+    forwards = await forward_request(rt, slot, items)
+    out = []
+    for fw in forwards:
+        pattern = fw.pattern[req.layer]  # [head, query_pos, key_pos]
+        weights = pattern.mean(0) if req.head is None else pattern[req.head]
+        if not torch.isfinite(weights).all():
+            raise NonFiniteValues(f"layer {req.layer}'s attention holds NaN/inf; refusing to rank it")
+        found = strongest_links(weights, req.top_k, req.exclude_self, req.ignore, req.direction)
+        labels = [t.label for t in fw.tokens.tokens]
+        # float32 weights as their shortest round-tripping decimal (as orjson writes float32)
+        rnd = ((lambda w: round(w, req.round)) if req.round is not None
+               else (lambda w: float(str(np.float32(w)))))
+        out.append({
+            "tokens": [t.as_dict() for t in fw.tokens.tokens],
+            "links": [{"query_pos": ql.query_pos, "query": labels[ql.query_pos],
+                       "links": [{"key_pos": k.key_pos, "key": labels[k.key_pos],
+                                  "weight": rnd(k.weight)} for k in ql.links]}
+                      for ql in found],
+            "skipped": skipped_queries(fw.n_tokens, found),
+        })
+    body = {"model": rt.model_ref(), "layer": req.layer, "head": req.head,
+            "direction": req.direction}
+    if req.text is not None:
+        body["links"] = out[0]
+    else:
+        body["results"] = out
+    return ORJSONResponse(body)

@@ -1,0 +1,83 @@
+"""Memory estimates of a request, checked before any forward runs (issue 6, "Cache and memory").
+
+The estimate counts the big tensors only (activations are O(T^2) or O(T * d_model); weights,
+the tokenizer and Python objects are outside it), from the model's shapes:
+
+* recorded, per text of T tokens (what :class:`ForwardTensors` keeps, in the model dtype):
+  pattern ``L*H*T^2`` + hidden states ``(L+1)*T*D`` + q, k, v, attention input and output
+  ``5*L*T*D`` elements;
+* transient, per padded forward chunk of ``b`` texts padded to ``Tp`` tokens (Hugging Face's
+  eager attention with ``output_attentions``): all layers' attentions ``b*L*H*Tp^2`` (kept until
+  unpadded), one layer's scores + softmax ``2*b*H*Tp^2``, hidden states ``b*(L+1)*Tp*D``, the
+  captured q/k/v + attention input/output ``5*b*L*Tp*D``, the MLP ``4*b*Tp*D``;
+* plus what the endpoint says its response needs (``extra``, e.g.
+  :func:`attnscope.service.encoding.estimate_encoded_bytes`).
+
+A forward runs chunks of ``forward_batch_size`` texts one after another, so the transient part
+is the largest chunk's; every text's recorded tensors are alive until the response is built.
+Measured against the server's resident memory by ``bench/`` (README "Benchmark").
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from attnscope.service.errors import MemoryLimitExceeded
+
+
+def recorded_bytes(n_layers: int, n_heads: int, d_model: int, n_tokens: int, element_size: int) -> int:
+    """Bytes of one text's recorded forward (ForwardTensors) of ``n_tokens`` tokens."""
+    L, H, D, T = n_layers, n_heads, d_model, n_tokens
+    return element_size * (L * H * T * T + (L + 1) * T * D + 5 * L * T * D)
+
+
+def forward_bytes(
+    n_layers: int, n_heads: int, d_model: int, lengths: Sequence[int], element_size: int,
+    batch_size: int,
+) -> int:
+    """Estimated peak bytes of the forwards of texts of ``lengths`` tokens, in chunks of
+    ``batch_size`` texts (padded to the chunk's longest), dtype of ``element_size`` bytes."""
+    L, H, D = n_layers, n_heads, d_model
+    total = sum(recorded_bytes(L, H, D, T, element_size) for T in lengths)
+    transient = 0
+    for s in range(0, len(lengths), max(1, batch_size)):
+        chunk = lengths[s : s + batch_size]
+        b, Tp = len(chunk), max(chunk)
+        t = b * (L * H * Tp * Tp + 2 * H * Tp * Tp + (L + 1) * Tp * D + 5 * L * Tp * D + 4 * Tp * D)
+        transient = max(transient, element_size * t)
+    return total + transient
+
+
+def _fmt(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} bytes"
+
+
+def check_memory(rt, lengths: Sequence[int], extra: int = 0, what: str = "response") -> int:
+    """Raise :class:`MemoryLimitExceeded` (422) when the forwards of texts of ``lengths`` tokens
+    plus ``extra`` bytes (the endpoint's ``what``) exceed ``rt.settings.max_request_bytes``.
+
+    ``rt``: a Runtime (its adapter's n_layers/n_heads/d_model, the weights' dtype, the
+    settings' forward_batch_size). Returns the estimate in bytes. A limit of 0 disables it.
+    """
+    a = rt.adapter
+    es = torch.empty((), dtype=next(rt.model.parameters()).dtype).element_size()
+    fwd = forward_bytes(a.n_layers, a.n_heads, a.d_model, list(lengths), es,
+                        rt.settings.forward_batch_size)
+    total = fwd + int(extra)
+    limit = getattr(rt.settings, "max_request_bytes", 0)
+    if limit and total > limit:
+        n, longest = len(lengths), max(lengths) if lengths else 0
+        raise MemoryLimitExceeded(
+            f"this request needs an estimated {_fmt(total)} of memory (forward {_fmt(fwd)} for "
+            f"{n} text{'s' if n != 1 else ''}, longest {longest} tokens, {a.n_layers} layers x "
+            f"{a.n_heads} heads, d_model {a.d_model}; {what} {_fmt(int(extra))}); the limit is "
+            f"{_fmt(limit)} (max_request_bytes = {limit}). Send fewer or shorter texts, select "
+            "layers/heads, or use the sparse, 'tril' or base64 float16 encodings",
+            "texts" if n > 1 else "text",
+        )
+    return total

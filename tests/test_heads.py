@@ -1,0 +1,256 @@
+"""POST /v1/heads and service.analysis.heads: hand-built patterns with known labels, the
+TransformerLens 4.x head detector on the real checkpoints (to 1e-5), the induction probe
+against a direct computation from Hugging Face's own attentions, and the edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attnscope.schemas import HeadsResponse
+from attnscope.service.analysis import heads as H
+
+from conftest import SENTENCE
+
+TEXTS = [
+    SENTENCE,
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "She said that the results of the experiment were surprising to everyone.",
+]
+REPEATED = "In the beginning God created the heaven and the earth. In the beginning God created"
+
+
+# ----------------------------------------------------------------- hand-built patterns
+def _pattern(rows: list[dict[int, float]]) -> torch.Tensor:
+    T = len(rows)
+    a = torch.zeros(1, 1, T, T)
+    for q, row in enumerate(rows):
+        for k, w in row.items():
+            a[0, 0, q, k] += w
+    assert torch.allclose(a.sum(-1), torch.ones(1, 1, T))
+    return a
+
+
+def _label(a, ids, causal=True, **th):
+    s = {k: float(v[0, 0]) for k, v in H.head_scores(a, ids, causal).items()}
+    return H.classify(s, th), s
+
+
+T = 10
+IDS = list(range(100, 100 + T))
+
+
+def test_hand_built_patterns_get_their_label():
+    prev = _pattern([{0: 1.0}] + [{q - 1: 1.0} for q in range(1, T)])
+    assert _label(prev, IDS)[0] == "previous_token"
+    assert _label(_pattern([{q: 1.0} for q in range(T)]), IDS)[0] == "self"
+    assert _label(_pattern([{0: 1.0} for _ in range(T)]), IDS)[0] == "sink"
+    uniform = _pattern([{k: 1 / (q + 1) for k in range(q + 1)} for q in range(T)])
+    label, s = _label(uniform, IDS)
+    assert label == "broad" and s["entropy_normalized"] == pytest.approx(1.0)
+    assert s["entropy"] == pytest.approx(np.mean([math.log(q + 1) for q in range(T)]))
+    mixed = _pattern([{0: 1.0}, {1: 0.4, 0: 0.6}] + [{q: 0.4, q - 1: 0.4, 0: 0.2} for q in range(2, T)])
+    assert _label(mixed, IDS)[0] == "none"
+    # encoder: attention to the next token (last row to itself)
+    nxt = _pattern([{q + 1: 1.0} for q in range(T - 1)] + [{T - 1: 1.0}])
+    label, s = _label(nxt, IDS, causal=False)
+    assert label == "next_token" and s["next_token"] == pytest.approx(0.9)
+    assert math.isnan(_label(nxt, IDS, causal=True)[1]["next_token"])  # causal: undefined
+    # repeated segment a b c d a b c d: induction = next token after the earlier copy
+    ids = [5, 6, 7, 8, 5, 6, 7, 8]
+    ind = _pattern([{q: 1.0} for q in range(4)] + [{q - 3: 1.0} for q in range(4, 8)])
+    label, s = _label(ind, ids)
+    assert label == "induction" and s["induction"] == pytest.approx(0.5)
+    dup = _pattern([{k: 1 / (q + 1) for k in range(q + 1)} for q in range(4)]
+                   + [{q - 4: 1.0} for q in range(4, 8)])
+    label, s = _label(dup, ids)
+    assert label == "duplicate_token" and s["duplicate_token"] == pytest.approx(0.5)
+    # thresholds are overridable per label
+    assert _label(prev, IDS, previous_token=0.95)[0] != "previous_token"
+
+
+def test_scores_have_documented_formulas():
+    prev = _pattern([{0: 1.0}] + [{q - 1: 0.5, q: 0.5} for q in range(1, T)])
+    s = {k: float(v[0, 0]) for k, v in H.head_scores(prev, IDS, True).items()}
+    assert s["previous_token"] == pytest.approx(0.5 * (T - 1) / T)  # sum(A*P)/sum(A)
+    assert s["self"] == pytest.approx((1 + 0.5 * (T - 1)) / T)
+    assert s["sink"] == pytest.approx((1 + 0.5) / T)
+    assert s["mean_distance"] == pytest.approx(0.5 * (T - 1) / T)
+    # exclusions: TransformerLens zeroes before both sums (ratio of totals)
+    ex = H.pattern_match_score(prev, H.previous_token_detection_pattern(T), exclude_current_token=True)
+    assert float(ex) == pytest.approx((0.5 * (T - 1)) / (0.5 * (T - 1)))
+    ex = H.pattern_match_score(prev, H.previous_token_detection_pattern(T), exclude_bos=True)
+    assert float(ex) == pytest.approx(0.5 * (T - 2) / (T - 1.5))
+    sink = _pattern([{0: 1.0} for _ in range(T)])
+    assert math.isnan(float(H.pattern_match_score(sink, H.previous_token_detection_pattern(T),
+                                                  exclude_bos=True)))
+
+
+def test_detection_patterns_match_transformerlens_definitions():
+    tl = pytest.importorskip("transformer_lens.head_detector")
+    ids = torch.tensor([[3, 9, 3, 4, 9, 3, 3, 7, 4]])
+    assert torch.equal(H.previous_token_detection_pattern(9), tl.get_previous_token_head_detection_pattern(ids))
+    assert torch.equal(H.duplicate_token_detection_pattern(ids[0].tolist()),
+                       tl.get_duplicate_token_head_detection_pattern(ids))
+    assert torch.equal(H.induction_detection_pattern(ids[0].tolist()),
+                       tl.get_induction_head_detection_pattern(ids))
+
+
+# -------------------------------------------------------- TransformerLens 4.x on real models
+@pytest.fixture(scope="module")
+def tl_bridge():
+    pytest.importorskip("transformer_lens")
+    from transformer_lens.model_bridge import TransformerBridge
+
+    cache = {}
+
+    def boot(path):
+        if str(path) not in cache:
+            cache[str(path)] = TransformerBridge.boot_transformers(str(path), device="cpu")
+        return cache[str(path)]
+
+    return boot
+
+
+TL_NAMES = {"previous_token": "previous_token_head", "duplicate_token": "duplicate_token_head",
+            "induction": "induction_head"}
+
+
+def _tl_scores(bridge, seq, **opts):
+    from transformer_lens.head_detector import detect_head
+
+    return {ours: detect_head(bridge, seq, tl, **opts).double().numpy() for ours, tl in TL_NAMES.items()}
+
+
+def _ours(body, name):
+    hs = body["heads"]
+    L, NH = max(h["layer"] for h in hs) + 1, max(h["head"] for h in hs) + 1
+    out = np.full((L, NH), np.nan)
+    for h in hs:
+        out[h["layer"], h["head"]] = np.nan if h["scores"][name] is None else h["scores"][name]
+    return out
+
+
+@pytest.mark.parametrize("opts", [{}, {"exclude_bos": True}, {"exclude_current_token": True},
+                                  {"exclude_bos": True, "exclude_current_token": True}])
+def test_pattern_scores_match_transformerlens_bundled(client, gpt2_runtime, bundled_dir, tl_bridge, opts):
+    bridge = tl_bridge(bundled_dir)
+    for seq in (REPEATED, TEXTS):  # one text; several texts (TL averages over them too)
+        texts = [seq] if isinstance(seq, str) else seq
+        for t in texts:  # TL prepends BOS: ask for the same tokens
+            assert bridge.to_tokens(t)[0].tolist() == list(gpt2_runtime.tokenize(t, add_bos=True).input_ids)
+        r = client.post("/v1/heads", json={"texts": texts, "add_bos": True, "probe": {"enabled": False}, **opts})
+        assert r.status_code == 200, r.text
+        ref = _tl_scores(bridge, seq, **opts)
+        for name, want in ref.items():
+            np.testing.assert_allclose(_ours(r.json(), name), want, atol=1e-5, rtol=0)
+    assert _ours(r.json(), "previous_token").max() > 0.5  # the checkpoint has a previous-token head
+
+
+@pytest.mark.parametrize("opts", [{}, {"exclude_bos": True, "exclude_current_token": True}])
+def test_pattern_scores_match_transformerlens_minilm(bert_client, bert_runtime, minilm_path, tl_bridge, opts):
+    bridge = tl_bridge(minilm_path)
+    text = SENTENCE + " Then I tried"
+    assert bridge.to_tokens(text)[0].tolist() == list(bert_runtime.tokenize(text).input_ids)
+    r = bert_client.post("/v1/heads", json={"text": text, "probe": {"enabled": False}, **opts})
+    assert r.status_code == 200, r.text
+    for name, want in _tl_scores(bridge, text, **opts).items():
+        np.testing.assert_allclose(_ours(r.json(), name), want, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------- the endpoint
+def test_heads_bundled_probe_and_labels(client, gpt2_runtime):
+    r = client.post("/v1/heads", json={"text": SENTENCE})
+    assert r.status_code == 200, r.text
+    body = HeadsResponse.model_validate(r.json())
+    L, NH = gpt2_runtime.adapter.n_layers, gpt2_runtime.adapter.n_heads
+    assert [(h.layer, h.head) for h in body.heads] == [(l, h) for l in range(L) for h in range(NH)]
+    assert body.thresholds.previous_token == 0.5 and body.thresholds.sink == 0.6
+    # the probe: BOS + 25 distinct random ids x 4, seeded
+    p = body.probe
+    ids = [t.id for t in p.tokens]
+    assert ids[0] == gpt2_runtime.tokenizer.bos_token_id and p.tokens[0].special and p.start == 1
+    seg = ids[1:26]
+    assert len(ids) == 101 and ids[1:] == seg * 4 and len(set(seg)) == 25
+    # independent: the stripe from Hugging Face's own output_attentions, by a loop
+    with torch.no_grad():
+        att = gpt2_runtime.model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    for h in body.heads:
+        a = att[h.layer][0, h.head].double().numpy()
+        vals = [a[q, q - 25 + 1] for r_ in range(1, 4) for q in range(1 + 25 * r_, 1 + 25 * (r_ + 1))]
+        assert h.scores.induction_probe == pytest.approx(float(np.mean(vals)), abs=1e-6)
+        assert h.scores.next_token is None
+        for name in ("previous_token", "self", "sink", "entropy_normalized", "induction_probe"):
+            assert 0.0 <= getattr(h.scores, name) <= 1.0 + 1e-9
+    labels = {(h.layer, h.head): h.label for h in body.heads}
+    # the checkpoint was trained to grow induction heads in layer 1 (training_record.json)
+    assert any(labels[(1, h)] == "induction" for h in range(NH))
+    assert any(v == "previous_token" for v in labels.values())
+    # a different seed gives a different segment; the same seed the same one
+    r2 = client.post("/v1/heads", json={"text": SENTENCE, "probe": {"seed": 7}}).json()
+    assert [t["id"] for t in r2["probe"]["tokens"]] != ids
+    r3 = client.post("/v1/heads", json={"text": SENTENCE}).json()
+    assert [t["id"] for t in r3["probe"]["tokens"]] == ids
+    # thresholds override: nothing passes 1.0
+    r4 = client.post("/v1/heads", json={"text": SENTENCE, "thresholds": {
+        k: 1.0 for k in ("induction", "previous_token", "duplicate_token", "next_token", "self", "sink", "broad")}})
+    assert {h["label"] for h in r4.json()["heads"]} == {"none"}
+
+
+def test_heads_texts_are_averaged(client):
+    per = [client.post("/v1/heads", json={"text": t, "probe": {"enabled": False}}).json() for t in TEXTS[:2]]
+    both = client.post("/v1/heads", json={"texts": TEXTS[:2], "probe": {"enabled": False}}).json()
+    assert both["n_texts"] == 2 and both["probe"] is None
+    for name in ("previous_token", "self", "sink", "entropy", "mean_distance"):
+        np.testing.assert_allclose(_ours(both, name), (_ours(per[0], name) + _ours(per[1], name)) / 2, atol=1e-12)
+    assert all(h["scores"]["induction_probe"] is None for h in both["heads"])
+
+
+def test_minilm_finds_previous_token_and_cls_sink_heads(bert_client, bert_runtime):
+    r = bert_client.post("/v1/heads", json={"texts": TEXTS})
+    assert r.status_code == 200, r.text
+    heads = r.json()["heads"]
+    prev = [h for h in heads if h["label"] == "previous_token"]
+    sink = [h for h in heads if h["label"] == "sink"]
+    assert prev and sink, {h["label"] for h in heads}
+    assert all(h["scores"]["previous_token"] > 0.5 for h in prev)
+    assert all(h["scores"]["sink"] > 0.6 for h in sink)
+    # position 0 of an encoder text is [CLS]: the sink heads attend to [CLS]
+    assert bert_runtime.tokenize(TEXTS[0]).tokens[0].label == bert_runtime.tokenizer.cls_token
+    assert all(h["scores"]["next_token"] is not None for h in heads)
+    probe = r.json()["probe"]["tokens"]
+    assert probe[0]["label"] == "[CLS]" and probe[-1]["label"] == "[SEP]" and len(probe) == 102
+
+
+@pytest.mark.parametrize("payload, status, etype, param, words", [
+    ({"text": "a"}, 422, "validation_error", "text", ["1 token", "at least 2"]),
+    ({"texts": [SENTENCE, "a"]}, 422, "validation_error", "texts.1", ["at least 2"]),
+    ({"text": SENTENCE, "probe": {"segment_length": 100}}, 422, "context_length_exceeded",
+     "probe.segment_length", ["401 tokens", "256"]),
+    ({"text": SENTENCE, "probe": {"repeats": 1}}, 422, "validation_error", "probe.repeats", []),
+    ({"text": SENTENCE, "thresholds": {"sink": 1.5}}, 422, "validation_error", "thresholds.sink", []),
+    ({"text": SENTENCE, "thresholds": {"banana": 0.5}}, 422, "validation_error", "thresholds.banana", []),
+    ({"text": "   "}, 422, "validation_error", "text", []),
+])
+def test_heads_edge_cases(client, payload, status, etype, param, words):
+    r = client.post("/v1/heads", json=payload)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["type"] == etype and err["param"] == param, err
+    for w in words:
+        assert w in err["message"], err["message"]
+
+
+def test_heads_two_token_text_and_probe_bounds(client):
+    r = client.post("/v1/heads", json={"text": "In the", "probe": {"segment_length": 1, "repeats": 2}})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["probe"]["tokens"]) == 3
+    r = client.post("/v1/heads", json={"text": "In the", "exclude_bos": True, "probe": {"enabled": False}})
+    assert r.status_code == 200  # row 0 has no mass left on the pattern scores: still defined
+    r = client.post("/v1/heads", json={"text": SENTENCE, "probe": {"segment_length": 51, "repeats": 5}})
+    assert r.status_code == 200 and len(r.json()["probe"]["tokens"]) == 256  # exactly n_ctx
+    r = client.post("/v1/heads", json={"text": SENTENCE, "probe": {"segment_length": 52, "repeats": 5}})
+    assert r.status_code == 422 and "261 tokens" in r.json()["error"]["message"]

@@ -1,0 +1,291 @@
+"""Operations: API keys, request ids and JSON logs, /metrics, CORS, time limit, graceful shutdown,
+start-up-only model choice — in process and through a real uvicorn on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import SENTENCE, start_server, stop_server
+
+KEYS = "k-one-0123456789,k-two-abcdefghij"
+
+
+def _metrics(text: str) -> dict:
+    """{(sample name, frozenset(labels)): value} from the Prometheus text format."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def _sample(m: dict, name: str, **labels) -> float:
+    return m.get((name, frozenset(labels.items())), 0.0)
+
+
+def _long_body(n: int = 16) -> dict:
+    tag = uuid.uuid4().hex  # never in the cache
+    return {"texts": [" ".join(["light"] * 200) + f" {tag} {i}" for i in range(n)],
+            "include_scores": True, "encoding": "base64"}
+
+
+# ------------------------------------------------------------------- through a real uvicorn
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("keyed"), "--model", "bundled",
+                     env={"ATTNSCOPE_API_KEYS": KEYS, "ATTNSCOPE_LOG_FORMAT": "json"})
+    yield s
+    stop_server(s)
+
+
+def test_keys_required_on_api_and_health_open(keyed_server):
+    with httpx.Client(base_url=keyed_server.url, timeout=30) as c:
+        for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
+            assert c.get(path).status_code == 200, path
+        r = c.post("/v1/attention", json={"text": SENTENCE})
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "unauthorized"
+        assert "Authorization: Bearer" in r.json()["error"]["message"]
+        assert r.headers["www-authenticate"].startswith("Bearer")
+        assert c.get("/v1/model").status_code == 401
+        for header in ("Bearer wrong-key", "Bearer k-one-012345678", "Basic k-one-0123456789",
+                       "k-one-0123456789", "Bearer"):
+            r = c.post("/v1/attention", json={"text": SENTENCE}, headers={"Authorization": header})
+            assert r.status_code == 401, header
+            assert r.json()["error"]["type"] == "unauthorized"
+            assert 'error="invalid_token"' in r.headers["www-authenticate"]
+        for key in KEYS.split(","):
+            h = {"Authorization": f"Bearer {key}"}
+            r = c.post("/v1/attention", json={"text": SENTENCE, "layers": [0]}, headers=h)
+            assert r.status_code == 200, r.text
+            assert r.json()["attention"]["layers"] == [0]
+            assert c.get("/v1/model", headers=h).status_code == 200
+        # 4xx after auth still use the envelope
+        r = c.post("/v1/attention", json={"text": "x", "layers": [9]},
+                   headers={"Authorization": "bearer k-two-abcdefghij"})
+        assert r.status_code == 422 and r.json()["error"]["type"] == "out_of_range"
+
+
+def test_request_id_echoed_and_json_logs(keyed_server):
+    h = {"Authorization": "Bearer k-one-0123456789"}
+    rid = f"trace-{uuid.uuid4().hex[:12]}"
+    with httpx.Client(base_url=keyed_server.url, timeout=30) as c:
+        r = c.post("/v1/tokenize", json={"text": SENTENCE}, headers={**h, "X-Request-ID": rid})
+        assert r.status_code == 200 and r.headers["x-request-id"] == rid
+        bad = c.get("/healthz", headers={"X-Request-ID": "x" * 300})
+        gen = bad.headers["x-request-id"]
+        assert gen != "x" * 300 and len(gen) == 32 and int(gen, 16) >= 0
+        assert c.get("/healthz").headers["x-request-id"] != gen
+        r401 = c.post("/v1/tokenize", json={"text": "x"}, headers={"X-Request-ID": rid + "-b"})
+        assert r401.status_code == 401 and r401.headers["x-request-id"] == rid + "-b"
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        lines = [json.loads(x) for x in keyed_server.log.read_text().splitlines()
+                 if x.startswith("{")]
+        mine = [x for x in lines if x.get("request_id") == rid and x.get("msg") == "request"]
+        if mine:
+            break
+        time.sleep(0.2)
+    assert mine, keyed_server.log.read_text()[-2000:]
+    assert mine[0]["status"] == 200 and mine[0]["route"] == "/v1/tokenize"
+    assert mine[0]["method"] == "POST" and mine[0]["duration_ms"] >= 0
+    assert {"ts", "level", "logger"} <= set(mine[0])
+    # uvicorn's own lines are JSON too, and no key ever reaches the log
+    text = keyed_server.log.read_text()
+    assert any(x.get("logger", "").startswith("uvicorn") for x in lines)
+    assert "k-one-0123456789" not in text and "k-two-abcdefghij" not in text
+
+
+def test_healthcheck_module(keyed_server):
+    cmd = [sys.executable, "-m", "attnscope.service.healthcheck"]
+    assert subprocess.run(cmd + [keyed_server.url + "/readyz"], timeout=30).returncode == 0
+    assert subprocess.run(cmd + ["http://127.0.0.1:9/readyz"], timeout=30,
+                          capture_output=True).returncode == 1
+
+
+def test_graceful_shutdown_finishes_in_flight_request(tmp_path):
+    s = start_server(tmp_path, "--model", "bundled")
+    result: dict = {}
+
+    def call():
+        try:
+            r = httpx.post(s.url + "/v1/attention", json=_long_body(24), timeout=120)
+            result["status"] = r.status_code
+            result["n"] = len(r.json()["results"])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            result["error"] = repr(exc)
+
+    th = threading.Thread(target=call)
+    try:
+        th.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:  # wait until the request holds the device
+            m = _metrics(httpx.get(s.url + "/metrics", timeout=5).text)
+            if _sample(m, "attnscope_queue_depth") >= 1:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("the long request never reached the device")
+        s.proc.send_signal(signal.SIGTERM)
+        th.join(timeout=90)
+        assert result.get("status") == 200, result
+        assert result["n"] == 24
+        # uvicorn re-raises SIGTERM after its graceful shutdown: exit by the signal (or 0)
+        assert s.proc.wait(timeout=40) in (0, -signal.SIGTERM)
+        log = s.log.read_text()
+        assert "Shutting down" in log or "shutdown" in log.lower()
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
+# ------------------------------------------------------------------------------ in process
+def test_metrics_parse_and_counters_move(make_client, gpt2_runtime):
+    c = make_client(gpt2_runtime)
+    before = _metrics(c.get("/metrics").text)
+    text = f"Metrics test {uuid.uuid4().hex}: the cat sat on the mat."
+    assert c.post("/v1/attention", json={"text": text}).status_code == 200
+    assert c.post("/v1/attention", json={"text": text}).status_code == 200  # cache hit
+    assert c.post("/v1/attention", json={"text": "  "}).status_code == 422
+    assert c.get("/no/such/path").status_code == 404
+    r = c.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    after = _metrics(r.text)
+    route = dict(method="POST", route="/v1/attention")
+    d = lambda name, **lab: _sample(after, name, **lab) - _sample(before, name, **lab)  # noqa: E731
+    assert d("attnscope_requests_total", **route, status="200") == 2
+    assert d("attnscope_requests_total", **route, status="422") == 1
+    assert d("attnscope_requests_total", method="GET", route="unmatched", status="404") == 1
+    assert d("attnscope_request_duration_seconds_count", **route) == 3
+    assert d("attnscope_request_duration_seconds_sum", **route) > 0
+    assert d("attnscope_cache_misses_total") >= 1 and d("attnscope_cache_hits_total") >= 1
+    assert d("attnscope_forwards_total") >= 1
+    assert d("attnscope_forward_seconds_count") == 2 and d("attnscope_queue_wait_seconds_count") == 2
+    assert _sample(after, "attnscope_queue_depth") == 0
+    assert _sample(after, "attnscope_cache_bytes") > 0 and _sample(after, "attnscope_ready") == 1
+    info = [k for k in after if k[0] == "attnscope_model_info"]
+    assert len(info) == 1 and ("id", gpt2_runtime.info["id"]) in info[0][1]
+    assert ("n_layers", "2") in info[0][1]
+    assert _sample(after, "process_resident_memory_bytes") > 0
+
+
+def test_no_keys_by_default_and_no_cors_by_default(client):
+    r = client.post("/v1/tokenize", json={"text": "hi"}, headers={"Origin": "https://evil.example"})
+    assert r.status_code == 200
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_cors_allow_list(make_client, gpt2_runtime):
+    c = make_client(gpt2_runtime, cors_origins="https://lab.example", api_keys="secret-key-1")
+    pre = c.options("/v1/attention", headers={
+        "Origin": "https://lab.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert pre.status_code == 200  # preflight answers without a key
+    assert pre.headers["access-control-allow-origin"] == "https://lab.example"
+    bad = c.options("/v1/attention", headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert bad.headers.get("access-control-allow-origin") != "https://evil.example"
+    r = c.post("/v1/tokenize", json={"text": "hi"}, headers={"Origin": "https://lab.example"})
+    assert r.status_code == 401  # keys still apply, and the browser may read the 401
+    assert r.headers["access-control-allow-origin"] == "https://lab.example"
+    r = c.post("/v1/tokenize", json={"text": "hi"},
+               headers={"Origin": "https://lab.example", "Authorization": "Bearer secret-key-1"})
+    assert r.status_code == 200 and "x-request-id" in r.headers["access-control-expose-headers"].lower()
+
+
+def test_timeout_gives_504_and_does_not_wedge_the_slot(make_client, gpt2_runtime):
+    c = make_client(gpt2_runtime, request_timeout_s=0.25)
+    app = c.app
+    t0 = time.perf_counter()
+    r = c.post("/v1/attention", json=_long_body(16))
+    took = time.perf_counter() - t0
+    assert r.status_code == 504, r.text[:300]
+    err = r.json()["error"]
+    assert err["type"] == "timeout" and "request_timeout_s" in err["message"]
+    assert "x-request-id" in r.headers
+    assert took < 5, took  # answered at the deadline, not when the forward ended
+    assert c.get("/healthz").status_code == 200  # health is never timed
+    deadline = time.time() + 60
+    while (app.state.abandoned or app.state.slot.depth) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not app.state.abandoned and app.state.slot.depth == 0
+    r = c.post("/v1/attention", json={"text": "short", "layers": [0]})
+    assert r.status_code == 200, r.text
+    m = _metrics(c.get("/metrics").text)
+    assert _sample(m, "attnscope_requests_total", method="POST", route="/v1/attention",
+                   status="504") == 1
+
+
+def test_settings_parse_comma_lists():
+    from attnscope.service.config import Settings
+
+    s = Settings(api_keys=" a , b,,", cors_origins="https://x.example")
+    assert s.api_keys == ["a", "b"] and s.cors_origins == ["https://x.example"]
+    assert "api_keys" not in repr(s) and "'a'" not in repr(s)
+    assert Settings().api_keys == [] and Settings().cors_origins == []
+
+
+# ------------------------------------------------------------ the model is start-up only
+FORBIDDEN = {"model", "model_id", "model_name", "model_path", "revision", "checkpoint",
+             "weights", "trust_remote_code", "hub", "repo_id", "model_dir"}
+
+
+def _resolve(schema: dict, spec: dict) -> dict:
+    while "$ref" in schema:
+        ref = schema["$ref"].split("/")[-1]
+        schema = spec["components"]["schemas"][ref]
+    return schema
+
+
+def _properties(schema: dict, spec: dict, seen=None) -> list[tuple[str, dict]]:
+    """(name, schema) of every object schema's properties, recursively."""
+    seen = seen if seen is not None else set()
+    if "$ref" in schema:
+        ref = schema["$ref"]
+        if ref in seen:
+            return []
+        seen.add(ref)
+        schema = _resolve(schema, spec)
+    out = []
+    for k in ("anyOf", "oneOf", "allOf"):
+        for s in schema.get(k, []):
+            out += _properties(s, spec, seen)
+    if "items" in schema:
+        out += _properties(schema["items"], spec, seen)
+    for name, s in (schema.get("properties") or {}).items():
+        out.append((name, schema))
+        out += _properties(s, spec, seen)
+    return out
+
+
+def test_no_request_can_choose_or_load_a_model(client, gpt2_runtime):
+    spec = client.get("/openapi.json").json()
+    posts = 0
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            body = op.get("requestBody")
+            if not body:
+                continue
+            posts += 1
+            schema = body["content"]["application/json"]["schema"]
+            for name, _owner in _properties(schema, spec):
+                assert name not in FORBIDDEN, f"{method.upper()} {path}: field {name!r}"
+            top = _resolve(schema, spec)
+            assert top.get("additionalProperties") is False, (
+                f"{method.upper()} {path}: requests must forbid unknown fields")
+            for p in op.get("parameters", []):
+                assert p["name"] not in FORBIDDEN, f"{method.upper()} {path}: param {p['name']!r}"
+    assert posts >= 2
+    r = client.post("/v1/attention", json={"text": "x", "model": "gpt2"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "model"
+    assert client.app.state.runtime is gpt2_runtime

@@ -1,0 +1,272 @@
+"""POST /v1/scratch-attention: the textbook attention against hand-computed matrices, the
+printed numbers of 001_92e9928af52718c3.txt, numpy and scikit-learn run directly."""
+
+from __future__ import annotations
+
+import base64
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attnscope.schemas import ScratchAttentionResponse
+from attnscope.service.analysis.scratch import attention, scratch_attention
+from attnscope.service.errors import InvalidRequest
+
+from conftest import SENTENCE
+
+URL = "/v1/scratch-attention"
+
+
+def arr(t):
+    """Wire tensor -> float64 numpy (json nulls -> NaN)."""
+    if isinstance(t, dict):
+        dt = {"float32": "<f4", "float16": "<f2"}[t["dtype"]]
+        return np.frombuffer(base64.b64decode(t["data"]), dtype=dt).reshape(t["shape"]).astype(np.float64)
+    return np.array(t, dtype=np.float64)  # None -> nan
+
+
+def np_attention(Q, K, V, mask=None, scale=True):
+    """Independent numpy reference: softmax(Q K^T / sqrt(d_k) + mask) V."""
+    s = Q @ K.T
+    if scale:
+        s = s / math.sqrt(K.shape[1])
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    w = e / e.sum(axis=1, keepdims=True)
+    return w @ V, w
+
+
+# --------------------------------------------------------------- hand-computed matrices
+def test_hand_computed_2x2(client):
+    q = [[1.0, 0.0], [0.0, 1.0]]
+    v = [[1.0, 2.0], [3.0, 4.0]]
+    r = client.post(URL, json={"q": q, "k": q, "v": v})
+    assert r.status_code == 200, r.text
+    body = ScratchAttentionResponse.model_validate(r.json())
+    a = 1 / math.sqrt(2)  # scores: identity / sqrt(d_k = 2)
+    w_hi, w_lo = math.exp(a) / (math.exp(a) + 1), 1 / (math.exp(a) + 1)
+    W = np.array([[w_hi, w_lo], [w_lo, w_hi]])
+    assert body.source == "matrices" and body.scaling == pytest.approx(a) and body.d_k == 2
+    assert np.abs(arr(body.weights)[0] - W).max() < 1e-12
+    assert np.abs(arr(body.scores)[0] - np.eye(2) * a).max() < 1e-12
+    out = np.array([[w_hi * 1 + w_lo * 3, w_hi * 2 + w_lo * 4], [w_lo * 1 + w_hi * 3, w_lo * 2 + w_hi * 4]])
+    assert np.abs(arr(body.output) - out).max() < 1e-12
+    # unscaled: softmax([1, 0])
+    r = client.post(URL, json={"q": q, "k": q, "v": v, "scale": False})
+    w = arr(r.json()["weights"])[0]
+    assert w[0, 0] == pytest.approx(math.e / (math.e + 1), abs=1e-12) and r.json()["scaling"] == 1.0
+
+
+def test_causal_mask_and_masked_scores(client):
+    q = [[1.0, 2.0], [0.5, -1.0], [2.0, 0.0]]
+    r = client.post(URL, json={"q": q, "k": q, "v": q, "variant": "causal"})
+    assert r.status_code == 200, r.text
+    w = arr(r.json()["weights"])[0]
+    s = r.json()["scores"][0]
+    assert s[0][1] is None and s[0][2] is None and s[1][2] is None  # masked: null in JSON
+    assert w[0].tolist() == [1.0, 0.0, 0.0]
+    Q = np.array(q)
+    out, W = np_attention(Q, Q, Q, mask=np.tril(np.ones((3, 3), bool)))
+    assert np.abs(w - W).max() < 1e-12
+    assert np.abs(arr(r.json()["output"]) - out).max() < 1e-12
+    r = client.post(URL, json={"q": q, "k": q, "v": q, "variant": "causal", "encoding": "base64"})
+    assert np.isneginf(arr(r.json()["scores"])[0, 0, 1])
+
+
+def test_multi_head_split_matches_per_head_numpy(client):
+    rng = np.random.default_rng(3)
+    Q, K, V = rng.normal(size=(5, 8)), rng.normal(size=(7, 8)), rng.normal(size=(7, 6))
+    r = client.post(URL, json={"q": Q.tolist(), "k": K.tolist(), "v": V.tolist(),
+                               "variant": "cross", "n_heads": 2})
+    assert r.status_code == 200, r.text
+    b = r.json()
+    assert (b["d_k"], b["d_v"], b["n_heads"]) == (4, 3, 2)
+    w, out = arr(b["weights"]), arr(b["output"])
+    assert w.shape == (2, 5, 7) and out.shape == (5, 6)
+    outs = []
+    for h in range(2):
+        o, wh = np_attention(Q[:, 4 * h:4 * h + 4], K[:, 4 * h:4 * h + 4], V[:, 3 * h:3 * h + 3])
+        assert np.abs(w[h] - wh).max() < 1e-12
+        outs.append(o)
+    assert np.abs(out - np.concatenate(outs, axis=1)).max() < 1e-12
+    assert np.abs(w.sum(-1) - 1).max() < 1e-12
+
+
+# ------------------------------------------ the printed numbers of 001_92e9928af52718c3.txt
+# "A Simple Attention Example": torch.manual_seed(17); nn.Embedding(6, 3); the tokens of
+# 'The T in GPT stands for' -> [5, 4, 1, 3, 2, 0]; no 1/sqrt(d_k) scaling.
+PRINTED_EMBEDDED = [
+    [-0.2154, 0.6582, 0.2169],
+    [0.2750, -0.4114, 0.1158],
+    [0.6124, 0.3518, 0.1863],
+    [-1.7377, -0.6994, 1.1373],
+    [0.9567, 0.0895, 0.0068],
+    [-1.0462, 1.2305, -1.1597],
+]
+PRINTED_SCORES_1 = [-0.3049, 0.2583, 0.0452, -0.0584, 0.2270, -0.9282]
+PRINTED_WEIGHTS_1 = [0.1300, 0.2283, 0.1845, 0.1663, 0.2213, 0.0697]
+PRINTED_CONTEXT_1 = [-0.0025, 0.0458, 0.1988]
+
+
+def _toy_embedded() -> np.ndarray:
+    torch.manual_seed(17)
+    emb = torch.nn.Embedding(6, 3)
+    return emb.weight.detach()[torch.tensor([5, 4, 1, 3, 2, 0])].double().numpy()
+
+
+def test_seed_001_printed_numbers_full_precision(client):
+    X = _toy_embedded()
+    assert np.abs(X - np.array(PRINTED_EMBEDDED)).max() <= 5e-5  # same toy embedding
+    r = client.post(URL, json={"q": X.tolist(), "k": X.tolist(), "v": X.tolist(), "scale": False})
+    assert r.status_code == 200, r.text
+    b = r.json()
+    # printed with 4 decimals: ours rounded the same way must equal them
+    assert np.round(arr(b["scores"])[0, 1], 4).tolist() == PRINTED_SCORES_1
+    assert np.round(arr(b["weights"])[0, 1], 4).tolist() == PRINTED_WEIGHTS_1
+    assert np.round(arr(b["output"])[1], 4).tolist() == PRINTED_CONTEXT_1
+
+
+def test_seed_001_printed_numbers_from_printed_inputs(client):
+    X = PRINTED_EMBEDDED
+    r = client.post(URL, json={"q": X, "k": X, "v": X, "scale": False, "round": 6})
+    b = r.json()
+    assert np.abs(arr(b["scores"])[0, 1] - PRINTED_SCORES_1).max() <= 2e-4
+    assert np.abs(arr(b["weights"])[0, 1] - PRINTED_WEIGHTS_1).max() <= 2e-4
+    assert np.abs(arr(b["output"])[1] - PRINTED_CONTEXT_1).max() <= 2e-4
+    # and scaling changes the answer (the notebook's trainable version divides by sqrt(d_k))
+    r2 = client.post(URL, json={"q": X, "k": X, "v": X, "scale": True})
+    assert np.abs(arr(r2.json()["weights"]) - arr(b["weights"])).max() > 1e-3
+
+
+# ------------------------------------------------------------------ token embeddings
+def _emb(rt) -> np.ndarray:
+    return rt.model.get_input_embeddings().weight.detach().double().cpu().numpy()
+
+
+def test_text_self_and_causal_from_embeddings(client, gpt2_runtime):
+    ids = list(gpt2_runtime.tokenize(SENTENCE).input_ids)
+    E = _emb(gpt2_runtime)[ids]
+    for variant, mask in (("self", None), ("causal", np.tril(np.ones((len(ids), len(ids)), bool)))):
+        r = client.post(URL, json={"text": SENTENCE, "variant": variant})
+        assert r.status_code == 200, r.text
+        b = r.json()
+        assert b["source"] == "embeddings" and b["model"]["id"] == "attnscope-tiny-gpt2"
+        assert [t["id"] for t in b["tokens"]] == ids and b["query_tokens"] == b["tokens"]
+        out, W = np_attention(E, E, E, mask=mask)
+        assert np.abs(arr(b["weights"])[0] - W).max() < 1e-10
+        assert np.abs(arr(b["output"]) - out).max() < 1e-10
+
+
+def test_text_projected_matches_sklearn(client, gpt2_runtime):
+    from sklearn.decomposition import PCA
+
+    emb = _emb(gpt2_runtime)
+    ids = list(gpt2_runtime.tokenize(SENTENCE).input_ids)
+    pca = PCA(n_components=16, whiten=True, svd_solver="randomized", random_state=0).fit(emb)
+    P = pca.transform(emb[ids])
+    out, W = np_attention(P, P, emb[ids], mask=np.tril(np.ones((len(ids), len(ids)), bool)))
+    r = client.post(URL, json={"text": SENTENCE, "project": 16, "variant": "causal"})
+    assert r.status_code == 200, r.text
+    b = r.json()
+    assert b["d_k"] == 16 and b["d_v"] == emb.shape[1]
+    assert np.abs(arr(b["weights"])[0] - W).max() < 1e-8
+    assert np.abs(arr(b["output"]) - out).max() < 1e-8
+
+
+def test_cross_from_query_text_and_random(client, gpt2_runtime):
+    emb = _emb(gpt2_runtime)
+    kid = list(gpt2_runtime.tokenize(SENTENCE).input_ids)
+    qid = list(gpt2_runtime.tokenize("And God said").input_ids)
+    r = client.post(URL, json={"text": SENTENCE, "query_text": "And God said", "variant": "cross"})
+    assert r.status_code == 200, r.text
+    b = r.json()
+    out, W = np_attention(emb[qid], emb[kid], emb[kid])
+    assert arr(b["weights"]).shape == (1, len(qid), len(kid))
+    assert np.abs(arr(b["weights"])[0] - W).max() < 1e-10
+    assert [t["id"] for t in b["query_tokens"]] == qid
+    # seeded random queries: reproducible, seed-dependent, rows still sum to 1
+    r1 = client.post(URL, json={"text": SENTENCE, "variant": "cross", "seed": 7}).json()
+    r2 = client.post(URL, json={"text": SENTENCE, "variant": "cross", "seed": 7}).json()
+    r3 = client.post(URL, json={"text": SENTENCE, "variant": "cross", "seed": 8}).json()
+    assert r1["weights"] == r2["weights"] and r1["weights"] != r3["weights"]
+    assert r1["query_tokens"] is None
+    w = arr(r1["weights"])[0]
+    assert w.shape == (len(kid), len(kid)) and np.abs(w.sum(-1) - 1).max() < 1e-12
+    assert np.abs(arr(r1["output"]) - w @ emb[kid]).max() < 1e-10  # V is the embeddings
+
+
+def test_encoder_embeddings(bert_client, bert_runtime):
+    r = bert_client.post(URL, json={"text": "The cat sat.", "n_heads": 12})
+    assert r.status_code == 200, r.text
+    b = r.json()
+    ids = [t["id"] for t in b["tokens"]]
+    assert b["tokens"][0]["special"] and len(ids) == len(bert_runtime.tokenize("The cat sat.").input_ids)
+    E = _emb(bert_runtime)[ids]
+    dh = E.shape[1] // 12
+    _, W3 = np_attention(E[:, 3 * dh:4 * dh], E[:, 3 * dh:4 * dh], E[:, 3 * dh:4 * dh])
+    assert np.abs(arr(b["weights"])[3] - W3).max() < 1e-10
+
+
+def test_one_token(client):
+    r = client.post(URL, json={"q": [[2.0]], "k": [[3.0]], "v": [[5.0]], "variant": "causal"})
+    assert r.status_code == 200 and arr(r.json()["weights"]).tolist() == [[[1.0]]]
+    assert arr(r.json()["output"]).tolist() == [[5.0]]
+    r = client.post(URL, json={"text": "And", "variant": "causal"})
+    assert r.status_code == 200 and arr(r.json()["weights"]).tolist() == [[[1.0]]]
+
+
+# ---------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    "payload, param, words",
+    [
+        ({"q": [[1, 2], [3]], "k": [[1, 2]], "v": [[1]]}, "q", "rectangular"),
+        ({"q": [[1, 2]], "k": [[1, 2, 3]], "v": [[1]]}, "k", "same width"),
+        ({"q": [[1, 2]], "k": [[1, 2]], "v": [[1], [2]]}, "v", "same number of rows"),
+        ({"q": [[1, 2]], "k": [[1, 2], [3, 4]], "v": [[1], [2]], "variant": "causal"}, "variant",
+         "as many queries as keys"),
+        ({"q": [[1, 2, 3]], "k": [[1, 2, 3]], "v": [[1, 2, 3]], "n_heads": 2}, "n_heads", "divide"),
+        ({"q": [[1.0]], "k": [[1.0]]}, None, "missing: v"),
+        ({"q": [[1.0]], "k": [[1.0]], "v": [[1.0]], "text": "x"}, None, "not both"),
+        ({}, None, "give q, k and v"),
+        ({"q": [[1.0]], "k": [[1.0]], "v": [[1.0]], "project": 2}, None, "'text' source only"),
+        ({"text": "a b", "query_text": "c"}, None, "variant 'cross' only"),
+        ({"text": "a b", "project": 129}, "project", "at most"),
+        ({"text": "  "}, "text", "non-whitespace"),
+        ({"q": [], "k": [[1.0]], "v": [[1.0]]}, "q", "at least 1 row"),
+        ({"q": [[1e200]], "k": [[1e200]], "v": [[1.0]]}, "q", "overflows"),
+        ({"q": [[1.0]] * 513, "k": [[1.0]], "v": [[1.0]]}, "q", "513"),
+        ({"q": [[1.0] * 1025], "k": [[1.0]], "v": [[1.0]]}, "q", "1024"),
+        ({"q": [[1.0] * 300] * 300, "k": [[1.0]], "v": [[1.0]]}, "q", "65536"),
+        ({"q": [[1.0]], "k": [[1.0]], "v": [[1.0]], "n_heads": 0}, "n_heads", ""),
+        ({"q": [[1.0]], "k": [[1.0]], "v": [[1.0]], "variant": "sideways"}, "variant", ""),
+    ],
+)
+def test_bad_requests_are_422(client, payload, param, words):
+    r = client.post(URL, json=payload)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    if param is not None:
+        assert err["param"] is not None and err["param"].startswith(param), err
+    assert words in err["message"], err
+
+
+def test_non_finite_input_is_422(client):
+    # Python's json writes NaN/Infinity literals; the server must refuse them, never compute.
+    r = client.post(URL, content=b'{"q": [[NaN]], "k": [[1.0]], "v": [[1.0]]}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "finite" in r.json()["error"]["message"]
+    r = client.post(URL, content=b'{"q": [[1.0]], "k": [[Infinity]], "v": [[1.0]]}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["param"].startswith("k")
+
+
+def test_pure_function_steps():
+    Q = torch.tensor([[1.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+    out, w, s = attention(Q, Q, Q, mask=torch.tril(torch.ones(2, 2)))
+    assert torch.isneginf(s[0, 1]) and w[0].tolist() == [1.0, 0.0]
+    assert s[1, 1].item() == pytest.approx(2 / math.sqrt(2))
+    with pytest.raises(InvalidRequest):
+        scratch_attention(Q, Q[:, :1], Q)

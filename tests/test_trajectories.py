@@ -1,0 +1,161 @@
+"""POST /v1/trajectories against scikit-learn run directly, as 000_1c89b6c8c2a32040.txt does."""
+
+from __future__ import annotations
+
+import base64
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.decomposition import PCA
+from sklearn.preprocessing import StandardScaler
+
+from attnscope.schemas import TrajectoriesResponse
+from attnscope.service.analysis.trajectories import trajectories
+from attnscope.service.errors import InvalidRequest, NonFiniteValues
+
+from conftest import SENTENCE
+
+URL = "/v1/trajectories"
+
+
+def arr(t):
+    if isinstance(t, dict):
+        dt = {"float32": "<f4", "float16": "<f2"}[t["dtype"]]
+        return np.frombuffer(base64.b64decode(t["data"]), dtype=dt).reshape(t["shape"]).astype(np.float64)
+    return np.array(t, dtype=np.float64)
+
+
+def reference(rt, text, include_final=False, n_components=2):
+    """The source's steps, run directly (Hugging Face forward + scikit-learn)."""
+    ids = torch.tensor([rt.tokenize(text).input_ids])
+    with torch.no_grad():
+        out = rt.adapter.base()(input_ids=ids, output_hidden_states=True)
+    hidden_states = torch.stack(out.hidden_states).squeeze(1).detach().cpu()
+    trajectory_states = hidden_states if include_final else hidden_states[:-1]
+    n_state, n_token, n_dim = trajectory_states.shape
+    flat = trajectory_states.reshape(n_state * n_token, n_dim).to(torch.float64).numpy()
+    scaled = StandardScaler().fit_transform(flat)
+    pca = PCA(n_components=n_components, random_state=0)
+    hidden_2d = pca.fit_transform(scaled).reshape(n_state, n_token, n_components)
+    start, end = hidden_2d[0], hidden_2d[-1]
+    distances = [math.sqrt(sum((end[t, c] - start[t, c]) ** 2 for c in range(n_components)))
+                 for t in range(n_token)]
+    return trajectory_states.double().numpy(), hidden_2d, pca.explained_variance_ratio_, distances
+
+
+@pytest.mark.parametrize("fixture", ["gpt2", "bert"])
+def test_matches_sklearn_directly(fixture, request):
+    rt = request.getfixturevalue(f"{fixture}_runtime")
+    c = request.getfixturevalue("client" if fixture == "gpt2" else "bert_client")
+    r = c.post(URL, json={"text": SENTENCE})
+    assert r.status_code == 200, r.text
+    body = TrajectoriesResponse.model_validate(r.json())
+    t = body.trajectories
+    states, hidden_2d, evr, distances = reference(rt, SENTENCE)
+    n_state, n_token, _ = hidden_2d.shape
+    assert t.states == list(range(rt.adapter.n_layers)) and len(t.states) == n_state
+    assert t.positions == list(range(n_token)) and len(t.tokens) == n_token
+    paths = arr(t.paths)
+    assert paths.shape == (n_token, n_state, 2)
+    # the model's hidden states are float32: agree to float32 precision after standardising
+    assert np.abs(paths - hidden_2d.transpose(1, 0, 2)).max() < 1e-4
+    assert np.abs(np.array(t.explained_variance_ratio) - evr).max() < 1e-6
+    assert np.abs(np.array(t.distance_projected) - distances).max() < 1e-4
+    full = np.linalg.norm(states[-1] - states[0], axis=-1)
+    assert np.abs(np.array(t.distance_full) - full).max() < 1e-4 * max(1.0, full.max())
+    cos = (states[0] * states[-1]).sum(-1) / (
+        np.linalg.norm(states[0], axis=-1) * np.linalg.norm(states[-1], axis=-1))
+    assert np.abs(np.array(t.cosine_first_last) - cos).max() < 1e-6
+    assert 0 < sum(t.explained_variance_ratio) <= 1 + 1e-9
+    assert t.explained_variance_ratio == sorted(t.explained_variance_ratio, reverse=True)
+
+
+def test_include_final_more_components_selection(client, gpt2_runtime):
+    states, proj, evr, distances = reference(gpt2_runtime, SENTENCE, include_final=True, n_components=5)
+    sel = [11, 8, 9]
+    r = client.post(URL, json={"text": SENTENCE, "include_final": True, "n_components": 5,
+                               "positions": sel, "encoding": "base64"})
+    assert r.status_code == 200, r.text
+    t = r.json()["trajectories"]
+    assert t["states"] == list(range(gpt2_runtime.adapter.n_layers + 1)) and t["positions"] == sel
+    paths = arr(t["paths"])
+    assert paths.shape == (3, proj.shape[0], 5)
+    assert np.abs(paths - proj[:, sel, :].transpose(1, 0, 2)).max() < 1e-4
+    assert np.abs(np.array(t["explained_variance_ratio"]) - evr).max() < 1e-6
+    assert np.abs(np.array(t["distance_projected"]) - np.array(distances)[sel]).max() < 1e-4
+    # the final state differs from the default's: dropping it is not a no-op
+    d = client.post(URL, json={"text": SENTENCE, "positions": sel}).json()["trajectories"]
+    assert len(d["states"]) == len(t["states"]) - 1
+
+
+def test_independent_svd_cross_check(gpt2_runtime):
+    """Explained variance and projections equal an eigendecomposition done with numpy."""
+    fw = gpt2_runtime.forward_many([gpt2_runtime.tokenize(SENTENCE)])[0]
+    r = trajectories(fw.hidden_states, n_components=3)
+    X = fw.hidden_states[:-1].reshape(-1, fw.hidden_states.shape[-1]).double().numpy()
+    Z = (X - X.mean(0)) / np.where(X.std(0) > 0, X.std(0), 1)
+    U, S, Vt = np.linalg.svd(Z, full_matrices=False)
+    ratio = S**2 / (S**2).sum()
+    assert np.abs(r["explained_variance_ratio"] - ratio[:3]).max() < 1e-9
+    P = (Z @ Vt[:3].T).reshape(-1, fw.n_tokens, 3).transpose(1, 0, 2)
+    for c in range(3):  # equal up to the sign of each component
+        a, b = r["paths"][..., c], P[..., c]
+        assert min(np.abs(a - b).max(), np.abs(a + b).max()) < 1e-8
+
+
+def test_texts_batch(client):
+    r = client.post(URL, json={"texts": [SENTENCE, "And God said, Let there be light."]})
+    assert r.status_code == 200, r.text
+    res = r.json()["results"]
+    assert len(res) == 2 and r.json().get("trajectories") is None
+    one = client.post(URL, json={"text": "And God said, Let there be light."}).json()["trajectories"]
+    assert np.abs(arr(res[1]["paths"]) - arr(one["paths"])).max() < 1e-9
+
+
+def test_one_token_text(client):
+    # "And" is one token: 2 states x 1 token = 2 samples, enough for 1 or 2 components
+    r = client.post(URL, json={"text": "And"})
+    assert r.status_code == 200, r.text
+    t = r.json()["trajectories"]
+    assert len(t["tokens"]) == 1 and arr(t["paths"]).shape == (1, 2, 2)
+    r = client.post(URL, json={"text": "And", "n_components": 3})
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert err["param"] == "n_components" and "min(n_samples, d_model)" in err["message"]
+    assert "= 2" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "payload, status, param, words",
+    [
+        ({"text": SENTENCE, "n_components": 129}, 422, "n_components", "at most"),
+        ({"text": SENTENCE, "n_components": 0}, 422, "n_components", ""),
+        ({"text": SENTENCE, "positions": [0, 99]}, 422, "positions.1", "out of range"),
+        ({"text": SENTENCE, "positions": [-1]}, 422, "positions.0", "out of range"),
+        ({"texts": [SENTENCE, "And"], "positions": [3]}, 422, "positions.0", "texts.1"),
+        ({"texts": [SENTENCE, "And"], "n_components": 20}, 422, "n_components", "texts.1"),
+        ({"text": SENTENCE, "bogus": 1}, 422, "bogus", ""),
+    ],
+)
+def test_bad_requests(client, payload, status, param, words):
+    r = client.post(URL, json=payload)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_pure_function_edges():
+    hs = torch.randn(2, 1, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(InvalidRequest, match="at least 2 samples"):
+        trajectories(hs)  # one state (final dropped) x one token
+    assert trajectories(hs, include_final=True, n_components=1)["paths"].shape == (1, 2, 1)
+    with pytest.raises(InvalidRequest, match="do not vary"):
+        trajectories(torch.ones(3, 4, 8))
+    bad = torch.randn(3, 4, 8)
+    bad[1, 2, 3] = float("nan")
+    with pytest.raises(NonFiniteValues):
+        trajectories(bad)
+    r = trajectories(torch.randn(3, 4, 8), positions=[])
+    assert r["paths"].shape == (0, 2, 2) and r["distance_projected"].shape == (0,)

@@ -1,0 +1,210 @@
+"""Wire encodings of /v1/attention (issue 6): tril, sparse, binary (safetensors), streamed JSON,
+the memory check. Every decoded tensor is compared with the runtime's own forward (Hugging
+Face's output_attentions) or an independent numpy computation; binary responses are also read
+with the ``safetensors`` library."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from tests.conftest import ROOT, SENTENCE
+
+SAFETENSORS = "application/x-safetensors"
+
+
+def _load_wire():
+    path = ROOT / "clients" / "python" / "attnscope" / "client" / "wire.py"
+    spec = importlib.util.spec_from_file_location("attnscope_wire_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+wire = _load_wire()
+
+
+@pytest.fixture(scope="module")
+def reference(gpt2_runtime):
+    tt = gpt2_runtime.tokenize(SENTENCE)
+    fw = gpt2_runtime.forward_many([tt])[0]
+    return fw.pattern.numpy(), fw.scores().numpy()
+
+
+def post(client, body, accept=None):
+    headers = {"accept": accept} if accept else {}
+    return client.post("/v1/attention", json={"text": SENTENCE, **body}, headers=headers)
+
+
+@pytest.mark.parametrize("encoding,dtype,tol", [("json", "float32", 1e-7),
+                                                ("base64", "float32", 0), ("base64", "float16", 1e-3)])
+def test_tril_round_trips_pattern_and_scores(client, reference, encoding, dtype, tol):
+    pattern, scores = reference
+    r = post(client, {"layout": "tril", "encoding": encoding, "dtype": dtype, "include_scores": True})
+    assert r.status_code == 200, r.text
+    att = r.json()["attention"]
+    T = pattern.shape[-1]
+    if encoding == "json":
+        assert att["pattern"]["encoding"] == "tril"
+        assert [len(row) for row in att["pattern"]["data"][0][0]] == list(range(1, T + 1))
+    else:
+        assert att["pattern"]["layout"] == "tril"
+    p = wire.decode_tensor(att["pattern"]).astype(np.float32)
+    s = wire.decode_tensor(att["scores"]).astype(np.float32)
+    np.testing.assert_allclose(p, pattern, atol=tol, rtol=tol)
+    finite = np.isfinite(scores)
+    assert (np.isneginf(s) == ~finite).all()
+    np.testing.assert_allclose(s[finite], scores[finite], atol=max(tol, 1e-6) * 50, rtol=tol or 1e-6)
+
+
+def test_tril_is_smaller_and_rejected_for_encoders(client, bert_client):
+    full = post(client, {"encoding": "base64"})
+    tril = post(client, {"encoding": "base64", "layout": "tril"})
+    assert len(tril.content) < 0.65 * len(full.content)
+    r = bert_client.post("/v1/attention", json={"text": SENTENCE, "layout": "tril"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "layout"
+
+
+@pytest.mark.parametrize("sparse", [{"top_k": 3}, {"threshold": 0.1, "format": "coo"},
+                                    {"top_k": 5, "threshold": 0.05}])
+@pytest.mark.parametrize("encoding", ["json", "base64"])
+def test_sparse_keeps_what_it_says(client, reference, sparse, encoding):
+    pattern, _ = reference
+    r = post(client, {"sparse": sparse, "encoding": encoding})
+    assert r.status_code == 200, r.text
+    sp = r.json()["attention"]["pattern"]
+    assert sp["encoding"] == "sparse" and sp["format"] == sparse.get("format", "flat")
+    dense = wire.sparse_to_dense(sp)
+    # independent rule in numpy: per row, top-k (or all) non-zero entries, then threshold
+    expect = np.zeros_like(pattern)
+    k = sparse.get("top_k") or pattern.shape[-1]
+    order = np.argsort(-pattern, axis=-1, kind="stable")[..., :k]
+    kept = np.take_along_axis(pattern, order, -1)
+    ok = kept > 0
+    if "threshold" in sparse:
+        ok &= kept >= sparse["threshold"]
+    np.put_along_axis(expect, order, np.where(ok, kept, 0), -1)
+    np.testing.assert_allclose(dense, expect, atol=1e-7)
+    parts = wire.sparse_parts(sp)
+    assert parts["values"].size == sp["nnz"] == int((expect > 0).sum())
+    np.testing.assert_allclose(parts["row_mass"], expect.sum(-1), atol=1e-5)
+    assert sp["min_row_mass"] == pytest.approx(float(expect.sum(-1).min()), abs=1e-5)
+    if sp["format"] == "flat":
+        assert (np.diff(parts["indices"]) > 0).all()  # row-major order
+    else:
+        assert parts["indices"].shape == (sp["nnz"], 4)
+
+
+def test_sparse_options_validated(client):
+    r = post(client, {"sparse": {}})
+    assert r.status_code == 422 and "top_k" in r.json()["error"]["message"]
+    r = post(client, {"sparse": {"threshold": 1.5}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "sparse.threshold"
+
+
+@pytest.mark.parametrize("body", [{"include_scores": True}, {"layout": "tril", "dtype": "float16"},
+                                  {"sparse": {"top_k": 2}}, {"texts": [SENTENCE, "In the beginning"]}])
+def test_binary_response_decodes(client, reference, body):
+    from safetensors.numpy import load
+
+    if "texts" in body:
+        r = client.post("/v1/attention", json=body, headers={"accept": SAFETENSORS})
+    else:
+        r = post(client, body, SAFETENSORS)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == SAFETENSORS
+    assert int(r.headers["content-length"]) == len(r.content)
+    lib = load(r.content)  # the reference reader
+    meta, arrays = wire.read_safetensors(r.content)
+    assert set(lib) == set(arrays)
+    for k in lib:
+        np.testing.assert_array_equal(lib[k], arrays[k])
+    decoded = wire.decode_binary_response(r.content)
+    js = client.post("/v1/attention", json={**({"text": SENTENCE} if "texts" not in body else {}), **body}).json()
+    pattern, scores = reference
+    if "texts" in body:
+        assert [x["tokens"] for x in decoded["results"]] == [x["tokens"] for x in js["results"]]
+        np.testing.assert_allclose(decoded["results"][0]["pattern"], pattern, atol=0)
+        return
+    att = decoded["attention"]
+    assert att["tokens"] == js["attention"]["tokens"]
+    if "sparse" in body:
+        np.testing.assert_allclose(wire.sparse_to_dense(att["pattern"]),
+                                   wire.sparse_to_dense(js["attention"]["pattern"]), atol=0)
+    else:
+        np.testing.assert_allclose(att["pattern"].astype(np.float32), pattern,
+                                   atol=1e-3 if body.get("dtype") == "float16" else 0)
+    if body.get("include_scores"):
+        assert np.isneginf(att["scores"]).sum() == np.isneginf(scores).sum()
+
+
+@pytest.mark.parametrize("accept,binary", [
+    ("application/json", False), ("*/*", False), (None, False),
+    (SAFETENSORS, True), (f"application/json;q=0.5, {SAFETENSORS}", True),
+    (f"{SAFETENSORS};q=0.2, application/json", False),
+])
+def test_accept_negotiation(client, accept, binary):
+    r = post(client, {"layers": [0]}, accept)
+    assert r.status_code == 200
+    assert (r.headers["content-type"] == SAFETENSORS) is binary
+
+
+def test_accept_nothing_we_produce_is_406(client):
+    r = post(client, {}, "text/html")
+    assert r.status_code == 406
+    assert r.json()["error"]["type"] == "not_acceptable"
+
+
+def test_streamed_json_equals_one_shot(monkeypatch):
+    from attnscope.service import encoding
+
+    monkeypatch.setattr(encoding, "CHUNK_BYTES", 64)
+    rng = np.random.default_rng(0)
+    body = {"a": rng.random((3, 4, 5), dtype=np.float32), "s": "x\"y\\" * 50 + "\x00é",
+            "tokens": [{"label": f"t{i}", "n": i} for i in range(600)], "n": None,
+            "v": rng.random(300).astype(np.float32), "nested": [{"b": rng.random((2, 40))}]}
+    chunks = list(encoding.iter_json(body))
+    assert len(chunks) > 3
+    assert b"".join(chunks) == encoding.dumps(body)
+    assert orjson.loads(b"".join(chunks))["s"] == body["s"]
+
+
+def test_large_json_is_streamed_and_correct(client, make_client, gpt2_runtime, monkeypatch, reference):
+    from attnscope.service import encoding
+
+    monkeypatch.setattr(encoding, "STREAM_MIN_BYTES", 1000)
+    monkeypatch.setattr(encoding, "CHUNK_BYTES", 512)
+    r = post(client, {"include_scores": True})
+    assert r.status_code == 200
+    assert "content-length" not in r.headers  # chunked
+    np.testing.assert_allclose(np.array(r.json()["attention"]["pattern"]), reference[0], atol=1e-7)
+
+
+def test_recorded_bytes_estimate_is_exact(gpt2_runtime):
+    from attnscope.service.runtime.memory import recorded_bytes
+
+    a = gpt2_runtime.adapter
+    for text in (SENTENCE, "In the beginning God created the heaven and the earth. " * 3):
+        fw = gpt2_runtime.forward_many([gpt2_runtime.tokenize(text)])[0]
+        assert recorded_bytes(a.n_layers, a.n_heads, a.d_model, fw.n_tokens, 4) == fw.tensors.nbytes
+
+
+def test_memory_limit_refuses_before_forward(client, gpt2_runtime, monkeypatch):
+    monkeypatch.setattr(gpt2_runtime.settings, "max_request_bytes", 200_000)
+    c = client
+    before = gpt2_runtime.forward_count
+    text = "a fresh text never seen by the cache, with quite a few tokens in it " * 3
+    r = c.post("/v1/attention", json={"text": text})
+    assert r.status_code == 422, r.text[:300]
+    err = r.json()["error"]
+    assert err["type"] == "memory_limit_exceeded"
+    assert "200000" in err["message"] and "estimated" in err["message"]
+    assert gpt2_runtime.forward_count == before
+    # a smaller answer (sparse) of a short text passes the same limit
+    r = c.post("/v1/attention", json={"text": "short", "sparse": {"top_k": 1}})
+    assert r.status_code == 200, r.text[:300]
