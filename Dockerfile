@@ -45,6 +45,7 @@ RUN pip install --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" 
 COPY README.md ./
 COPY schemas ./schemas
 COPY service ./service
+COPY clients/python/attnscope/client ./clients/python/attnscope/client
 RUN pip install --no-deps . \
     && useradd --uid 10001 --user-group --no-create-home --home-dir /app attnscope \
     && mkdir -p /data/hf \

@@ -323,6 +323,27 @@ def attention_e2e(url: str, texts: Texts, lengths, runs_for, info: dict, floor: 
     return out
 
 
+def client_e2e(url: str, texts: Texts, T: int, runs: int, floor: dict) -> dict:
+    """/v1/attention through the attnscope Python client (clients/python), to ``.numpy()``."""
+    try:
+        from attnscope.client import Client
+    except Exception as exc:  # noqa: BLE001
+        return {"skipped": f"client not importable ({type(exc).__name__})"}
+    out = {"T": T}
+    with Client(base_url=url, timeout=900) as c:
+        for name, opts in (("json", {"encoding": "json"}),
+                           ("base64_f16", {"encoding": "base64", "dtype": "float16"})):
+            c.attention(texts.make(T), **opts).attention.pattern.numpy()  # warm-up
+            times = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                c.attention(texts.make(T), **opts).attention.pattern.numpy()
+                times.append(time.perf_counter() - t0)
+            out[name] = {"with_decode_s": median(times),
+                         "ratio_to_floor": median(times) / floor[T]["median_s"]}
+    return out
+
+
 ANALYSES = {
     "attention": ("/v1/attention", {"encoding": "base64", "dtype": "float16"}),
     "heads": ("/v1/heads", {}),
@@ -540,6 +561,14 @@ def report(res: dict) -> str:
                 rd = "-" if e["ratio_with_decode"] is None else f"{e['ratio_with_decode']:.2f}x"
                 lines.append(f"    {n:18} {fmt_s(e['latency_s']):>9} {fmt_s(e['with_decode_s']):>9} "
                              f"{fmt_b(e['bytes']):>9}  {e['ratio_to_floor']:.2f}x  (with decode {rd})")
+    if "client" in res:
+        c = res["client"]
+        if "T" in c:
+            lines.append(f"\nThrough the attnscope client (T={c['T']}, to .numpy()): " + ", ".join(
+                f"{k} {fmt_s(v['with_decode_s'])} ({v['ratio_to_floor']:.2f}x floor)"
+                for k, v in c.items() if k != "T"))
+        else:
+            lines.append(f"\nThrough the attnscope client: {c}")
     if "analyses" in res:
         a = res["analyses"]
         lines.append(f"\nAll analyses of one text (T={a['T']}) in sequence vs one alone: "
@@ -687,6 +716,10 @@ def main(argv=None) -> int:
         res["encoders"] = encoders_in_process(base, texts, lengths, max(1, runs - 2))
         print("/v1/attention per encoding ...", flush=True)
         res["attention"] = attention_e2e(srv.url, texts, lengths, runs_for, info, res["floor"])
+        try:
+            res["client"] = client_e2e(srv.url, texts, T0, runs, res["floor"])
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            res["client"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         print("analyses ...", flush=True)
         res["analyses"] = analyses_sequence(srv.url, texts, T0, runs)
         print("heads vs TransformerLens ...", flush=True)

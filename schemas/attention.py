@@ -42,10 +42,11 @@ class AttentionRequest(TextOrTexts, TensorOptions):
 
     layers: list[int] | None = Field(
         None, description="Layer indices to return (0-based, each < n_layers), in the order "
-        "given; null = all layers."
+        "given, each at most once; null = all layers."
     )
     heads: list[int] | None = Field(
-        None, description="Head indices to return (0-based, each < n_heads); null = all heads."
+        None, description="Head indices to return (0-based, each < n_heads, each at most once); "
+        "null = all heads."
     )
     head_mean: bool = Field(
         False, description="Return the mean over the selected heads instead of each head: "

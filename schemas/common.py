@@ -8,9 +8,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 
 class StrictModel(BaseModel):
-    """Base for requests: unknown fields are rejected (422), never silently ignored."""
+    """Base for requests: unknown fields are rejected (422), never silently ignored, and values
+    are never coerced across JSON types (pydantic strict mode): ``"yes"`` or ``1`` is not a
+    boolean, ``true``, ``1.0`` or ``"1"`` is not an index, ``true`` is not a number (an integer
+    is still accepted where a float is expected)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class LenientModel(BaseModel):

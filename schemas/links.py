@@ -21,7 +21,7 @@ class LinksRequest(TextOrTexts):
     exclude_self: bool = Field(True, description="Never link a token to itself (default true).")
     ignore: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=list, description="Key positions never chosen as links, e.g. [0] for "
-        "the first-token sink; each must be < the text's token count."
+        "the first-token sink; each must be < the text's token count, and appear once."
     )
     direction: Literal["earlier", "any"] = Field(
         "earlier", description="'earlier': keys at or before the query only (future keys never "

@@ -20,6 +20,9 @@ MAX_DIM = 1024
 """Most columns (vector width) a q/k/v matrix may have."""
 MAX_ELEMENTS = 65536
 """Most numbers in one q/k/v matrix."""
+MAX_WEIGHTS = 4_194_304
+"""Most numbers in the weights (and in the scores) of one response: n_heads x query_pos x
+key_pos (e.g. 16 heads x 512 x 512). Larger requests get a 422 before any work."""
 
 Variant = Literal["self", "causal", "cross"]
 
@@ -97,7 +100,8 @@ class ScratchAttentionRequest(TensorOptions):
     n_heads: int = Field(
         1, ge=1, le=64,
         description="Multi-head split: the width of Q/K and of V is split into n_heads equal "
-        "slices (must divide both), attention runs per head, outputs are concatenated.",
+        "slices (must divide both), attention runs per head, outputs are concatenated. "
+        f"n_heads x query_pos x key_pos may be at most {MAX_WEIGHTS}.",
     )
     scale: bool = Field(
         True,

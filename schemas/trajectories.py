@@ -28,7 +28,7 @@ class TrajectoriesRequest(TextOrTexts, TensorOptions):
     positions: list[int] | None = Field(
         None,
         description="Token selection: positions (0-based, each < n_tokens) whose paths and "
-        "distances are returned, in the order given; null = all tokens; [] = none (empty "
+        "distances are returned, in the order given, each at most once; null = all tokens; [] = none (empty "
         "paths and distances). The PCA is always fitted on every token and state.",
     )
 

@@ -15,7 +15,8 @@ class VerifyRequest(TextOrTexts):
     """Recompute every layer's attention from scratch and compare with the model's."""
 
     layers: list[int] | None = Field(
-        None, description="Layer indices to check (0-based, each < n_layers); null = all."
+        None, description="Layer indices to check (0-based, each < n_layers, each at most once); "
+        "null = all."
     )
     tolerance: float | None = Field(
         None, gt=0, le=1,

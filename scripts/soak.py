@@ -98,6 +98,9 @@ def bad_requests(max_body: int) -> list[tuple[str, str, object, tuple[int, ...]]
         ("POST", "/v1/heads", {"text": ""}, (422,)),
         ("POST", "/v1/scratch-attention", {"q": [[1.0, 2.0], [3.0]], "k": [[1.0]], "v": [[1.0]]}, (422,)),
         ("POST", "/v1/attention", b'{"text": "' + b"a" * (max_body + 10) + b'"}', (413,)),
+        ("POST", "/v1/attention", b'{"text": "lone \\ud800 surrogate"}', (422,)),
+        ("POST", "/v1/heads", b'{"texts": ["ok", "\\udfff"]}', (422,)),
+        ("POST", "/v1/verify", b'{"text": "\\ud83d"}', (422,)),
         ("GET", "/v1/no-such-endpoint", None, (404,)),
         ("GET", "/v1/attention", None, (405,)),
     ]
@@ -208,6 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         if host not in ("127.0.0.1", "::1", "localhost"):
             raise SystemExit(f"--url must be on loopback (127.0.0.1, ::1, localhost), got {host!r}")
         url = args.url.rstrip("/")
+        deadline = time.time() + 180
+        while True:  # wait for readiness, as for a started server
+            try:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise SystemExit(f"{url} is not ready after 180 s")
+            time.sleep(0.3)
     else:
         proc, url, _log = start_server(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

@@ -77,6 +77,35 @@ def test_attention_numpy_matches_hugging_face(api, gpt2_runtime):
     np.testing.assert_allclose(a16[0], hf[1].mean(0), atol=2e-3)
 
 
+@pytest.mark.parametrize("form", [
+    {"encoding": "base64"}, {"encoding": "base64", "dtype": "float16"}, {"layout": "tril"},
+    {"layout": "tril", "encoding": "base64"}, {"binary": True},
+    {"binary": True, "layout": "tril"},
+])
+def test_every_wire_form_decodes_to_the_same_array(api, form):
+    """JSON lists are the reference; every other form's .numpy() gives the same array."""
+    ref = api.attention(SENTENCE, include_scores=True)
+    res = api.attention(SENTENCE, include_scores=True, **form)
+    tol = 2e-3 if form.get("dtype") == "float16" else 0
+    for field in ("pattern", "scores"):
+        want = getattr(ref.attention, field).numpy()
+        got = getattr(res.attention, field).numpy()
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+        fin = np.isfinite(want)
+        np.testing.assert_allclose(got[fin], want[fin], atol=tol, rtol=tol)
+
+
+def test_sparse_pattern_keeps_top_k_per_row(api):
+    dense = api.attention(SENTENCE, layers=[0]).attention.pattern.numpy()
+    sp = api.attention(SENTENCE, layers=[0], sparse={"top_k": 2}).attention.pattern.numpy()
+    assert sp.shape == dense.shape
+    assert ((sp > 0).sum(-1) <= 2).all()
+    kept = sp > 0
+    np.testing.assert_allclose(sp[kept], dense[kept], rtol=1e-6)
+    np.testing.assert_allclose(np.sort(dense, -1)[..., -1], sp.max(-1), rtol=1e-6)
+
+
 def test_masked_scores_are_neg_inf_in_both_encodings(api):
     js = api.attention("one two three", include_scores=True, layers=[0]).attention.scores.numpy()
     b64 = api.attention("one two three", include_scores=True, layers=[0],
@@ -393,3 +422,47 @@ def test_connection_error_against_closed_port():
         with pytest.raises(ac.APIConnectionError) as ei:
             c.model()
     assert isinstance(ei.value.__cause__, httpx.ConnectError)
+
+
+def test_batch_in_process_timeouts_recorded_connection_loss_stops(gpt2_runtime, tmp_path):
+    """run_batch over the real app; a transport that times out on one text and then loses the
+    connection: the timeout is a recorded failure, the connection loss stops the run and
+    leaves the remaining ids for the next run."""
+    import json
+
+    from attnscope.client.batch import run_batch
+
+    app_transport = httpx.ASGITransport(app=_asgi_app(gpt2_runtime))
+    state = {"down": False}
+
+    async def handler(request):
+        text = json.loads(request.content)["text"]
+        if text == "slow":
+            raise httpx.ReadTimeout("slow", request=request)
+        if text == "down" or state["down"]:
+            state["down"] = True
+            raise httpx.ConnectError("refused", request=request)
+        return await app_transport.handle_async_request(request)
+
+    lines = [json.dumps({"id": i, "text": t}) for i, t in
+             enumerate(["a b", "slow", "c d", "word " * 300])]
+    out, fails = str(tmp_path / "o.jsonl"), str(tmp_path / "f.jsonl")
+
+    async def go(lines, transport):
+        async with httpx.AsyncClient(transport=transport) as http:
+            c = AsyncClient("http://app", http_client=http, max_retries=0)
+            return await run_batch(c, lines, out, fails, {"tokenize": {}}, concurrency=1,
+                                   progress=False)
+
+    s = asyncio.run(go(lines, httpx.MockTransport(handler)))
+    assert (s.done, s.failed, s.stopped) == (2, 2, None)
+    assert s.failed_types == {"client_timeout": 1, "context_length_exceeded": 1}
+    more = lines + [json.dumps({"id": 9, "text": "down"}), json.dumps({"id": 10, "text": "x"})]
+    s = asyncio.run(go(more, httpx.MockTransport(handler)))
+    assert s.skipped == 4 and s.done == 0 and s.failed == 0
+    assert s.stopped and "connection failure" in s.stopped
+    state["down"] = False
+    s = asyncio.run(go(more, app_transport))
+    assert (s.done, s.skipped) == (2, 4)
+    ids = [json.loads(l)["id"] for p in (out, fails) for l in open(p)]
+    assert sorted(ids) == [0, 1, 2, 3, 9, 10]

@@ -119,7 +119,7 @@ def test_graceful_shutdown_finishes_in_flight_request(tmp_path):
 
     def call():
         try:
-            r = httpx.post(s.url + "/v1/attention", json=_long_body(24), timeout=120)
+            r = httpx.post(s.url + "/v1/attention", json=_long_body(12), timeout=120)
             result["status"] = r.status_code
             result["n"] = len(r.json()["results"])
         except Exception as exc:  # noqa: BLE001 - reported below
@@ -139,7 +139,7 @@ def test_graceful_shutdown_finishes_in_flight_request(tmp_path):
         s.proc.send_signal(signal.SIGTERM)
         th.join(timeout=90)
         assert result.get("status") == 200, result
-        assert result["n"] == 24
+        assert result["n"] == 12
         # uvicorn re-raises SIGTERM after its graceful shutdown: exit by the signal (or 0)
         assert s.proc.wait(timeout=40) in (0, -signal.SIGTERM)
         log = s.log.read_text()
@@ -147,6 +147,33 @@ def test_graceful_shutdown_finishes_in_flight_request(tmp_path):
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
+
+
+def test_timeout_through_uvicorn(tmp_path):
+    """504 at the deadline on a real server; the abandoned forward ends; the same keep-alive
+    connection and the device slot serve the next request."""
+    s = start_server(tmp_path, "--model", "bundled", "--request-timeout-s", "0.3")
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            t0 = time.perf_counter()
+            r = c.post("/v1/attention", json=_long_body(16), headers={"X-Request-ID": "slow-1"})
+            assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text[:300]
+            assert r.headers["x-request-id"] == "slow-1" and time.perf_counter() - t0 < 5
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                m = _metrics(c.get("/metrics").text)
+                if _sample(m, "attnscope_abandoned_requests") == 0 and \
+                        _sample(m, "attnscope_queue_depth") == 0:
+                    break
+                time.sleep(0.1)
+            assert _sample(m, "attnscope_abandoned_requests") == 0
+            assert _sample(m, "attnscope_requests_total", method="POST", route="/v1/attention",
+                           status="504") == 1
+            r = c.post("/v1/attention", json={"text": SENTENCE, "layers": [0]})
+            assert r.status_code == 200, r.text
+        assert s.proc.poll() is None
+    finally:
+        stop_server(s)
 
 
 # ------------------------------------------------------------------------------ in process
@@ -289,3 +316,26 @@ def test_no_request_can_choose_or_load_a_model(client, gpt2_runtime):
     r = client.post("/v1/attention", json={"text": "x", "model": "gpt2"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "model"
     assert client.app.state.runtime is gpt2_runtime
+
+
+def test_undecodable_body_and_lone_surrogates_are_422(client):
+    """Found by the soak: a non-UTF-8 body was 400 'http_error', a lone surrogate a 500."""
+    r = client.post("/v1/tokenize", content=b"\xff\xfe not json",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error"
+    assert r.json()["error"]["param"] == "body"
+    bodies = {
+        "/v1/tokenize": '{"text": "a \\ud800 b"}',
+        "/v1/attention": '{"texts": ["fine", "\\udfff"]}',
+        "/v1/heads": '{"text": "\\ud83d"}',
+        "/v1/links": '{"text": "\\ud83d x", "layer": 0}',
+        "/v1/trajectories": '{"text": "x \\ud83d"}',
+        "/v1/verify": '{"text": "\\ud800"}',
+    }
+    paths = client.get("/openapi.json").json()["paths"]
+    for path, body in bodies.items():
+        if path not in paths:
+            continue
+        r = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 422, (path, r.status_code, r.text[:300])
+        assert "surrogate" in r.json()["error"]["message"], path

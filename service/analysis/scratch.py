@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from attnscope.schemas.scratch import MAX_WEIGHTS
 from attnscope.service.errors import InvalidRequest
 
 
@@ -71,6 +72,7 @@ def scratch_attention(
     n_heads: int = 1,
     scale: bool = True,
     names: tuple[str, str, str] = ("q", "k", "v"),
+    max_weights: int | None = MAX_WEIGHTS,
 ) -> dict:
     """Run :func:`attention` on raw matrices, with a variant and an optional multi-head split.
 
@@ -85,11 +87,19 @@ def scratch_attention(
 
     Raises:
         InvalidRequest: incompatible shapes (names the field and both sizes), a width not
-            divisible by ``n_heads``, a causal variant with query_pos != key_pos.
+            divisible by ``n_heads``, a causal variant with query_pos != key_pos, weights of
+            more than ``max_weights`` numbers (n_heads x query_pos x key_pos; param n_heads).
     """
     nq, nk = names[0], names[1]
     if q.ndim != 2 or k.ndim != 2 or v.ndim != 2:
         raise InvalidRequest("q, k and v must be matrices [pos, d]", nq)
+    n_weights = n_heads * q.shape[0] * k.shape[0]
+    if max_weights is not None and n_weights > max_weights:
+        raise InvalidRequest(
+            f"the weights would hold n_heads {n_heads} x {q.shape[0]} queries x {k.shape[0]} "
+            f"keys = {n_weights} numbers (and as many scores); the limit is {max_weights}: "
+            "lower n_heads or send fewer rows", "n_heads",
+        )
     if q.shape[1] != k.shape[1]:
         raise InvalidRequest(
             f"{nq} and {nk} must have the same width d_k: {nq} is {list(q.shape)}, "

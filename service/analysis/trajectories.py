@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from threadpoolctl import threadpool_limits
 
 from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
 
@@ -80,9 +81,11 @@ def trajectories(
             f"{where}: the hidden states do not vary across states and tokens, so PCA "
             "has no direction to find", where,
         )
-    # 4. PCA with a fixed random state
+    # 4. PCA with a fixed random state. The SVD is small ([states x tokens, d_model]): one BLAS
+    #    thread is fastest, and multi-threaded OpenBLAS on a busy machine takes 100x longer.
     pca = PCA(n_components=n_components, random_state=random_state)
-    projected = pca.fit_transform(scaled)
+    with threadpool_limits(limits=1, user_api="blas"):
+        projected = pca.fit_transform(scaled)
     evr = np.asarray(pca.explained_variance_ratio_, dtype=np.float64)
     # 5. reshape to per-token paths [n_state, n_token, n_components]
     projected = projected.reshape(n_state, n_token, n_components)
@@ -124,7 +127,7 @@ def check_trajectory_request(
 
     Raises:
         OutOfRange: a position outside the text (param ``positions.<i>``).
-        InvalidRequest: fewer than 2 samples (states x tokens) for PCA (param ``where``), or
+        InvalidRequest: a repeated position (param ``positions.<i>``), fewer than 2 samples (states x tokens) for PCA (param ``where``), or
             n_components > min(n_samples, d_model) (param ``n_components``).
     """
     if positions is None:
@@ -135,6 +138,14 @@ def check_trajectory_request(
                 f"{where}: positions[{i}] = {p} is out of range: the text has {n_token} "
                 f"tokens (valid positions 0..{n_token - 1})", f"positions.{i}",
             )
+    seen: dict[int, int] = {}
+    for i, p in enumerate(positions):
+        if p in seen:
+            raise InvalidRequest(
+                f"positions[{i}] = {p} repeats positions[{seen[p]}]; each position may appear "
+                "once", f"positions.{i}",
+            )
+        seen[p] = i
     n_state = n_hidden if include_final else n_hidden - 1
     n_samples = n_state * n_token
     if n_samples < 2:

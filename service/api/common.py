@@ -5,14 +5,15 @@ from __future__ import annotations
 import anyio.to_thread
 
 from attnscope.schemas.common import TextOrTexts
-from attnscope.service.errors import BatchTooLarge, OutOfRange
+from attnscope.service.errors import BatchTooLarge, InvalidRequest, OutOfRange
 from attnscope.service.runtime import ForwardResult, Runtime, TokenizedText
 from attnscope.service.runtime.slot import DeviceSlot
 from attnscope.service.runtime.memory import check_memory
 
 
 def check_indices(values: list[int] | None, limit: int, field: str, what: str) -> None:
-    """422 unless every index is in [0, limit)."""
+    """422 unless every index is in [0, limit) and none repeats (so the list has at most
+    ``limit`` entries: a repeated index would only multiply the work and the response)."""
     if values is None:
         return
     if len(values) == 0:
@@ -24,6 +25,19 @@ def check_indices(values: list[int] | None, limit: int, field: str, what: str) -
                 f"(valid indices 0..{limit - 1})",
                 f"{field}.{i}",
             )
+    check_distinct(values, field)
+
+
+def check_distinct(values, field: str) -> None:
+    """422 (validation_error, param ``field.<i>``) at the first value that repeats an earlier one."""
+    seen: dict[int, int] = {}
+    for i, v in enumerate(values):
+        if v in seen:
+            raise InvalidRequest(
+                f"{field}[{i}] = {v} repeats {field}[{seen[v]}]; each index may appear once",
+                f"{field}.{i}",
+            )
+        seen[v] = i
 
 
 async def tokenize_request(rt: Runtime, req: TextOrTexts) -> list[TokenizedText]:

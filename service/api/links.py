@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from attnscope.schemas import ErrorResponse, LinksRequest, LinksResponse
 from attnscope.service.analysis.links import skipped_queries, strongest_links
-from attnscope.service.api.common import forward_request, tokenize_request
+from attnscope.service.api.common import check_distinct, forward_request, tokenize_request
 from attnscope.service.deps import RuntimeDep, SlotDep
 from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
@@ -48,12 +48,15 @@ async def links(req: LinksRequest, rt: RuntimeDep, slot: SlotDep):
     if req.direction == "any" and rt.adapter.causal:
         raise InvalidRequest("direction 'any' applies to encoders only: in this causal model "
                              "no query sees a later key", "direction")
+    check_distinct(req.ignore, "ignore")
     items = await tokenize_request(rt, req)
-    for i, it in enumerate(items):
-        for j, p in enumerate(req.ignore):
-            if p >= len(it):
+    if req.ignore:
+        top = max(req.ignore)
+        for i, it in enumerate(items):
+            if top >= len(it):
+                j, top = next((j, p) for j, p in enumerate(req.ignore) if p >= len(it))
                 where = "text" if req.text is not None else f"texts.{i}"
-                raise OutOfRange(f"ignore[{j}] = {p} is out of range: {where} has {len(it)} "
+                raise OutOfRange(f"ignore[{j}] = {top} is out of range: {where} has {len(it)} "
                                  f"tokens (valid positions 0..{len(it) - 1})", f"ignore.{j}")
     forwards = await forward_request(rt, slot, items)
     out = []

@@ -258,6 +258,13 @@ class Runtime:
             raise InvalidRequest(
                 f"{param} has {len(text)} characters; the limit is {limit} (max_text_chars)", param
             )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate (JSON "\ud800"): not text
+            raise InvalidRequest(
+                f"{param} holds an unpaired surrogate ({text[exc.start]!r} at character "
+                f"{exc.start}); text must be valid Unicode", param,
+            ) from None
         causal = self.adapter.causal
         if add_bos and not causal:
             raise InvalidRequest(

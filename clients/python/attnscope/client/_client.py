@@ -5,13 +5,18 @@ Configuration (argument, else environment, else default):
 * ``base_url``: ``ATTNSCOPE_BASE_URL``, default ``http://127.0.0.1:8000``;
 * ``api_key``: ``ATTNSCOPE_API_KEY``, sent as ``Authorization: Bearer <key>``; none = no header;
 * ``timeout``: seconds or an ``httpx.Timeout`` (default 60 s, 5 s to connect);
-* ``max_retries``: extra attempts after the first (default 2) on connection errors,
+* ``max_retries``: extra attempts after the first (default 2; every endpoint is a pure read,
+  so a POST is safe to repeat) on connection errors,
   timeouts, 408, 429 and 5xx (not on ``non_finite_values``, which is deterministic). The wait
   is the server's ``Retry-After`` (seconds or HTTP date; ``retry-after-ms`` too) when it gives
   one up to 60 s, else exponential backoff ``0.5 s * 2**attempt`` capped at 8 s, minus up to
   25 % jitter;
 * ``http_client``: an ``httpx.Client`` / ``httpx.AsyncClient`` to send through (tests pass the
   in-process app, e.g. starlette's ``TestClient``); the caller keeps ownership of it.
+
+Tensor forms: every method takes the request's own encoding options (``encoding``, ``layout``,
+``sparse``, ...) and ``binary=True`` asks for an ``application/x-safetensors`` response (raw
+tensor bytes); ``.numpy()`` decodes every form the same way.
 
 Each endpoint method builds the request with the shared schema model (so a typo in an option
 raises ``pydantic.ValidationError`` before anything is sent), posts it, and returns the
@@ -39,6 +44,7 @@ from attnscope.client._errors import (
     APITimeoutError,
     status_error,
 )
+from attnscope.client import wire
 from attnscope.client._tensors import attach_numpy
 from attnscope.schemas import (
     AttentionRequest,
@@ -114,7 +120,7 @@ class BaseClient:
     def _lib(http) -> Any:
         """The httpx-compatible module ``http`` comes from (httpx, or httpx2 for starlette's
         TestClient): its exception classes are the ones its transport raises."""
-        root = type(http).__module__.split(".")[0]
+        root = "httpx"
         for cls in type(http).__mro__:
             root = cls.__module__.split(".")[0]
             if root.startswith("httpx"):
@@ -134,10 +140,13 @@ class BaseClient:
         h.update(self._default_headers)
         return h
 
-    def _build(self, http, method: str, path: str, body: Any) -> httpx.Request:
+    def _build(self, http, method: str, path: str, body: Any,
+               binary: bool = False) -> httpx.Request:
         url = path if path.startswith(("http://", "https://")) else self.base_url + path
-        return http.build_request(method, url, json=body, headers=self._headers(),
-                                  timeout=self.timeout)
+        headers = self._headers()
+        if binary:
+            headers["accept"] = f"{wire.SAFETENSORS}, application/json;q=0.5"
+        return http.build_request(method, url, json=body, headers=headers, timeout=self.timeout)
 
     # -- retry policy -----------------------------------------------------------------------
     @staticmethod
@@ -166,8 +175,14 @@ class BaseClient:
     # -- results ----------------------------------------------------------------------------
     @staticmethod
     def _parse(response: httpx.Response, cast_to: type[M] | None) -> Any:
+        arrays = None
         try:
-            data = response.json()
+            if response.headers.get("content-type", "").startswith(wire.SAFETENSORS):
+                if cast_to is None:
+                    return wire.decode_binary_response(response.content)
+                data, arrays = wire.read_safetensors(response.content)
+            else:
+                data = response.json()
         except ValueError as exc:
             raise APIResponseValidationError(
                 f"the service answered {response.status_code} with a body that is not JSON",
@@ -175,7 +190,7 @@ class BaseClient:
         if cast_to is None:
             return data
         try:
-            return attach_numpy(cast_to.model_validate(data))
+            return attach_numpy(cast_to.model_validate(data), arrays)
         except pydantic.ValidationError as exc:
             raise APIResponseValidationError(
                 f"the {response.request.url.path} answer does not fit {cast_to.__name__}: {exc}",
@@ -192,7 +207,8 @@ class _Endpoints:
     """One method per endpoint, written once for both clients: ``_call`` is synchronous in
     :class:`Client` and a coroutine in :class:`AsyncClient` (so ``await`` the methods there)."""
 
-    def _call(self, method: str, path: str, body: Any, cast_to):  # pragma: no cover
+    def _call(self, method: str, path: str, body: Any, cast_to,
+              binary: bool = False):  # pragma: no cover
         raise NotImplementedError
 
     def _post_model(self, path: str, request_model: type[BaseModel], response_model,
@@ -202,13 +218,14 @@ class _Endpoints:
                 raise TypeError("give text or texts, not both")
             text, texts = None, list(text)
         fields: dict[str, Any] = dict(options)
+        binary = bool(fields.pop("binary", False))
         if text is not None:
             fields["text"] = text
         if texts is not None:
             fields["texts"] = texts
         req = request_model(**fields)
         body = req.model_dump(mode="json", exclude_unset=True)
-        return self._call("POST", path, body, response_model)
+        return self._call("POST", path, body, response_model, binary)
 
     def request(self, method: str, path: str, json: Any = None, cast_to: type[M] | None = None):
         """Send any request: ``path`` relative to ``base_url``; returns ``cast_to`` parsed (with
@@ -314,8 +331,8 @@ class Client(BaseClient, _Endpoints):
         self._x = self._lib(self._http)
         self._sleep = time.sleep
 
-    def _call(self, method: str, path: str, body: Any, cast_to):
-        request = self._build(self._http, method, path, body)
+    def _call(self, method: str, path: str, body: Any, cast_to, binary: bool = False):
+        request = self._build(self._http, method, path, body, binary)
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             try:
@@ -382,8 +399,9 @@ class AsyncClient(BaseClient, _Endpoints):
         self._x = self._lib(self._http)
         self._sleep = asyncio.sleep
 
-    async def _call(self, method: str, path: str, body: Any, cast_to):
-        request = self._build(self._http, method, path, body)
+    async def _call(self, method: str, path: str, body: Any, cast_to,
+                    binary: bool = False):
+        request = self._build(self._http, method, path, body, binary)
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             try:

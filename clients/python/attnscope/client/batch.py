@@ -13,8 +13,9 @@ removes the recorded failures first and runs those ids again.
 
 Concurrency: ``--concurrency`` requests in flight (default 4; the service runs one forward
 at a time, so more mainly hides network latency). Transient errors (429, 5xx, connection)
-are retried by the client; when the service stays unreachable the run stops with exit 3
-(the items in flight are not recorded, so the next run does them).
+are retried by the client; an item that still times out is recorded as failed
+('client_timeout'); when the service stays unreachable the run stops with exit 3 (the items
+in flight are not recorded, so the next run does them).
 
 A progress bar goes to stderr (``--no-progress`` turns it off); the summary at the end says
 done, skipped, failed and throughput (``--json`` prints it as JSON on stdout too).
@@ -214,7 +215,7 @@ async def run_batch(client, lines: list[str], output: str, failures: str,
                     retry_failed: bool = False, progress: bool = True) -> Summary:
     """Run ``analyses`` (name -> options) over the JSONL ``lines`` with ``client`` (an
     :class:`attnscope.client.AsyncClient`); see the module docstring for the files written."""
-    from attnscope.client._errors import APIConnectionError, APIStatusError
+    from attnscope.client._errors import APIConnectionError, APIStatusError, APITimeoutError
 
     t0 = time.monotonic()
     summary = Summary(output=output, failures=failures)
@@ -290,6 +291,10 @@ async def run_batch(client, lines: list[str], output: str, failures: str,
             except APIStatusError as exc:
                 fail(_error_record(id_, name, exc.type or f"http_{exc.status_code}",
                                    exc.message, exc.status_code, exc.param))
+                return
+            except APITimeoutError as exc:  # this item is too slow: record it, go on
+                fail(_error_record(id_, name, "client_timeout",
+                                   f"{exc.message} (--timeout {client.timeout})"))
                 return
         out.write({"id": id_, "results": results})
         summary.done += 1

@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import pydantic
 
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     from attnscope.client import batch as _batch
 
     p = sub.add_parser("batch", help="run analyses over a JSONL corpus (resumable)",
-                       description=_batch.__doc__.split("\n\n")[0],
+                       description=_batch.__doc__.replace("``", "'"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(p)
     _batch.add_arguments(p)
@@ -242,7 +242,7 @@ def _matrix(m, labels: list[str], causal: bool) -> str:
     for i, row in enumerate(m):
         cells = ["     " if (causal and j > i) else f"{v:5.2f}"
                  for j, v in enumerate(row)]
-        lines.append(f"{labels[i]:>{w}} " + " ".join(cells))
+        lines.append((f"{labels[i]:>{w}} " + " ".join(cells)).rstrip())
     return "\n".join(lines)
 
 
@@ -417,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         errs = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'request'}: {e['msg']}"
                          for e in exc.errors())
         print(f"attnscope {args.cmd}: invalid request: {errs}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as exc:  # e.g. a figure that does not fit the result (--kind heads of a head mean)
+        print(f"attnscope {args.cmd}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except APIConnectionError as exc:
         print(f"attnscope {args.cmd}: connection failure: {exc.message} (is the service "

@@ -69,6 +69,11 @@ def token_labels(tokens: Sequence[Any]) -> list[str]:
     return out
 
 
+def _arr(v: Any) -> np.ndarray:
+    """A tensor field (any wire form; binary refs carry their arrays) as an ndarray."""
+    return v.numpy() if hasattr(v, "numpy") else to_numpy(v)
+
+
 def _is_causal(m: np.ndarray) -> bool:
     """A pattern whose strict upper triangle is all zero comes from a causal model."""
     if m.shape[-1] < 2:
@@ -114,7 +119,7 @@ def _blues():
 
 def _pattern(result: Any) -> tuple[np.ndarray, bool, list[int], list[int], list[str]]:
     res = _unwrap(result, "attention")
-    p = to_numpy(res.pattern)
+    p = _arr(res.pattern)
     return p, bool(res.head_mean), list(res.layers), list(res.heads), token_labels(res.tokens)
 
 
@@ -215,7 +220,7 @@ def trajectory_plot(result: Any, positions: Sequence[int] | None = None, *,
         positions: token positions to draw (a subset of ``result.positions``); None = all.
     """
     res = _unwrap(result, "trajectories")
-    paths = to_numpy(res.paths)
+    paths = _arr(res.paths)
     if paths.ndim != 3 or paths.shape[2] < 2:
         raise ValueError(f"need paths [token, state, >=2 components], got {list(paths.shape)}")
     lab = token_labels(res.tokens)
