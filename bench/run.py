@@ -535,13 +535,17 @@ def fmt_s(x):
     return "-" if x is None else (f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s")
 
 
+def ok(res: dict, key: str) -> bool:
+    return key in res and not (isinstance(res[key], dict) and "error" in res[key])
+
+
 def report(res: dict) -> str:
     lines = [f"attnscope benchmark  {res['meta']['when']}  model {res['meta']['model']}  "
              f"cpu {res['meta']['cpus']} cores, torch threads {res['meta']['torch_threads']}"]
     floor = res["floor"]
     lines.append("\nFloor: in-process HF forward (GPT2Model, output_attentions=True)")
     lines.append("  " + "  ".join(f"T={T}: {fmt_s(v['median_s'])}" for T, v in floor.items()))
-    if "encoders" in res:
+    if ok(res, "encoders"):
         lines.append("\nEncoders in-process (encode + every byte of the body)")
         lines.append(f"  {'encoding':18} " + " ".join(f"{'T=' + str(T):>22}" for T in res["encoders"]))
         names = list(ENCODINGS)
@@ -552,7 +556,7 @@ def report(res: dict) -> str:
                 cells.append(f"{fmt_s(e['encode_s']):>8} {fmt_b(e['bytes']):>8} "
                              f"{e['encode_s'] / floor[T]['median_s']:4.2f}x")
             lines.append(f"  {n:18} " + " ".join(f"{c:>22}" for c in cells))
-    if "attention" in res:
+    if ok(res, "attention"):
         lines.append("\n/v1/attention end to end (httpx): latency to last byte / incl. decode to numpy, "
                      "bytes, ratio to floor")
         for T, d in res["attention"].items():
@@ -561,7 +565,7 @@ def report(res: dict) -> str:
                 rd = "-" if e["ratio_with_decode"] is None else f"{e['ratio_with_decode']:.2f}x"
                 lines.append(f"    {n:18} {fmt_s(e['latency_s']):>9} {fmt_s(e['with_decode_s']):>9} "
                              f"{fmt_b(e['bytes']):>9}  {e['ratio_to_floor']:.2f}x  (with decode {rd})")
-    if "client" in res:
+    if ok(res, "client"):
         c = res["client"]
         if "T" in c:
             lines.append(f"\nThrough the attnscope client (T={c['T']}, to .numpy()): " + ", ".join(
@@ -569,16 +573,16 @@ def report(res: dict) -> str:
                 for k, v in c.items() if k != "T"))
         else:
             lines.append(f"\nThrough the attnscope client: {c}")
-    if "analyses" in res:
+    if ok(res, "analyses"):
         a = res["analyses"]
         lines.append(f"\nAll analyses of one text (T={a['T']}) in sequence vs one alone: "
                      f"{fmt_s(a['all_in_sequence_s'])} vs {fmt_s(a['one_alone_s'])} = {a['ratio']:.2f}x "
                      f"({', '.join(a['analyses'])}; per analysis: "
                      + ", ".join(f"{k} {fmt_s(v)}" for k, v in a["per_analysis_s"].items()) + ")")
-    if "heads_vs_tl" in res:
+    if ok(res, "heads_vs_tl"):
         h = res["heads_vs_tl"]
         lines.append(f"\n/v1/heads vs TransformerLens in-process: {json.dumps(h, default=str)}")
-    if "throughput" in res:
+    if ok(res, "throughput"):
         t = res["throughput"]
         lines.append(f"\nThroughput /v1/attention T={t['T']} base64 f16")
         for c, v in t.items():
@@ -586,15 +590,15 @@ def report(res: dict) -> str:
                 continue
             lines.append(f"  {c:>3} clients: {v['req_per_s']:.2f} req/s, p50 {fmt_s(v['p50_s'])}, "
                          f"p95 {fmt_s(v['p95_s'])} ({v['requests']} requests)")
-    if "batch" in res:
+    if ok(res, "batch"):
         b = res["batch"]
         lines.append(f"\nBatch of {b['n']} (T={b['T']}) vs {b['n']} singles: {fmt_s(b['batch_s'])} vs "
                      f"{fmt_s(b['singles_s'])} (singles/batch = {b['speedup']:.2f}x)")
-    if "batching_in_process" in res:
+    if ok(res, "batching_in_process"):
         lines.append("In-process forward, 8 texts batched vs one by one: " + ", ".join(
             f"T={T}: {v['batched_s']:.3f} s vs {v['singles_s']:.3f} s ({v['speedup']:.2f}x)"
             for T, v in res["batching_in_process"].items()))
-    if "loop_stall" in res:
+    if ok(res, "loop_stall"):
         s = res["loop_stall"]
         lines.append(f"\nEvent loop during a {fmt_b(s['json_bytes'])} JSON response (T={s['T']}, "
                      f"{fmt_s(s['request_s'])}): /healthz p50 {fmt_s(s['healthz_p50_s'])}, max "
@@ -606,6 +610,9 @@ def report(res: dict) -> str:
                      f"peak {fmt_b(m['final']['peak_rss_bytes'])}; budget idle + cache_bytes "
                      f"{fmt_b(m['cache_bytes'])} + 300 MB = {fmt_b(m['budget_bytes'])} -> "
                      f"{'within' if m['within_budget'] else 'OVER'}")
+    for k, v in res.items():
+        if isinstance(v, dict) and "error" in v:
+            lines.append(f"\n{k}: FAILED {v['error']}")
     if res.get("targets"):
         lines.append("\nTargets (issue 6):")
         for t in res["targets"]:
@@ -616,7 +623,7 @@ def report(res: dict) -> str:
 
 def targets(res: dict, T0: int = 128) -> list[dict]:
     out = []
-    att = res.get("attention", {})
+    att = res.get("attention", {}) if ok(res, "attention") else {}
     if T0 in att:
         a = att[T0]
         out.append({"target": "base64 float16 end to end <= 1.15x floor (T=128)",
@@ -628,19 +635,19 @@ def targets(res: dict, T0: int = 128) -> list[dict]:
                               + (f"{a['json']['ratio_with_decode']:.2f}x incl. decode"
                                  if a["json"]["ratio_with_decode"] else "decode not measured"),
                     "met": a["json"]["ratio_to_floor"] <= 1.5})
-    if "analyses" in res:
+    if ok(res, "analyses"):
         a = res["analyses"]
         out.append({"target": "five analyses of one text <= 1.3x one alone",
                     "figure": f"{a['ratio']:.2f}x ({len(a['analyses'])} analyses)",
                     "met": a["ratio"] <= 1.3 if len(a["analyses"]) == 5 else None})
-    h = res.get("heads_vs_tl", {})
+    h = res.get("heads_vs_tl", {}) if ok(res, "heads_vs_tl") else {}
     if "tl_run_with_cache_detect3_s" in h:
         out.append({"target": "/v1/heads faster than TransformerLens in-process",
                     "figure": f"service {fmt_s(h['service_probe_off_s'])} (probe off), "
                               f"{fmt_s(h['service_default_s'])} (default, probe cached) vs TL "
                               f"{fmt_s(h['tl_run_with_cache_detect3_s'])}",
                     "met": h["service_faster"]})
-    enc = res.get("encoders", {})
+    enc = res.get("encoders", {}) if ok(res, "encoders") else {}
     Tmax = max(enc) if enc else None
     if Tmax:
         e = enc[Tmax]
@@ -710,36 +717,36 @@ def main(argv=None) -> int:
 
         base = GPT2LMHeadModel.from_pretrained(str(model_dir), attn_implementation="eager").eval().transformer
         res["meta"]["t_ready_s"] = time.perf_counter() - T_START
-        print("floor ...", flush=True)
-        res["floor"] = floor_forward(base, texts, lengths, runs)
-        print("encoders in-process ...", flush=True)
-        res["encoders"] = encoders_in_process(base, texts, lengths, max(1, runs - 2))
-        print("/v1/attention per encoding ...", flush=True)
-        res["attention"] = attention_e2e(srv.url, texts, lengths, runs_for, info, res["floor"])
-        try:
-            res["client"] = client_e2e(srv.url, texts, T0, runs, res["floor"])
-        except Exception as exc:  # noqa: BLE001 - reported, not fatal
-            res["client"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-        print("analyses ...", flush=True)
-        res["analyses"] = analyses_sequence(srv.url, texts, T0, runs)
-        print("heads vs TransformerLens ...", flush=True)
-        try:
-            res["heads_vs_tl"] = heads_vs_tl(srv.url, model_dir, texts, T0, runs)
-        except Exception as exc:  # noqa: BLE001 - reported, not fatal
-            res["heads_vs_tl"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-        print("throughput ...", flush=True)
+        def section(key, fn, *a):
+            print(f"{key} ...", flush=True)
+            t0 = time.perf_counter()
+            try:
+                res[key] = fn(*a)
+            except Exception as exc:  # noqa: BLE001 - recorded; the other sections still run
+                res[key] = {"error": f"{type(exc).__name__}: {exc}"[:800]}
+                print(f"  {key} failed: {res[key]['error']}", flush=True)
+            res["meta"].setdefault("section_s", {})[key] = time.perf_counter() - t0
+            return res[key]
+
+        res["floor"] = floor_forward(base, texts, lengths, runs)  # everything is relative to it
+        section("encoders", encoders_in_process, base, texts, lengths, max(1, runs - 2))
+        section("attention", attention_e2e, srv.url, texts, lengths, runs_for, info, res["floor"])
+        section("client", client_e2e, srv.url, texts, T0, runs, res["floor"])
+        section("analyses", analyses_sequence, srv.url, texts, T0, runs)
+        section("heads_vs_tl", heads_vs_tl, srv.url, model_dir, texts, T0, runs)
         levels = [1, 4] if args.quick else [1, 4, 16]
-        res["throughput"] = throughput(srv.url, texts, T0, levels, 4 if args.quick else 16)
-        res["batch"] = batch_vs_singles(srv.url, texts, T0, runs)
-        res["batching_in_process"] = batching_in_process(base, texts, sorted({lengths[0], T0}), runs)
-        print("event loop ...", flush=True)
-        res["loop_stall"] = loop_stall(srv.url, texts, lengths[-1])
-        print(f"memory ({mem_n} mixed requests) ...", flush=True)
-        run = memory_run(srv, texts, lengths, mem_n)
+        section("throughput", throughput, srv.url, texts, T0, levels, 4 if args.quick else 16)
+        section("batch", batch_vs_singles, srv.url, texts, T0, runs)
+        section("batching_in_process", batching_in_process, base, texts,
+                sorted({lengths[0], T0}), runs)
+        section("loop_stall", loop_stall, srv.url, texts, lengths[-1])
+        run = section("memory_run", memory_run, srv, texts, lengths, mem_n)
         final = srv.mem()
         budget = idle["rss_bytes"] + args.cache_bytes + 300_000_000
-        res["memory"] = {"idle": idle, "run": run, "final": final, "cache_bytes": args.cache_bytes,
-                         "budget_bytes": budget, "within_budget": run["after"]["rss_bytes"] <= budget}
+        if "after" in run:
+            res["memory"] = {"idle": idle, "run": run, "final": final,
+                             "cache_bytes": args.cache_bytes, "budget_bytes": budget,
+                             "within_budget": run["after"]["rss_bytes"] <= budget}
         res["targets"] = targets(res, T0)
         res["meta"]["total_s"] = time.perf_counter() - T_START
     finally:

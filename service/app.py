@@ -104,6 +104,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         where = e.get("loc", ("body", "?"))[-1]
         err = (e.get("ctx") or {}).get("error", "invalid JSON")
         return f"body is not valid JSON: {err} (at character {where})", "body"
+    if tuple(e.get("loc", ())) == ("body",) and e.get("type") in ("dict_type", "model_attributes_type"):
+        return ("body must be a JSON object sent with 'Content-Type: application/json' "
+                f"(got {type(e.get('input')).__name__})"), "body"
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
@@ -150,6 +153,25 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
 
+def _install_offline_docs(app: FastAPI) -> None:
+    """Swagger UI at /docs with its assets from the swagger-ui-bundle package (no CDN)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount("/static/swagger-ui", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url,
+            title="attnscope - API docs",
+            swagger_js_url="/static/swagger-ui/swagger-ui-bundle.js",
+            swagger_css_url="/static/swagger-ui/swagger-ui.css",
+            swagger_favicon_url="/static/swagger-ui/favicon-32x32.png",
+        )
+
+
 def create_app(settings: Settings | None = None, runtime: Runtime | None = None) -> FastAPI:
     """Build the app. ``runtime`` given: use it (tests); else load ``settings.model`` in the
     lifespan, off the event loop."""
@@ -189,8 +211,11 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
         description=API_DESCRIPTION,
         lifespan=lifespan,
         default_response_class=ORJSONResponse,
+        docs_url=None,  # served below from local files: /docs works without the internet
+        redoc_url=None,
     )
     install_error_handlers(app)
+    _install_offline_docs(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     install_ops(app, settings)  # request id, logs, metrics, keys, CORS, time limit, /metrics
     for r in (health.router, model.router, tokenize.router, attention.router,

@@ -142,27 +142,32 @@ def estimate_encoded_bytes(
     n_elements: int, encoding: str = "json", dtype: str = "float32", round_: int | None = None,
     layout: str = "full", sparse: Any = None, row_len: int = 1,
 ) -> int:
-    """Peak bytes the encoding of one float32 tensor of ``n_elements`` needs on the server
-    (copies held while encoding; streamed JSON holds one chunk, so only the rounded copy).
+    """Bytes :func:`encode_tensor` allocates for one float32 tensor of ``n_elements`` (held
+    until the response is sent; streamed JSON holds ~one chunk, so only its rounded copy).
 
-    ``row_len``: length of the last axis (query rows for sparse/tril). Rough (+-30 %) upper
-    estimate, used by the memory check before a forward.
+    ``row_len``: length of the last axis (rows for sparse / 'tril'). Counts the copies the
+    code makes: float16 cast, 'tril' packing, rounding, base64 bytes + str (4/3 each), sparse
+    top-k work arrays (values, int64 keys, sort, gather, ~40 bytes per candidate) and output.
     """
     wes = 2 if dtype == "float16" else 4
     n = n_elements
+    rows = n // max(row_len, 1)
     if sparse is not None:
-        k = getattr(sparse, "top_k", None) or row_len
-        kept = min(k, row_len) * (n // max(row_len, 1))
-        # float32 copy, top-k values + int64 keys + sort + mask, outputs (idx, values, b64)
-        return 4 * n + kept * (4 + 8 + 8 + 1) * 2 + kept * 12 * (3 if encoding != "json" else 1)
+        k = min(getattr(sparse, "top_k", None) or row_len, row_len)
+        work = rows * k * 40 if k < row_len else n  # top-k arrays, or the threshold mask
+        kept = rows * k
+        return work + kept * (8 + 4 + 8) + kept * (8 + wes) * 3  # flat/values, b64
     if layout == "tril":
-        n = n // 2 + row_len
+        n = rows * (row_len + 1) // 2
+        packed = 4 * n  # the packed float32 copy
+    else:
+        packed = 0
     if encoding == "json":
-        return 4 * n_elements + (4 * n if round_ is not None else 0) + 2 * CHUNK_BYTES
-    raw = n * wes
+        return packed + (4 * n if round_ is not None else 0) + 160 * rows + 4 * CHUNK_BYTES
+    cast = n * wes if (wes != 4) else 0
     if encoding == "base64":
-        return 4 * n_elements + raw + raw * 4 // 3 * 2
-    return 4 * n_elements + raw  # binary: the wire-dtype copy, sent without further copies
+        return packed + cast + 2 * (n * wes * 4 // 3)  # base64 bytes, then the str
+    return packed + cast  # binary: sent from these arrays without further copies
 
 
 _ST_DTYPE = {"float32": "F32", "float16": "F16", "int32": "I32", "int64": "I64"}

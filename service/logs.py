@@ -21,7 +21,8 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "attnscope_request_id", default=None
 )
 
-_STD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "request_id"}
+_STD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "request_id",
+                                                     "color_message"}  # uvicorn's ANSI copy
 
 
 class RequestIdFilter(logging.Filter):

@@ -191,20 +191,42 @@ async def send_envelope(send, status: int, type_: str, message: str, param: str 
     await send({"type": "http.response.body", "body": body})
 
 
-def _route_template(scope) -> str:
+def _route_template(scope, templates=None) -> str:
+    """The matched route's path template (bounded label values), else ``"unmatched"``.
+    Requests answered before routing (401, 413, 504) are matched by ``templates(path)``."""
     route = scope.get("route")
-    if route is None:
-        return "unmatched"
-    return getattr(route, "path_format", None) or getattr(route, "path", None) or "unmatched"
+    path = getattr(route, "path_format", None) or getattr(route, "path", None)
+    if path is None and templates is not None:
+        path = templates(scope.get("path", ""))
+    return path or "unmatched"
+
+
+def _openapi_templates(app: FastAPI):
+    """``path -> template`` over the OpenAPI paths (compiled on first use)."""
+    compiled: list = []
+
+    def match(path: str) -> str | None:
+        if not compiled:
+            from starlette.routing import compile_path
+
+            for template in app.openapi().get("paths", {}):
+                compiled.append((compile_path(template)[0], template))
+        for rx, template in compiled:
+            if rx.match(path):
+                return template
+        return None
+
+    return match
 
 
 # ------------------------------------------------------------------------------ middlewares
 class RequestContextMiddleware:
     """Request id, one access-log line, request metrics, and the 500 envelope of last resort."""
 
-    def __init__(self, app, metrics: Metrics):
+    def __init__(self, app, metrics: Metrics, templates=None):
         self.app = app
         self.metrics = metrics
+        self.templates = templates
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -220,6 +242,7 @@ class RequestContextMiddleware:
         status = 500
         started = False
         t0 = time.perf_counter()
+        t_end: list[float] = []  # when the response's last byte was handed to the server
         m = self.metrics
         m.in_flight.inc()
 
@@ -231,6 +254,8 @@ class RequestContextMiddleware:
                 headers = [(k, v) for k, v in msg.get("headers", []) if k.lower() != b"x-request-id"]
                 headers.append((b"x-request-id", rid.encode()))
                 msg = {**msg, "headers": headers}
+            elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                t_end.append(time.perf_counter())
             await send(msg)
 
         try:
@@ -242,8 +267,9 @@ class RequestContextMiddleware:
             await send_envelope(send_with_id, 500, "internal_error",
                                 "internal error; the service keeps serving")
         finally:
-            dt = time.perf_counter() - t0
-            route = _route_template(scope)
+            # the client's latency: to the end of the response (a 504 ends before its handler)
+            dt = (t_end[0] if t_end else time.perf_counter()) - t0
+            route = _route_template(scope, self.templates)
             method = scope.get("method", "")
             m.in_flight.dec()
             m.requests.labels(method, route, str(status)).inc()
@@ -440,5 +466,6 @@ def install_ops(app: FastAPI, settings) -> None:
             expose_headers=["X-Request-ID"],
             max_age=600,
         )
-    app.add_middleware(RequestContextMiddleware, metrics=app.state.metrics)
+    app.add_middleware(RequestContextMiddleware, metrics=app.state.metrics,
+                       templates=_openapi_templates(app))
     _document_errors(app, bool(keys), timeout_s)

@@ -177,3 +177,11 @@ def test_openapi_documents_every_field(client):
             if "description" not in prop and "$ref" not in prop and "allOf" not in prop:
                 missing.append(f"{name}.{field}")
     assert not missing, missing
+
+
+def test_docs_work_offline_and_missing_content_type_is_explained(client):
+    html = client.get("/docs").text
+    assert "/static/swagger-ui/swagger-ui-bundle.js" in html and "cdn" not in html.lower()
+    assert client.get("/static/swagger-ui/swagger-ui-bundle.js").status_code == 200
+    r = client.post("/v1/attention", content=b'{"text": "hi"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 422 and "Content-Type: application/json" in r.json()["error"]["message"]

@@ -8,6 +8,7 @@ checks the keys that matter, including that every ATTNSCOPE_* variable is a real
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import shutil
@@ -104,14 +105,46 @@ def test_dependency_extraction_matches_pyproject():
     assert any(d.startswith("uvicorn") for d in deps) and any(d.startswith("prometheus") for d in deps)
 
 
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parent folders wins;
+    ``!pattern`` re-includes."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for pat in patterns:
+        neg = pat.startswith("!")
+        pat = pat[1:] if neg else pat
+        pat = pat.strip("/")
+        for pre in prefixes:
+            if fnmatch.fnmatchcase(pre, pat) or (pat.startswith("**/") and (
+                    fnmatch.fnmatchcase(pre.split("/")[-1], pat[3:]))):
+                excluded = not neg
+                break
+    return excluded
+
+
 def test_dockerignore_keeps_what_copy_needs():
-    ignored = [x.strip() for x in (ROOT / ".dockerignore").read_text().splitlines()
-               if x.strip() and not x.startswith("#")]
-    assert ".venv" in ignored and ".git" in ignored
+    patterns = [x.strip() for x in (ROOT / ".dockerignore").read_text().splitlines()
+                if x.strip() and not x.startswith("#")]
+    assert _dockerignored(".venv/bin/python", patterns) and _dockerignored(".git/HEAD", patterns)
     copied = [a.split()[0] for k, a in dockerfile() if k == "COPY"]
-    for path in copied:
-        assert path not in ignored, f"{path} is COPY'd but ignored"
-        assert (ROOT / path).exists(), path
+    for src in copied:
+        assert (ROOT / src).exists(), src
+        files = [src] if (ROOT / src).is_file() else [
+            str(f.relative_to(ROOT)) for f in (ROOT / src).rglob("*")
+            if f.is_file() and "__pycache__" not in f.parts]
+        assert files, src
+        kept = [f for f in files if not _dockerignored(f, patterns)]
+        assert kept, f"{src} is COPY'd but every file of it is ignored"
+    for needed in ("service/app.py", "service/healthcheck.py", "schemas/__init__.py",
+                   "service/bundled_model/model.safetensors", "pyproject.toml", "README.md"):
+        assert not _dockerignored(needed, patterns), needed
+    # every package pyproject.toml installs must be in the image
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for pkg, folder in tool.get("package-dir", {}).items():
+        assert any(folder == c or folder.startswith(c.rstrip("/") + "/") for c in copied), (
+            f"package {pkg} ({folder}) is not COPY'd into the image")
+        assert not _dockerignored(folder + "/__init__.py", patterns), folder
 
 
 def _compose() -> dict:

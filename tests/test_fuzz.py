@@ -16,7 +16,7 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from schemathesis import checks as st_checks  # noqa: E402
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "15"))
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "25"))
 CHECKS = [getattr(st_checks, n) for n in (
     "not_a_server_error", "status_code_conformance", "content_type_conformance",
     "response_schema_conformance",

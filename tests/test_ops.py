@@ -58,6 +58,9 @@ def test_keys_required_on_api_and_health_open(keyed_server):
         assert "Authorization: Bearer" in r.json()["error"]["message"]
         assert r.headers["www-authenticate"].startswith("Bearer")
         assert c.get("/v1/model").status_code == 401
+        m = _metrics(c.get("/metrics").text)  # refused before routing, counted by route
+        assert _sample(m, "attnscope_requests_total", method="GET", route="/v1/model",
+                       status="401") == 1
         for header in ("Bearer wrong-key", "Bearer k-one-012345678", "Basic k-one-0123456789",
                        "k-one-0123456789", "Bearer"):
             r = c.post("/v1/attention", json={"text": SENTENCE}, headers={"Authorization": header})
@@ -119,7 +122,7 @@ def test_graceful_shutdown_finishes_in_flight_request(tmp_path):
 
     def call():
         try:
-            r = httpx.post(s.url + "/v1/attention", json=_long_body(12), timeout=120)
+            r = httpx.post(s.url + "/v1/attention", json=_long_body(8), timeout=120)
             result["status"] = r.status_code
             result["n"] = len(r.json()["results"])
         except Exception as exc:  # noqa: BLE001 - reported below
@@ -139,7 +142,7 @@ def test_graceful_shutdown_finishes_in_flight_request(tmp_path):
         s.proc.send_signal(signal.SIGTERM)
         th.join(timeout=90)
         assert result.get("status") == 200, result
-        assert result["n"] == 12
+        assert result["n"] == 8
         # uvicorn re-raises SIGTERM after its graceful shutdown: exit by the signal (or 0)
         assert s.proc.wait(timeout=40) in (0, -signal.SIGTERM)
         log = s.log.read_text()
@@ -156,7 +159,7 @@ def test_timeout_through_uvicorn(tmp_path):
     try:
         with httpx.Client(base_url=s.url, timeout=60) as c:
             t0 = time.perf_counter()
-            r = c.post("/v1/attention", json=_long_body(16), headers={"X-Request-ID": "slow-1"})
+            r = c.post("/v1/attention", json=_long_body(8), headers={"X-Request-ID": "slow-1"})
             assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text[:300]
             assert r.headers["x-request-id"] == "slow-1" and time.perf_counter() - t0 < 5
             deadline = time.time() + 60
@@ -251,6 +254,9 @@ def test_timeout_gives_504_and_does_not_wedge_the_slot(make_client, gpt2_runtime
     m = _metrics(c.get("/metrics").text)
     assert _sample(m, "attnscope_requests_total", method="POST", route="/v1/attention",
                    status="504") == 1
+    # the latency recorded is the client's (to the 504), not the abandoned handler's
+    assert _sample(m, "attnscope_request_duration_seconds_bucket", method="POST",
+                   route="/v1/attention", le="1.0") >= 1
 
 
 def test_settings_parse_comma_lists():

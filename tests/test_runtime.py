@@ -51,12 +51,12 @@ def test_batch_equals_alone(family, side, gpt2_runtime, bert_runtime):
     rt.cache.clear()
     alone = [rt.forward_many([it])[0] for it in items]
     rt.cache.clear()
-    old = rt.settings.padding_side
-    rt.settings.padding_side = side
+    old = rt.settings.padding_side, rt.settings.forward_batch_size
+    rt.settings.padding_side, rt.settings.forward_batch_size = side, 16
     try:
         batch = rt.forward_many(items)
     finally:
-        rt.settings.padding_side = old
+        rt.settings.padding_side, rt.settings.forward_batch_size = old
         rt.cache.clear()
     for a, b in zip(alone, batch):
         assert not b.cached

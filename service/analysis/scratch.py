@@ -10,6 +10,8 @@ Vaswani et al. 2017, eq. 1: Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -126,8 +128,11 @@ def scratch_attention(
     Qh, Kh, Vh = (split_heads(x, n_heads) for x in (q, k, v))  # [head, pos, d/head]
     output, weights, scores = attention(Qh, Kh, Vh, mask=mask, scale=scale)
     d_k = Kh.shape[-1]
+    # -inf is the mask's value; anywhere else (a visible key) it is an overflow of q.k
+    neg_inf_visible = torch.isneginf(scores) if mask is None else (torch.isneginf(scores) & (mask != 0))
     if not (torch.isfinite(weights).all() and torch.isfinite(output).all()
-            and not torch.isnan(scores).any() and not torch.isposinf(scores).any()):
+            and not torch.isnan(scores).any() and not torch.isposinf(scores).any()
+            and not neg_inf_visible.any()):
         raise InvalidRequest(
             f"attention overflows {str(q.dtype).replace('torch.', '')}: the inputs are too "
             f"large in magnitude (max |{nq}| = {q.abs().max().item():.3g}, max |{nk}| = "
@@ -165,8 +170,19 @@ def project_embeddings(
     return torch.tensor(projected, dtype=seq_emb.dtype)
 
 
+_PCA_CACHE: OrderedDict = OrderedDict()
+_PCA_CACHE_SIZE = 8
+_PCA_LOCK = threading.Lock()
+
+
 def fit_embedding_pca(emb: torch.Tensor, n_components: int, random_state: int = 0):
     """The fitted scikit-learn PCA of :func:`project_embeddings` (fit once, transform many).
+
+    A fit of a large embedding matrix takes seconds (MiniLM's [30522, 384] with 384 components:
+    ~5-20 s on 2 cores), so fits are cached (the last 8, keyed by the matrix's storage, shape,
+    a checksum, ``n_components`` and ``random_state``) and run one at a time, so concurrent
+    requests never fan out into many simultaneous fits. The fitted object is shared: callers
+    only ``transform``.
 
     Raises:
         InvalidRequest: ``n_components`` above min(vocab, d_model) (param ``project``).
@@ -179,9 +195,21 @@ def fit_embedding_pca(emb: torch.Tensor, n_components: int, random_state: int = 
             f"project = {n_components}: PCA of the embedding matrix {list(emb.shape)} can have "
             f"at most min(vocab, d_model) = {limit} components", "project",
         )
-    pca = PCA(n_components=n_components, whiten=True, svd_solver="randomized",
-              random_state=random_state)
-    return pca.fit(emb.detach().cpu().numpy())
+    emb = emb.detach()
+    key = (emb.data_ptr(), tuple(emb.shape), str(emb.dtype),
+           float(emb[:: max(1, emb.shape[0] // 64)].double().sum()), n_components, random_state)
+    with _PCA_LOCK:
+        pca = _PCA_CACHE.get(key)
+        if pca is not None:
+            _PCA_CACHE.move_to_end(key)
+            return pca
+        pca = PCA(n_components=n_components, whiten=True, svd_solver="randomized",
+                  random_state=random_state)
+        pca.fit(emb.cpu().numpy())
+        _PCA_CACHE[key] = pca
+        while len(_PCA_CACHE) > _PCA_CACHE_SIZE:
+            _PCA_CACHE.popitem(last=False)
+        return pca
 
 
 def embedding_qkv(

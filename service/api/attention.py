@@ -60,12 +60,15 @@ async def attention(req: AttentionRequest, rt: RuntimeDep, slot: SlotDep, reques
     layers = req.layers if req.layers is not None else list(range(rt.adapter.n_layers))
     heads = req.heads if req.heads is not None else list(range(rt.adapter.n_heads))
     per_matrix = len(layers) * (1 if req.head_mean else len(heads))
-    est = sum(
-        estimate_encoded_bytes(per_matrix * len(it) ** 2, encoding, req.dtype, req.round,
-                               req.layout, req.sparse, len(it))
-        * (3 if req.include_scores else 1)
-        for it in items
-    )
+    est = 0
+    for it in items:
+        T = len(it)
+        est += estimate_encoded_bytes(per_matrix * T * T, encoding, req.dtype, req.round,
+                                      req.layout, req.sparse, T)
+        if req.include_scores:  # q.k per layer, stacked, masked (+ head selection), encoded
+            est += 4 * T * T * (2 * len(layers) * rt.adapter.n_heads + per_matrix)
+            est += estimate_encoded_bytes(per_matrix * T * T, encoding, req.dtype, req.round,
+                                          req.layout, None, T)
     forwards = await forward_request(rt, slot, items, est)
 
     def build() -> dict:

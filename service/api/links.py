@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import anyio.to_thread
 import numpy as np
 import torch
 from fastapi import APIRouter
@@ -59,6 +60,18 @@ async def links(req: LinksRequest, rt: RuntimeDep, slot: SlotDep):
                 raise OutOfRange(f"ignore[{j}] = {top} is out of range: {where} has {len(it)} "
                                  f"tokens (valid positions 0..{len(it) - 1})", f"ignore.{j}")
     forwards = await forward_request(rt, slot, items)
+    # ranking and building up to top_k x T links per text: off the event loop
+    out = await anyio.to_thread.run_sync(_build, req, forwards)
+    body = {"model": rt.model_ref(), "layer": req.layer, "head": req.head,
+            "direction": req.direction}
+    if req.text is not None:
+        body["links"] = out[0]
+    else:
+        body["results"] = out
+    return ORJSONResponse(body)
+
+
+def _build(req: LinksRequest, forwards) -> list[dict]:
     out = []
     for fw in forwards:
         pattern = fw.pattern[req.layer]  # [head, query_pos, key_pos]
@@ -78,10 +91,4 @@ async def links(req: LinksRequest, rt: RuntimeDep, slot: SlotDep):
                       for ql in found],
             "skipped": skipped_queries(fw.n_tokens, found),
         })
-    body = {"model": rt.model_ref(), "layer": req.layer, "head": req.head,
-            "direction": req.direction}
-    if req.text is not None:
-        body["links"] = out[0]
-    else:
-        body["results"] = out
-    return ORJSONResponse(body)
+    return out

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import weakref
+
+import anyio
 import anyio.to_thread
+import torch
 from fastapi import APIRouter, Request
 
 from attnscope.schemas import ErrorResponse, ScratchAttentionRequest, ScratchAttentionResponse
 from attnscope.service.analysis.scratch import as_matrix, embedding_qkv, scratch_attention
 from attnscope.service.deps import get_runtime
 from attnscope.service.encoding import ORJSONResponse, encode_tensor
+from attnscope.service.errors import InvalidRequest
 
 router = APIRouter(tags=["scratch"])
 
@@ -18,6 +24,38 @@ ERRORS = {
           "numbers, n_heads not dividing a width, causal with query_pos != key_pos."},
     503: {"model": ErrorResponse, "description": "The model is not loaded yet ('text' source)."},
 }
+
+
+_LIMITERS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _pca_limiter() -> anyio.CapacityLimiter:
+    """One-at-a-time limiter for 'project' requests, per event loop."""
+    loop = asyncio.get_running_loop()
+    lim = _LIMITERS.get(loop)
+    if lim is None:
+        lim = _LIMITERS[loop] = anyio.CapacityLimiter(1)
+    return lim
+
+
+def check_wire_range(r: dict, dtype: str) -> None:
+    """422 (param ``dtype``) when a finite float64 result would not fit the wire dtype (float32
+    max ~3.4e38, float16 max 65504): the cast would send inf silently. Masked scores (-inf)
+    are exempt."""
+    limit = float(torch.finfo(getattr(torch, dtype)).max)
+    for name in ("scores", "output", "weights"):
+        t = r[name]
+        finite = t[torch.isfinite(t)]
+        if finite.numel() == 0:
+            continue
+        big = float(finite.abs().max())
+        if big > limit:
+            raise InvalidRequest(
+                f"{name} holds a value of magnitude {big:.4g}, beyond {dtype}'s largest finite "
+                f"number ({limit:.4g}): it would be sent as inf. Use dtype 'float32' (if it fits), "
+                "encoding 'json' (full float64), or scale the inputs down", "dtype",
+            )
 
 
 @router.post(
@@ -65,7 +103,12 @@ async def post_scratch_attention(req: ScratchAttentionRequest, request: Request)
             names = ("query_text" if query_tt is not None else "text", "text", "text")
             return scratch_attention(q, k, v, req.variant, req.n_heads, req.scale, names)
 
-    r = await anyio.to_thread.run_sync(work)
+    # A PCA fit of the embedding matrix takes seconds of CPU: one at a time, and requests
+    # waiting for it wait here (holding no worker thread), not in the shared thread pool.
+    limiter = _pca_limiter() if req.project is not None else None
+    r = await anyio.to_thread.run_sync(work, limiter=limiter)
+    if req.encoding == "base64":
+        check_wire_range(r, req.dtype)
     enc = (req.encoding, req.dtype, req.round)
     body.update({
         "variant": req.variant,

@@ -34,4 +34,9 @@ def bytelevel_label(token: str) -> str:
         raw = bytes(table[ch] for ch in token)
     except KeyError:  # not a byte-alphabet token (e.g. an added special token)
         return token
-    return raw.decode("utf-8", errors="backslashreplace")
+    text = raw.decode("utf-8", errors="backslashreplace")
+    # control characters other than newline/tab/CR are shown as \xNN escapes too
+    return "".join(
+        f"\\x{ord(c):02x}" if (ord(c) < 32 and c not in "\n\t\r") or ord(c) == 127 else c
+        for c in text
+    )

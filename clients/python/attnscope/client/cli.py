@@ -316,8 +316,7 @@ def cmd_verify(args) -> int:
         rows = [[l.layer, _fmt(l.pattern_max_abs_diff), _fmt(l.output_max_abs_diff),
                  "pass" if l.passed else "FAIL"] for l in v.layers]
         print(_table(rows, ["layer", "pattern max|diff|", "output max|diff|", "result"]))
-        print(f"{'PASSED' if v.passed else 'FAILED'}: {v.message} (tolerance {v.tolerance:g}, "
-              f"dtype {v.dtype})")
+        print(f"{'PASSED' if v.passed else 'FAILED'}: {v.message}")
     return EXIT_OK if v.passed else EXIT_NEGATIVE
 
 
@@ -338,7 +337,7 @@ def cmd_heads(args) -> int:
             rows.append([h.layer, h.head, h.label] + [_fmt(sc.get(k), blank=True) for k in cols])
         print(f"model {res.model.id}  texts {res.n_texts}  tokens {res.n_tokens}")
         print(_table(rows, ["layer", "head", "label", "prev", "dup", "induct", "probe", "self",
-                            "sink", "entropy"]))
+                            "sink", "entropy_norm"]))
     if args.plot:
         _save(_plots().head_classification_grid(res), args.plot)
     return EXIT_OK
@@ -385,7 +384,8 @@ def _serve(argv: list[str]) -> int:
         from attnscope.service import cli as service_cli
     except ImportError as exc:
         print("attnscope serve: the service is not installed in this environment "
-              f"({exc}). Install the full package (pip install attnscope) to run a server; "
+              f"({exc}). Install the service (from the attnscope repository: pip install -e .) to run a "
+              "server; "
               "this client talks to one with --url.", file=sys.stderr)
         return EXIT_USAGE
     return service_cli.main(argv)
@@ -432,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     except APIResponseValidationError as exc:
         print(f"attnscope {args.cmd}: unexpected answer: {exc.message}", file=sys.stderr)
         return EXIT_SERVER
+    except BrokenPipeError:  # e.g. `attnscope model | head -2`: the reader left, not an error
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_OK
 
 
 if __name__ == "__main__":
