@@ -25,11 +25,11 @@ class HeadThresholds(StrictModel):
     induction: float = _th(
         0.3, "Compared with scores.induction_probe when the probe ran, else scores.induction."
     )
-    previous_token: float = _th(0.5, "Compared with scores.previous_token (seed 004: > 0.5).")
+    previous_token: float = _th(0.5, "Compared with scores.previous_token (S004: > 0.5).")
     duplicate_token: float = _th(0.3, "Compared with scores.duplicate_token.")
     next_token: float = _th(0.5, "Compared with scores.next_token (encoders only).")
     self: float = _th(0.5, "Compared with scores.self.")
-    sink: float = _th(0.6, "Compared with scores.sink (seed 004: > 0.6).")
+    sink: float = _th(0.6, "Compared with scores.sink (S004: > 0.6).")
     broad: float = _th(0.8, "Compared with scores.entropy_normalized.")
 
 
@@ -98,7 +98,7 @@ class HeadScoreSet(LenientModel):
     )
     sink: float | None = Field(
         None, description="Mean over query rows of the attention to position 0 (BOS / [CLS] / "
-        "first token), [0, 1] (seed 004: M[:, 0].mean())."
+        "first token), [0, 1] (S004: M[:, 0].mean())."
     )
     entropy: float | None = Field(
         None, description="Mean over query rows of the row entropy -sum A ln A, in nats (>= 0)."

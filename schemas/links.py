@@ -10,7 +10,7 @@ from attnscope.schemas.common import LenientModel, ModelRef, TextOrTexts, Token
 
 
 class LinksRequest(TextOrTexts):
-    """Strongest links of one layer's head mean or of one head (seed 000_1c89b6c8c2a32040.txt,
+    """Strongest links of one layer's head mean or of one head (S000, 000_1c89b6c8c2a32040.txt,
     ``strongest_previous_token``)."""
 
     layer: int = Field(ge=0, description="Layer index (0-based, < n_layers).")

@@ -36,6 +36,8 @@ attnscope keeps a transformer language model resident and tells you what its att
 Shapes are written `[layer, head, query_pos, key_pos]`. **pattern** = post-softmax attention
 weights; **scores** = pre-softmax `q . k * scaling`. `hidden_states[0]` is the embedding output.
 Every error has the envelope `{"error": {"type", "message", "param"}}`.
+Descriptions cite their sources by id or file name (S000 = `000_1c89b6c8c2a32040.txt`, ...):
+the list with titles is `docs/sources.md` in the repository.
 """
 
 
@@ -107,6 +109,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if tuple(e.get("loc", ())) == ("body",) and e.get("type") in ("dict_type", "model_attributes_type"):
         return ("body must be a JSON object sent with 'Content-Type: application/json' "
                 f"(got {type(e.get('input')).__name__})"), "body"
+    if tuple(e.get("loc", ())) == ("body",) and e.get("type") == "missing":
+        return ("body is missing: send a JSON object with 'Content-Type: application/json', "
+                "see /docs for the fields"), "body"
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
@@ -136,8 +141,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             # FastAPI's answer to a body it cannot decode (e.g. not UTF-8): same as bad JSON
             return ORJSONResponse(envelope(
-                "validation_error", "body is not valid JSON: it must be UTF-8 encoded JSON",
-                "body"), status_code=422)
+                "validation_error", "body could not be parsed as JSON (it must be UTF-8 "
+                "encoded JSON, nested at most a few hundred levels deep)", "body"),
+                status_code=422)
         return ORJSONResponse(
             envelope(types.get(exc.status_code, "http_error"), str(exc.detail)),
             status_code=exc.status_code,

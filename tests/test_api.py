@@ -185,3 +185,13 @@ def test_docs_work_offline_and_missing_content_type_is_explained(client):
     assert client.get("/static/swagger-ui/swagger-ui-bundle.js").status_code == 200
     r = client.post("/v1/attention", content=b'{"text": "hi"}', headers={"content-type": "text/plain"})
     assert r.status_code == 422 and "Content-Type: application/json" in r.json()["error"]["message"]
+
+
+def test_empty_and_absurdly_nested_bodies(client):
+    r = client.post("/v1/attention", content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "body"
+    assert "missing" in r.json()["error"]["message"]
+    deep = b'{"text":' + b"[" * 100000 + b"]" * 100000 + b"}"
+    r = client.post("/v1/attention", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "body"
+    assert client.post("/v1/attention", json={"text": "fine", "layers": [0]}).status_code == 200

@@ -14,7 +14,7 @@ Scores (all float, per head; name: formula, range/unit):
 - ``next_token``: same, P = ones on the super-diagonal (key = query + 1); [0, 1]; encoders
   only (NaN/null for causal models, whose queries never see the next token).
 - ``self``: mean over query rows of ``A[q, q]``; [0, 1].
-- ``sink``: mean over query rows of ``A[q, 0]`` (seed 004: ``M[:, 0].mean()``); [0, 1].
+- ``sink``: mean over query rows of ``A[q, 0]`` (S004: ``M[:, 0].mean()``); [0, 1].
 - ``entropy``: mean over query rows of ``-sum_k A[q,k] ln A[q,k]`` (0 ln 0 = 0); nats, >= 0.
 - ``entropy_normalized``: mean over rows with >= 2 visible keys of ``H_q / ln(n_visible_q)``
   (n_visible_q = q + 1 causal, T encoder); [0, 1], 1 = uniform over the visible keys.
@@ -36,7 +36,7 @@ previous-token heads as the mean of the sub-diagonal over rows 1..T-1; without e
 Labels (:func:`classify`): the first of ``LABEL_ORDER`` whose score exceeds its threshold
 (:data:`DEFAULT_THRESHOLDS`), else ``"none"``. Sources: TransformerLens ``head_detector.py``;
 Olsson et al. 2022, "In-context Learning and Induction Heads"; Clark et al. 2019, "What Does
-BERT Look At?"; the seed documents 004_e7341cee07d297e4.txt (previous > 0.5, sink > 0.6)
+BERT Look At?"; the source documents S004 (004_e7341cee07d297e4.txt) (previous > 0.5, sink > 0.6)
 and 003_fd2ce6cc010446bf.txt (identity, local, special-token patterns).
 """
 
@@ -55,7 +55,7 @@ LABEL_ORDER: tuple[str, ...] = (
 )
 
 #: Default thresholds (a label needs its score strictly above the threshold).
-#: previous_token and sink come from seed 004_e7341cee07d297e4.txt; the others are ours.
+#: previous_token and sink come from S004 (004_e7341cee07d297e4.txt); the others are ours.
 #: ``induction`` is compared with ``induction_probe`` when the probe ran, else with the text's
 #: ``induction`` score; ``broad`` is compared with ``entropy_normalized``.
 DEFAULT_THRESHOLDS: dict[str, float] = {
