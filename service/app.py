@@ -26,7 +26,6 @@ from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import AttnscopeError, envelope
 from attnscope.service.ops import InstrumentedSlot, install_ops
 from attnscope.service.runtime import ModelLoadError, Runtime
-from attnscope.service.runtime.slot import DeviceSlot
 
 log = logging.getLogger("attnscope")
 

@@ -72,3 +72,23 @@ async def forward_request(
 
 def token_dicts(result_tokens) -> list[dict]:
     return [t.as_dict() for t in result_tokens.tokens]
+
+
+def error_responses(invalid: str = "Invalid request (field, limit and value named).",
+                    *, device: bool = True) -> dict:
+    """OpenAPI ``responses`` of a /v1 route: every status it can answer besides 200, each with
+    the error envelope. ``invalid`` describes the route's own 422 cases; ``device=False`` for
+    routes that never wait for the device (no 429)."""
+    from attnscope.schemas import ErrorResponse
+
+    out = {
+        401: {"model": ErrorResponse, "description": "API keys are configured and none was valid."},
+        413: {"model": ErrorResponse, "description": "Request body too large."},
+        422: {"model": ErrorResponse, "description": invalid},
+        429: {"model": ErrorResponse, "description": "Overloaded: the device queue is full."},
+        503: {"model": ErrorResponse, "description": "The model is not loaded yet."},
+        504: {"model": ErrorResponse, "description": "The request ran past request_timeout_s."},
+    }
+    if not device:
+        del out[429]
+    return out

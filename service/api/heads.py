@@ -8,9 +8,9 @@ import anyio.to_thread
 import torch
 from fastapi import APIRouter
 
-from attnscope.schemas import ErrorResponse, HeadsRequest, HeadsResponse
+from attnscope.schemas import HeadsRequest, HeadsResponse
 from attnscope.service.analysis import heads as H
-from attnscope.service.api.common import forward_request, tokenize_request
+from attnscope.service.api.common import error_responses, forward_request, tokenize_request
 from attnscope.service.deps import RuntimeDep, SlotDep
 from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import InvalidRequest, NonFiniteValues
@@ -18,13 +18,9 @@ from attnscope.service.runtime import Runtime, TokenizedText
 
 router = APIRouter(tags=["heads"])
 
-ERRORS = {
-    413: {"model": ErrorResponse, "description": "Request body too large."},
-    422: {"model": ErrorResponse, "description": "Invalid request: blank text, a text of fewer "
-          "than 2 tokens, too many tokens, a probe longer than n_ctx, a bad threshold."},
-    429: {"model": ErrorResponse, "description": "Overloaded: the device queue is full."},
-    503: {"model": ErrorResponse, "description": "The model is not loaded yet."},
-}
+ERRORS = error_responses(
+    "Invalid request: blank text, a text of fewer "
+    "than 2 tokens, too many tokens, a probe longer than n_ctx, a bad threshold.")
 
 
 def probe_tokens(rt: Runtime, probe) -> tuple[TokenizedText, int]:

@@ -7,22 +7,18 @@ import numpy as np
 import torch
 from fastapi import APIRouter
 
-from attnscope.schemas import ErrorResponse, LinksRequest, LinksResponse
+from attnscope.schemas import LinksRequest, LinksResponse
 from attnscope.service.analysis.links import skipped_queries, strongest_links
-from attnscope.service.api.common import check_distinct, forward_request, tokenize_request
+from attnscope.service.api.common import error_responses, check_distinct, forward_request, tokenize_request
 from attnscope.service.deps import RuntimeDep, SlotDep
 from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
 
 router = APIRouter(tags=["links"])
 
-ERRORS = {
-    413: {"model": ErrorResponse, "description": "Request body too large."},
-    422: {"model": ErrorResponse, "description": "Invalid request: layer/head/ignore position "
-          "out of range, direction 'any' on a causal model, too many tokens."},
-    429: {"model": ErrorResponse, "description": "Overloaded: the device queue is full."},
-    503: {"model": ErrorResponse, "description": "The model is not loaded yet."},
-}
+ERRORS = error_responses(
+    "Invalid request: layer/head/ignore position "
+    "out of range, direction 'any' on a causal model, too many tokens.")
 
 
 def _check(value: int | None, limit: int, field: str, what: str) -> None:

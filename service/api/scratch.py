@@ -10,20 +10,19 @@ import anyio.to_thread
 import torch
 from fastapi import APIRouter, Request
 
-from attnscope.schemas import ErrorResponse, ScratchAttentionRequest, ScratchAttentionResponse
+from attnscope.schemas import ScratchAttentionRequest, ScratchAttentionResponse
 from attnscope.service.analysis.scratch import as_matrix, embedding_qkv, scratch_attention
+from attnscope.service.api.common import error_responses
 from attnscope.service.deps import get_runtime
 from attnscope.service.encoding import ORJSONResponse, encode_tensor
 from attnscope.service.errors import InvalidRequest
 
 router = APIRouter(tags=["scratch"])
 
-ERRORS = {
-    413: {"model": ErrorResponse, "description": "Request body too large."},
-    422: {"model": ErrorResponse, "description": "Invalid request: shapes, sizes, non-finite "
-          "numbers, n_heads not dividing a width, causal with query_pos != key_pos."},
-    503: {"model": ErrorResponse, "description": "The model is not loaded yet ('text' source)."},
-}
+ERRORS = error_responses(
+    "Invalid request: shapes, sizes, non-finite "
+    "numbers, n_heads not dividing a width, causal with query_pos != key_pos.",
+    device=False)
 
 
 _LIMITERS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter]" = (

@@ -5,21 +5,17 @@ from __future__ import annotations
 import anyio.to_thread
 from fastapi import APIRouter
 
-from attnscope.schemas import ErrorResponse, TrajectoriesRequest, TrajectoriesResponse
+from attnscope.schemas import TrajectoriesRequest, TrajectoriesResponse
 from attnscope.service.analysis.trajectories import check_trajectory_request, trajectories
-from attnscope.service.api.common import forward_request, tokenize_request
+from attnscope.service.api.common import error_responses, forward_request, tokenize_request
 from attnscope.service.deps import RuntimeDep, SlotDep
 from attnscope.service.encoding import ORJSONResponse, encode_tensor
 
 router = APIRouter(tags=["trajectories"])
 
-ERRORS = {
-    413: {"model": ErrorResponse, "description": "Request body too large."},
-    422: {"model": ErrorResponse, "description": "Invalid request, or a PCA the text cannot "
-          "support (too few states x tokens, n_components too large), position out of range."},
-    429: {"model": ErrorResponse, "description": "Overloaded: the device queue is full."},
-    503: {"model": ErrorResponse, "description": "The model is not loaded yet."},
-}
+ERRORS = error_responses(
+    "Invalid request, or a PCA the text cannot "
+    "support (too few states x tokens, n_components too large), position out of range.")
 
 
 @router.post(

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from attnscope.schemas import ErrorResponse, VerifyRequest, VerifyResponse
+from attnscope.schemas import VerifyRequest, VerifyResponse
 from attnscope.service.analysis.verify import verify
-from attnscope.service.api.common import check_indices, forward_request, tokenize_request
+from attnscope.service.api.common import error_responses, check_indices, forward_request, tokenize_request
 from attnscope.service.deps import RuntimeDep, SlotDep
 from attnscope.service.encoding import ORJSONResponse
 
 router = APIRouter(tags=["verify"])
 
-ERRORS = {
-    413: {"model": ErrorResponse, "description": "Request body too large."},
-    422: {"model": ErrorResponse, "description": "Invalid request (field, limit and value named)."},
-    429: {"model": ErrorResponse, "description": "Overloaded: the device queue is full."},
-    503: {"model": ErrorResponse, "description": "The model is not loaded yet."},
-}
+ERRORS = error_responses(
+    "Invalid request (field, limit and value named).")
 
 
 @router.post(
