@@ -290,7 +290,21 @@ def encoders_in_process(base, texts: Texts, lengths, runs: int) -> dict:
     return out
 
 
-def attention_e2e(url: str, texts: Texts, lengths, runs_for, info: dict, floor: dict) -> dict:
+def floor_once(base, texts: Texts, T: int) -> float:
+    import torch
+
+    ids = torch.tensor([texts.tok(texts.make(T), add_special_tokens=False)["input_ids"]])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        o = base(input_ids=ids, output_attentions=True)
+        _ = [a.numpy() for a in o.attentions]
+    return time.perf_counter() - t0
+
+
+def attention_e2e(url: str, texts: Texts, lengths, runs_for, info: dict, floor: dict,
+                  base=None) -> dict:
+    """Each request is paired with an in-process floor forward run just before it (the
+    machine's load drifts; ratios use the paired floors)."""
     out = {}
     L, H = info["n_layers"], info["n_heads"]
     with httpx.Client(base_url=url, timeout=900) as client:
@@ -299,9 +313,11 @@ def attention_e2e(url: str, texts: Texts, lengths, runs_for, info: dict, floor: 
             out[T] = {}
             for name, (opts, accept) in ENCODINGS.items():
                 runs = runs_for(T)
-                last, full, sizes = [], [], []
+                last, full, sizes, floors = [], [], [], []
                 decoded = True
                 for r in range(runs):
+                    if base is not None:
+                        floors.append(floor_once(base, texts, T))
                     resp, dt = post_attention(client, texts.make(T), opts, accept)
                     t0 = time.perf_counter()
                     arr = decode(resp, opts, T, L, H)
@@ -314,8 +330,10 @@ def attention_e2e(url: str, texts: Texts, lengths, runs_for, info: dict, floor: 
                     full.append(dt + dd)
                     sizes.append(len(resp.content))
                     del resp
-                fl = floor[T]["median_s"]
+                fl = median(floors) if floors else floor[T]["median_s"]
+                floor[T].setdefault("paired", []).extend(floors)
                 out[T][name] = {
+                    "floor_s": fl,
                     "latency_s": median(last), "with_decode_s": median(full) if decoded else None,
                     "bytes": int(median(sizes)), "ratio_to_floor": median(last) / fl,
                     "ratio_with_decode": (median(full) / fl) if decoded else None, "runs": runs,
@@ -323,7 +341,7 @@ def attention_e2e(url: str, texts: Texts, lengths, runs_for, info: dict, floor: 
     return out
 
 
-def client_e2e(url: str, texts: Texts, T: int, runs: int, floor: dict) -> dict:
+def client_e2e(url: str, texts: Texts, T: int, runs: int, floor: dict, base=None) -> dict:
     """/v1/attention through the attnscope Python client (clients/python), to ``.numpy()``."""
     try:
         from attnscope.client import Client
@@ -334,13 +352,16 @@ def client_e2e(url: str, texts: Texts, T: int, runs: int, floor: dict) -> dict:
         for name, opts in (("json", {"encoding": "json"}),
                            ("base64_f16", {"encoding": "base64", "dtype": "float16"})):
             c.attention(texts.make(T), **opts).attention.pattern.numpy()  # warm-up
-            times = []
+            times, floors = [], []
             for _ in range(runs):
+                if base is not None:
+                    floors.append(floor_once(base, texts, T))
                 t0 = time.perf_counter()
                 c.attention(texts.make(T), **opts).attention.pattern.numpy()
                 times.append(time.perf_counter() - t0)
-            out[name] = {"with_decode_s": median(times),
-                         "ratio_to_floor": median(times) / floor[T]["median_s"]}
+            fl = median(floors) if floors else floor[T]["median_s"]
+            out[name] = {"with_decode_s": median(times), "floor_s": fl,
+                         "ratio_to_floor": median(times) / fl}
     return out
 
 
@@ -544,7 +565,8 @@ def report(res: dict) -> str:
              f"cpu {res['meta']['cpus']} cores, torch threads {res['meta']['torch_threads']}"]
     floor = res["floor"]
     lines.append("\nFloor: in-process HF forward (GPT2Model, output_attentions=True)")
-    lines.append("  " + "  ".join(f"T={T}: {fmt_s(v['median_s'])}" for T, v in floor.items()))
+    lines.append("  " + "  ".join(f"T={T}: {fmt_s(v['median_s'])}" for T, v in floor.items())
+                 + "  (median of all floor runs, most interleaved with the requests below)")
     if ok(res, "encoders"):
         lines.append("\nEncoders in-process (encode + every byte of the body)")
         lines.append(f"  {'encoding':18} " + " ".join(f"{'T=' + str(T):>22}" for T in res["encoders"]))
@@ -560,7 +582,8 @@ def report(res: dict) -> str:
         lines.append("\n/v1/attention end to end (httpx): latency to last byte / incl. decode to numpy, "
                      "bytes, ratio to floor")
         for T, d in res["attention"].items():
-            lines.append(f"  T={T} (floor {fmt_s(floor[T]['median_s'])})")
+            lines.append(f"  T={T} (floor {fmt_s(floor[T]['median_s'])}; each ratio uses the floor "
+                         "runs interleaved with that encoding's requests)")
             for n, e in d.items():
                 rd = "-" if e["ratio_with_decode"] is None else f"{e['ratio_with_decode']:.2f}x"
                 lines.append(f"    {n:18} {fmt_s(e['latency_s']):>9} {fmt_s(e['with_decode_s']):>9} "
@@ -730,8 +753,13 @@ def main(argv=None) -> int:
 
         res["floor"] = floor_forward(base, texts, lengths, runs)  # everything is relative to it
         section("encoders", encoders_in_process, base, texts, lengths, max(1, runs - 2))
-        section("attention", attention_e2e, srv.url, texts, lengths, runs_for, info, res["floor"])
-        section("client", client_e2e, srv.url, texts, T0, runs, res["floor"])
+        section("attention", attention_e2e, srv.url, texts, lengths, runs_for, info, res["floor"],
+                base)
+        for T, f in res["floor"].items():  # all floors measured interleaved with requests
+            if f.get("paired"):
+                f["standalone_median_s"] = f["median_s"]
+                f["median_s"] = median(f["paired"])
+        section("client", client_e2e, srv.url, texts, T0, runs, res["floor"], base)
         section("analyses", analyses_sequence, srv.url, texts, T0, runs)
         section("heads_vs_tl", heads_vs_tl, srv.url, model_dir, texts, T0, runs)
         levels = [1, 4] if args.quick else [1, 4, 16]

@@ -6,6 +6,9 @@ Requests are strict (``extra="forbid"``); the client parses responses leniently.
 
 from attnscope.schemas.common import (
     Base64Tensor,
+    BinaryTensorRef,
+    SparseTensor,
+    TrilTensor,
     ErrorBody,
     ErrorResponse,
     ModelInfo,
@@ -13,7 +16,9 @@ from attnscope.schemas.common import (
     TensorField,
     Token,
 )
-from attnscope.schemas.attention import AttentionRequest, AttentionResponse, AttentionResult
+from attnscope.schemas.attention import (
+    AttentionRequest, AttentionResponse, AttentionResult, SparseOptions,
+)
 from attnscope.schemas.tokenize import TokenizeRequest, TokenizeResponse, TokenizeResult
 from attnscope.schemas.heads import (
     HeadResult,
@@ -37,6 +42,10 @@ __all__ = [
     "AttentionResponse",
     "AttentionResult",
     "Base64Tensor",
+    "BinaryTensorRef",
+    "SparseOptions",
+    "SparseTensor",
+    "TrilTensor",
     "ErrorBody",
     "ErrorResponse",
     "HeadResult",

@@ -159,7 +159,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "attnscope.service.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--model", args.model, "--cache-entries", str(args.cache_entries),
-           "--max-body-bytes", str(args.max_body_bytes), "--max-queue", str(args.max_queue),
+           "--max-body-bytes", str(args.max_body_bytes or 200_000), "--max-queue", str(args.max_queue),
            "--log-level", "warning", *args.server_arg]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -194,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--bad-fraction", type=float, default=0.15)
     ap.add_argument("--cache-entries", type=int, default=8)
-    ap.add_argument("--max-body-bytes", type=int, default=200_000)
+    ap.add_argument("--max-body-bytes", type=int, default=None,
+                    help="the server's body limit: set on the server we start (default 200000); "
+                    "with --url, the running server's setting (default 4000000, the service's "
+                    "default)")
     ap.add_argument("--max-queue", type=int, default=256)
     ap.add_argument("--api-key", default=os.environ.get("ATTNSCOPE_API_KEY"))
     ap.add_argument("--server-arg", action="append", default=[],
@@ -253,7 +256,7 @@ def run(args, url: str, proc, headers: dict) -> int:
             if key not in reference:
                 reference[key] = r.json()
                 good.append((method, path, body, key))
-        bad = [(m, p, b, e) for m, p, b, e in bad_requests(args.max_body_bytes)
+        bad = [(m, p, b, e) for m, p, b, e in bad_requests(args.max_body_bytes or (4_000_000 if args.url else 200_000))
                if p in paths or e in ((404,), (405,))]
         exercised = {p for _, p, _, _ in good}
         not_exercised = sorted(p for p in paths if p not in exercised and p != "/metrics")

@@ -490,10 +490,22 @@ async def tensor_response(
     body = await anyio.to_thread.run_sync(build)
     if binary:
         parts = await anyio.to_thread.run_sync(safetensors_parts, body)
+        del body
         length = sum(len(p) for p in parts)
-        return StreamingResponse(iter(parts), status_code=status_code, media_type=SAFETENSORS,
-                                 headers={"content-length": str(length)})
+        return StreamingResponse(_then_release(iter(parts)), status_code=status_code,
+                                 media_type=SAFETENSORS, headers={"content-length": str(length)})
     if _array_bytes(body) < STREAM_MIN_BYTES:
         return ORJSONResponse(body, status_code=status_code)
-    return StreamingResponse(iter_json(body), status_code=status_code,
+    return StreamingResponse(_then_release(iter_json(body)), status_code=status_code,
                              media_type="application/json")
+
+
+def _then_release(chunks: Iterator[Any]) -> Iterator[Any]:
+    """Yield ``chunks``; once they are all sent (the body freed), trim the heap."""
+    from attnscope.service.runtime.memory import release_memory
+
+    yield from chunks
+    if isinstance(chunks, list):
+        chunks.clear()
+    del chunks
+    release_memory()

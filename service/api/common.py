@@ -8,7 +8,7 @@ from attnscope.schemas.common import TextOrTexts
 from attnscope.service.errors import BatchTooLarge, InvalidRequest, OutOfRange
 from attnscope.service.runtime import ForwardResult, Runtime, TokenizedText
 from attnscope.service.runtime.slot import DeviceSlot
-from attnscope.service.runtime.memory import check_memory
+from attnscope.service.runtime.memory import check_memory, release_memory
 
 
 def check_indices(values: list[int] | None, limit: int, field: str, what: str) -> None:
@@ -67,7 +67,14 @@ async def forward_request(
     ``max_request_bytes``; no forward runs then.
     """
     check_memory(rt, [len(it) for it in items], response_bytes)
-    return await slot.run(rt.forward_many, items)
+    return await slot.run(_forward_and_release, rt, items)
+
+
+def _forward_and_release(rt: Runtime, items: list[TokenizedText]) -> list[ForwardResult]:
+    results = rt.forward_many(items)
+    if not all(r.cached for r in results):
+        release_memory()  # the forward's transient tensors go back to the OS
+    return results
 
 
 def token_dicts(result_tokens) -> list[dict]:

@@ -81,3 +81,31 @@ def check_memory(rt, lengths: Sequence[int], extra: int = 0, what: str = "respon
             "texts" if n > 1 else "text",
         )
     return total
+
+
+_LIBC = None
+
+
+def release_memory() -> bool:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
+
+    glibc keeps freed chunks of 1-32 MB (q/k/v, hidden states, per-layer attention of
+    mid-length texts, encoded bodies) in its heaps: measured by bench/ (GPT-2 small, 200 mixed
+    requests up to T = 1024), the server's RSS stayed at 4.4 GB, 2 GB above idle + cache.
+    Trimming after each forward and after each big response kept it at 1.4 GB for a cost of
+    ~2-10 ms per call (a fixed 1 MB mmap threshold did the same but made every forward 1.2-1.7x
+    slower through page faults). Returns True when memory was released.
+    """
+    global _LIBC
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        if _LIBC is None:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+        return bool(_LIBC.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
