@@ -34,6 +34,7 @@ import time
 from typing import Any, TypeVar
 
 import httpx
+import orjson
 import pydantic
 from pydantic import BaseModel
 
@@ -182,7 +183,8 @@ class BaseClient:
                     return wire.decode_binary_response(response.content)
                 data, arrays = wire.read_safetensors(response.content)
             else:
-                data = response.json()
+                # orjson: ~3x faster than the standard library on big tensor bodies
+                data = orjson.loads(response.content)
         except ValueError as exc:
             raise APIResponseValidationError(
                 f"the service answered {response.status_code} with a body that is not JSON",
