@@ -60,7 +60,7 @@ def test_healthz_answers_during_long_forward(live_server):
 
     th = threading.Thread(target=long_call)
     th.start()
-    time.sleep(0.3)
+    time.sleep(0.1)
     lat = []
     with httpx.Client(base_url=live_server.url, timeout=5) as c:
         while not done.is_set() and len(lat) < 20:
