@@ -328,8 +328,8 @@ def wants_binary(accept: str | None) -> bool:
     Raises:
         NotAcceptable: the header names media types, none of which we can produce (406).
     """
-    if not accept:
-        return False
+    if not accept or not accept.strip():
+        return False  # no (or a blank) Accept header: any media type (RFC 9110 12.5.1)
     best: dict[str, float] = {}
     for part in accept.split(","):
         bits = [b.strip() for b in part.split(";")]
@@ -338,12 +338,20 @@ def wants_binary(accept: str | None) -> bool:
             continue
         q = 1.0
         for b in bits[1:]:
-            if b.startswith("q="):
+            if b[:2].lower() == "q=":
                 try:
                     q = float(b[2:])
                 except ValueError:
-                    q = 0.0
+                    q = float("nan")
+                if not float("-inf") < q < float("inf"):  # NaN or infinite
+                    raise NotAcceptable(
+                        f"Accept: the q value {b[2:][:40]!r} of {media[:60]!r} is not a number "
+                        "in [0, 1]", "Accept",
+                    )
+                q = min(max(q, 0.0), 1.0)  # RFC 9110 12.4.2: qvalue in [0, 1]
         best[media] = max(best.get(media, 0.0), q)
+    if not best:
+        return False  # only separators (',', ';'): no preference stated
     st = best.get(SAFETENSORS, 0.0)
     js = max(best.get("application/json", 0.0), best.get("application/*", 0.0),
              best.get("*/*", 0.0))

@@ -297,7 +297,8 @@ class ApiKeyMiddleware:
 
     def __init__(self, app, keys: list[str]):
         self.app = app
-        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+        # keys are compared stripped (as the header's token is); blank ones configure nothing
+        self.digests = [hashlib.sha256(k.strip().encode()).digest() for k in keys if k.strip()]
 
     @staticmethod
     def protected(path: str) -> bool:
@@ -309,7 +310,8 @@ class ApiKeyMiddleware:
         scheme, _, token = header.strip().partition(" ")
         if scheme.lower() != "bearer":
             return False
-        given = hashlib.sha256(token.strip().encode()).digest()
+        # the header was decoded as latin-1: encode back to its raw bytes (UTF-8 keys match)
+        given = hashlib.sha256(token.strip().encode("latin-1")).digest()
         ok = False
         for d in self.digests:
             ok |= hmac.compare_digest(d, given)
@@ -318,14 +320,15 @@ class ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.digests or not self.protected(scope["path"]):
             return await self.app(scope, receive, send)
-        header = None
-        for k, v in scope.get("headers", []):
-            if k == b"authorization":
-                header = v.decode("latin-1")
-                break
-        if self.check(header):
+        found = [v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"authorization"]
+        header = found[0] if found else None
+        if len(found) == 1 and self.check(header):
             return await self.app(scope, receive, send)
-        if header is None:
+        if len(found) > 1:  # ambiguous: never let the order of two headers decide
+            msg = (f"{len(found)} Authorization headers were sent; send exactly one "
+                   "'Authorization: Bearer <key>'")
+            challenge = b'Bearer realm="attnscope", error="invalid_request"'
+        elif header is None:
             msg = "an API key is required: send the header 'Authorization: Bearer <key>'"
             challenge = b'Bearer realm="attnscope"'
         else:
@@ -443,23 +446,47 @@ def _document_errors(app: FastAPI, keys: bool, timeout_s: float) -> None:
 
 
 # ---------------------------------------------------------------------------------- install
+def _cors_middleware():
+    """Starlette's CORSMiddleware whose refused preflights (400) answer the error envelope
+    (type ``validation_error``, param the refused part: origin, method or headers)."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    class EnvelopeCORSMiddleware(CORSMiddleware):
+        def preflight_response(self, request_headers):
+            resp = super().preflight_response(request_headers)
+            if resp.status_code < 400:
+                return resp
+            text = bytes(resp.body).decode("utf-8", "replace")
+            keep = {k: v for k, v in resp.headers.items()
+                    if k.lower() not in ("content-length", "content-type")}
+            what = text.removeprefix("Disallowed CORS ").split(",")[0].strip() or "origin"
+            param = {"origin": "Origin", "method": "Access-Control-Request-Method",
+                     "headers": "Access-Control-Request-Headers"}.get(what, "Origin")
+            return ORJSONResponse(
+                envelope("validation_error", f"CORS preflight refused ({text}): allowed "
+                         f"origins {list(self.allow_origins)[:10]}, methods GET, POST, OPTIONS, "
+                         "headers Authorization, Content-Type, X-Request-ID", param),
+                status_code=resp.status_code, headers=keep,
+            )
+
+    return EnvelopeCORSMiddleware
+
+
 def install_ops(app: FastAPI, settings) -> None:
     """Add metrics, the operational middlewares (see the module docstring) and ``/metrics``.
     Call after the body-limit middleware was added (middlewares added later wrap it)."""
-    from starlette.middleware.cors import CORSMiddleware
-
     app.state.metrics = Metrics(app)
     app.include_router(metrics_router)
     timeout_s = float(getattr(settings, "request_timeout_s", 0) or 0)
     app.state.abandoned = set()
     app.add_middleware(TimeoutMiddleware, seconds=timeout_s, abandoned=app.state.abandoned)
-    keys = list(getattr(settings, "api_keys", []) or [])
+    keys = [k for k in (getattr(settings, "api_keys", []) or []) if k.strip()]
     if keys:
         app.add_middleware(ApiKeyMiddleware, keys=keys)
     origins = list(getattr(settings, "cors_origins", []) or [])
     if origins:
         app.add_middleware(
-            CORSMiddleware,
+            _cors_middleware(),
             allow_origins=origins,
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "X-Request-ID"],

@@ -57,23 +57,28 @@ def _fmt(n: int) -> str:
     return f"{n} bytes"
 
 
-def check_memory(rt, lengths: Sequence[int], extra: int = 0, what: str = "response") -> int:
+def check_memory(
+    rt, lengths: Sequence[int], extra: int = 0, what: str = "response", limit: int | None = None,
+) -> int:
     """Raise :class:`MemoryLimitExceeded` (422) when the forwards of texts of ``lengths`` tokens
     plus ``extra`` bytes (the endpoint's ``what``) exceed ``rt.settings.max_request_bytes``.
 
     ``rt``: a Runtime (its adapter's n_layers/n_heads/d_model, the weights' dtype, the
-    settings' forward_batch_size). Returns the estimate in bytes. A limit of 0 disables it.
+    settings' forward_batch_size). ``limit``: the app's ``max_request_bytes`` when it differs
+    from the runtime's (an app built around an existing Runtime); the smaller non-zero of the
+    two applies. Returns the estimate in bytes. A limit of 0 disables it.
     """
     a = rt.adapter
     es = torch.empty((), dtype=next(rt.model.parameters()).dtype).element_size()
     fwd = forward_bytes(a.n_layers, a.n_heads, a.d_model, list(lengths), es,
                         rt.settings.forward_batch_size)
     total = fwd + int(extra)
-    limit = getattr(rt.settings, "max_request_bytes", 0)
+    limits = [x for x in (getattr(rt.settings, "max_request_bytes", 0), limit) if x]
+    limit = min(limits) if limits else 0
     if limit and total > limit:
         n, longest = len(lengths), max(lengths) if lengths else 0
         raise MemoryLimitExceeded(
-            f"this request needs an estimated {_fmt(total)} of memory (forward {_fmt(fwd)} for "
+            f"this request needs an estimated {_fmt(total)} ({total} bytes) of memory (forward {_fmt(fwd)} for "
             f"{n} text{'s' if n != 1 else ''}, longest {longest} tokens, {a.n_layers} layers x "
             f"{a.n_heads} heads, d_model {a.d_model}; {what} {_fmt(int(extra))}); the limit is "
             f"{_fmt(limit)} (max_request_bytes = {limit}). Send fewer or shorter texts, select "
