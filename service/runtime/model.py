@@ -284,31 +284,36 @@ class Runtime:
             ids = list(enc["input_ids"])
             pieces = self.tokenizer.convert_ids_to_tokens(ids)
         offsets = list(enc["offset_mapping"])
+        # with split_special_tokens, special_tokens_mask marks only the framing
         special = [bool(s) for s in enc["special_tokens_mask"]]
-        if not causal:
-            # special_tokens_mask with split_special_tokens marks only the framing.
-            pass
         if causal and add_bos:
             bos = self.tokenizer.bos_token_id
             ids = [bos] + ids
             pieces = [self.tokenizer.bos_token] + pieces
             offsets = [None] + offsets
             special = [True] + special
-        n_ctx = self.adapter.n_ctx
-        if len(ids) > n_ctx:
-            raise ContextLengthExceeded(
-                f"{param} has {len(ids)} tokens; the model's context is {n_ctx} tokens (n_ctx)",
-                param,
-            )
+        self._check_context(len(ids), param)
         tokens = []
         for i, (tid, piece, off, sp) in enumerate(zip(ids, pieces, offsets, special)):
-            if sp or off is None:
-                label, start, end = piece, None, None
-            else:
-                start, end = int(off[0]), int(off[1])
-                label = bytelevel_label(piece) if causal else piece
-            tokens.append(TokenInfo(i, int(tid), label, start, end, sp))
+            start, end = (None, None) if sp or off is None else (int(off[0]), int(off[1]))
+            tokens.append(TokenInfo(i, int(tid), self._label(piece, sp), start, end, sp))
         return TokenizedText(text, add_bos, tuple(ids), tuple(tokens))
+
+    def _check_context(self, n_tokens: int, param: str) -> None:
+        """Raise :class:`ContextLengthExceeded` when ``n_tokens`` > n_ctx (names both)."""
+        n_ctx = self.adapter.n_ctx
+        if n_tokens > n_ctx:
+            raise ContextLengthExceeded(
+                f"{param} has {n_tokens} tokens; the model's context is {n_ctx} tokens (n_ctx)",
+                param,
+            )
+
+    def _label(self, piece: str, special: bool) -> str:
+        """Readable label of one token string: special tokens by name; byte-level BPE pieces
+        (causal models) decoded to their text; WordPiece pieces as they are."""
+        if special or not self.adapter.causal:
+            return piece
+        return bytelevel_label(piece)
 
     def tokenized_from_ids(self, ids: list[int], param: str = "input_ids") -> TokenizedText:
         """A :class:`TokenizedText` for raw token ids (no tokenizer pass, no framing added),
@@ -329,20 +334,13 @@ class Runtime:
                 raise InvalidRequest(
                     f"{param}[{i}] = {tid} is not a token id (vocabulary 0..{n_vocab - 1})", param
                 )
-        n_ctx = self.adapter.n_ctx
-        if len(ids) > n_ctx:
-            raise ContextLengthExceeded(
-                f"{param} has {len(ids)} tokens; the model's context is {n_ctx} tokens (n_ctx)",
-                param,
-            )
+        self._check_context(len(ids), param)
         with self._tok_lock:
             pieces = self.tokenizer.convert_ids_to_tokens(ids)
             special_ids = set(self.tokenizer.all_special_ids)
             text = self.tokenizer.decode(ids)
-        causal = self.adapter.causal
         tokens = tuple(
-            TokenInfo(i, tid, piece if (tid in special_ids or not causal) else bytelevel_label(piece),
-                      None, None, tid in special_ids)
+            TokenInfo(i, tid, self._label(piece, tid in special_ids), None, None, tid in special_ids)
             for i, (tid, piece) in enumerate(zip(ids, pieces))
         )
         return TokenizedText(text, False, tuple(ids), tokens)
