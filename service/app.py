@@ -185,8 +185,8 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.settings = settings
-        app.state.slot = InstrumentedSlot(settings.max_queue, app.state.metrics)
-        app.state.slot.max_request_bytes = settings.max_request_bytes  # forward_request's limit
+        app.state.slot = InstrumentedSlot(settings.max_queue, app.state.metrics,
+                                          settings.max_request_bytes)
         app.state.runtime = runtime
         app.state.load_error = None
         task = None

@@ -149,8 +149,8 @@ class Metrics:
 class InstrumentedSlot(DeviceSlot):
     """:class:`DeviceSlot` that records queue wait and time on the device in ``metrics``."""
 
-    def __init__(self, max_queue: int, metrics: Metrics | None = None):
-        super().__init__(max_queue)
+    def __init__(self, max_queue: int, metrics: Metrics | None = None, max_request_bytes: int = 0):
+        super().__init__(max_queue, max_request_bytes)
         self.metrics = metrics
 
     async def run(self, fn: Callable[..., T], *args) -> T:

@@ -35,7 +35,7 @@ def _asgi_app(runtime, **settings):
     s = Settings(**{"model": "bundled", **settings})
     app = create_app(s, runtime=runtime)
     app.state.settings = s
-    app.state.slot = DeviceSlot(s.max_queue)
+    app.state.slot = DeviceSlot(s.max_queue, s.max_request_bytes)
     app.state.runtime = runtime
     app.state.load_error = None
     return app

@@ -66,8 +66,7 @@ async def forward_request(
     forwards plus ``response_bytes`` (the endpoint's estimate of its response) would exceed
     ``max_request_bytes``; no forward runs then.
     """
-    check_memory(rt, [len(it) for it in items], response_bytes,
-                 limit=getattr(slot, "max_request_bytes", None))  # the app's setting
+    check_memory(rt, [len(it) for it in items], response_bytes, limit=slot.max_request_bytes)
     return await slot.run(_forward_and_release, rt, items)
 
 

@@ -19,8 +19,10 @@ T = TypeVar("T")
 
 
 class DeviceSlot:
-    def __init__(self, max_queue: int):
+    def __init__(self, max_queue: int, max_request_bytes: int = 0):
         self.max_queue = max_queue
+        #: the app's per-request memory limit (0 = none), checked before a forward is admitted
+        self.max_request_bytes = max_request_bytes
         self._limiter = anyio.CapacityLimiter(1)
         self._lock = threading.Lock()
         self._pending = 0  # waiting + running
