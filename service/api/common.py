@@ -19,13 +19,20 @@ def check_indices(values: list[int] | None, limit: int, field: str, what: str) -
     if len(values) == 0:
         raise OutOfRange(f"{field} must hold at least one {what} index (or be null for all)", field)
     for i, v in enumerate(values):
-        if not 0 <= v < limit:
-            raise OutOfRange(
-                f"{field}[{i}] = {v} is out of range: the model has {limit} {what}s "
-                f"(valid indices 0..{limit - 1})",
-                f"{field}.{i}",
-            )
+        check_index(v, limit, what, f"{field}[{i}]", f"{field}.{i}")
     check_distinct(values, field)
+
+
+def check_index(value: int | None, limit: int, what: str, name: str, param: str | None = None) -> None:
+    """422 ``out_of_range`` unless ``value`` (a layer/head index; None = not given) is in
+    [0, limit). ``name`` is how the message shows the field, ``param`` the envelope's param
+    (default ``name``)."""
+    if value is not None and not 0 <= value < limit:
+        raise OutOfRange(
+            f"{name} = {value} is out of range: the model has {limit} {what}s "
+            f"(valid indices 0..{limit - 1})",
+            param or name,
+        )
 
 
 def check_distinct(values, field: str) -> None:

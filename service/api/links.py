@@ -9,7 +9,7 @@ from fastapi import APIRouter
 
 from attnscope.schemas import LinksRequest, LinksResponse
 from attnscope.service.analysis.links import skipped_queries, strongest_links
-from attnscope.service.api.common import error_responses, check_distinct, forward_request, tokenize_request
+from attnscope.service.api.common import check_index, error_responses, check_distinct, forward_request, tokenize_request
 from attnscope.service.deps import RuntimeDep, SlotDep
 from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
@@ -19,12 +19,6 @@ router = APIRouter(tags=["links"])
 ERRORS = error_responses(
     "Invalid request: layer/head/ignore position "
     "out of range, direction 'any' on a causal model, too many tokens.")
-
-
-def _check(value: int | None, limit: int, field: str, what: str) -> None:
-    if value is not None and not 0 <= value < limit:
-        raise OutOfRange(f"{field} = {value} is out of range: the model has {limit} {what}s "
-                         f"(valid indices 0..{limit - 1})", field)
 
 
 @router.post("/v1/links", response_model=LinksResponse, responses=ERRORS,
@@ -40,8 +34,8 @@ async def links(req: LinksRequest, rt: RuntimeDep, slot: SlotDep):
     Errors: 422 layer/head/ignore out of range, 'any' on a causal model, too many tokens;
     413; 429; 503.
     """
-    _check(req.layer, rt.adapter.n_layers, "layer", "layer")
-    _check(req.head, rt.adapter.n_heads, "head", "head")
+    check_index(req.layer, rt.adapter.n_layers, "layer", "layer")
+    check_index(req.head, rt.adapter.n_heads, "head", "head")
     if req.direction == "any" and rt.adapter.causal:
         raise InvalidRequest("direction 'any' applies to encoders only: in this causal model "
                              "no query sees a later key", "direction")

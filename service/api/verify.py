@@ -12,8 +12,7 @@ from attnscope.service.encoding import ORJSONResponse
 
 router = APIRouter(tags=["verify"])
 
-ERRORS = error_responses(
-    "Invalid request (field, limit and value named).")
+ERRORS = error_responses()
 
 
 @router.post(
