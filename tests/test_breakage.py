@@ -11,18 +11,9 @@ import time
 import numpy as np
 import pytest
 
+from conftest import assert_error as _err
+
 TEXT = "The cat sat on the mat. The cat sat on the mat."
-
-
-def _err(r, status=422, type_=None, param=None):
-    assert r.status_code == status, r.text
-    e = r.json()["error"]
-    assert set(e) >= {"type", "message", "param"}
-    if type_ is not None:
-        assert e["type"] == type_, e
-    if param is not None:
-        assert e["param"] == param, e
-    return e
 
 
 def _still_serving(client):

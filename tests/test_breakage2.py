@@ -9,29 +9,17 @@ clients/python/attnscope/client/wire.py.
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients" / "python"))
+from conftest import assert_error as _err
+
 from attnscope.client import wire
 
 TEXT = "The cat sat on the mat."
 TEXTS = [TEXT, "Hi", "A much longer sentence about nothing in particular here."]
 ST = "application/x-safetensors"
-
-
-def _err(r, status=422, type_=None, param=None):
-    assert r.status_code == status, r.text
-    e = r.json()["error"]
-    assert set(e) >= {"type", "message", "param"}
-    if type_ is not None:
-        assert e["type"] == type_, e
-    if param is not None:
-        assert e["param"] == param, e
-    return e
 
 
 def _good(c, headers=None):

@@ -5,28 +5,17 @@ with the ``safetensors`` library."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import orjson
 import pytest
-import torch
 
-from tests.conftest import ROOT, SENTENCE
+from attnscope.client import wire
+from conftest import SENTENCE
 
 SAFETENSORS = "application/x-safetensors"
 
 
-def _load_wire():
-    path = ROOT / "clients" / "python" / "attnscope" / "client" / "wire.py"
-    spec = importlib.util.spec_from_file_location("attnscope_wire_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-wire = _load_wire()
 
 
 @pytest.fixture(scope="module")
