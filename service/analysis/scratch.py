@@ -178,7 +178,8 @@ _PCA_LOCK = threading.Lock()
 def fit_embedding_pca(emb: torch.Tensor, n_components: int, random_state: int = 0):
     """The fitted scikit-learn PCA of :func:`project_embeddings` (fit once, transform many).
 
-    A fit of a large embedding matrix takes seconds (MiniLM's [30522, 384] with 384 components:
+    Pass the model's own matrix (its storage is part of the key; the fit runs in float64 as
+    the source does). A fit of a large embedding matrix takes seconds (MiniLM's [30522, 384] with 384 components:
     ~5-20 s on 2 cores), so fits are cached (the last 8, keyed by the matrix's storage, shape,
     a checksum, ``n_components`` and ``random_state``) and run one at a time, so concurrent
     requests never fan out into many simultaneous fits. The fitted object is shared: callers
@@ -205,7 +206,7 @@ def fit_embedding_pca(emb: torch.Tensor, n_components: int, random_state: int = 
             return pca
         pca = PCA(n_components=n_components, whiten=True, svd_solver="randomized",
                   random_state=random_state)
-        pca.fit(emb.cpu().numpy())
+        pca.fit(emb.to("cpu", torch.float64).numpy())  # float64, as the source fits it
         _PCA_CACHE[key] = pca
         while len(_PCA_CACHE) > _PCA_CACHE_SIZE:
             _PCA_CACHE.popitem(last=False)
@@ -229,11 +230,15 @@ def embedding_qkv(
     :func:`project_embeddings` (one PCA fitted on ``emb``; random queries are drawn in the
     projected width). Returns ``(Q [query_pos, d_k], K [key_pos, d_k], V [key_pos, d_model])``.
     """
-    emb = emb.detach().to("cpu", torch.float64)
-    seq_emb = emb[torch.tensor(key_ids, dtype=torch.long)]
+    emb = emb.detach()  # the model's own matrix: only the rows used are copied to float64
+
+    def rows(ids: list[int]) -> torch.Tensor:
+        return emb[torch.tensor(ids, dtype=torch.long, device=emb.device)].to("cpu", torch.float64)
+
+    seq_emb = rows(key_ids)
     q_emb = None
     if variant == "cross" and query_ids is not None:
-        q_emb = emb[torch.tensor(query_ids, dtype=torch.long)]
+        q_emb = rows(query_ids)
     V = seq_emb
     K = seq_emb
     if project is not None:
