@@ -84,10 +84,6 @@ def _forward_and_release(rt: Runtime, items: list[TokenizedText]) -> list[Forwar
     return results
 
 
-def token_dicts(result_tokens) -> list[dict]:
-    return [t.as_dict() for t in result_tokens.tokens]
-
-
 def error_responses(invalid: str = "Invalid request (field, limit and value named).",
                     *, device: bool = True) -> dict:
     """OpenAPI ``responses`` of a /v1 route: every status it can answer besides 200, each with
