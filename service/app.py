@@ -26,6 +26,7 @@ from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import AttnscopeError, envelope
 from attnscope.service.ops import InstrumentedSlot, install_ops
 from attnscope.service.runtime import ModelLoadError, Runtime
+from attnscope.service.runtime.memory import set_trim_free_bytes
 
 log = logging.getLogger("attnscope")
 
@@ -185,6 +186,7 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.settings = settings
+        set_trim_free_bytes(settings.trim_free_bytes)
         app.state.slot = InstrumentedSlot(settings.max_queue, app.state.metrics,
                                           settings.max_request_bytes)
         app.state.runtime = runtime

@@ -69,6 +69,13 @@ class Settings(BaseSettings):
         "(service/runtime/memory.py); beyond it 422 'memory_limit_exceeded' before any forward. "
         "0 = no limit.",
     )
+    trim_free_bytes: int = Field(
+        268_435_456, ge=0, description="After a forward or a large response, free heap memory "
+        "is given back to the OS (glibc malloc_trim) once the allocator holds more than this many "
+        "free bytes. Lower = smaller resident memory, higher = fewer page faults on the next "
+        "request (trimming after every forward costs ~25 ms per GPT-2-small forward at 128 "
+        "tokens). 0 = trim every time.",
+    )
     exit_on_load_failure: bool = Field(
         True, description="Exit the process when the model fails to load (start-up error)."
     )

@@ -26,7 +26,6 @@ document). Decoders (numpy only) for every form: ``clients/python/attnscope/clie
 
 from __future__ import annotations
 
-import base64
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -35,6 +34,7 @@ import anyio.to_thread
 import numpy as np
 import orjson
 import torch
+from pybase64 import b64encode
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from attnscope.service.errors import NonFiniteValues, NotAcceptable
@@ -125,8 +125,35 @@ def _wire_array(a: np.ndarray, wire: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=want)
 
 
-def _b64(a: np.ndarray) -> str:
-    return base64.b64encode(memoryview(np.ascontiguousarray(a)).cast("B")).decode("ascii")
+class Base64Text:
+    """Base64 text held as ASCII bytes (``raw``). :func:`dumps` and :func:`iter_json` write it
+    into the JSON verbatim between quotes (the base64 alphabet needs no escaping), so a big
+    tensor never becomes a Python str nor passes orjson's string escaper."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __str__(self) -> str:
+        return self.raw.decode("ascii")
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Base64Text):
+            return self.raw == other.raw
+        if isinstance(other, str):
+            return str(self) == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _b64(a: np.ndarray) -> Base64Text:
+    """Standard base64 (RFC 4648, padded) of ``a``'s bytes; SIMD-accelerated by pybase64."""
+    return Base64Text(b64encode(memoryview(np.ascontiguousarray(a)).cast("B")))
 
 
 def _json_array(a: np.ndarray, round_: int | None) -> np.ndarray:
@@ -246,13 +273,13 @@ def encode_sparse(
     or :class:`BinaryTensor` (binary).
 
     Raises:
-        NonFiniteValues: NaN/inf in ``t``.
+        NonFiniteValues: NaN/inf in ``t`` (with ``top_k``: among each row's top-k candidates,
+            where torch.topk ranks NaN and +inf first).
     """
     x = t.detach().to("cpu") if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t))
     if x.dtype != torch.float32:
         x = x.float()
     x = x.contiguous()
-    _check_finite(x.numpy(), name, False)
     shape = list(x.shape)
     K = shape[-1]
     rows = x.reshape(-1, K)
@@ -260,21 +287,23 @@ def encode_sparse(
     thr = getattr(opts, "threshold", None)
     R = rows.shape[0]
     if top_k is not None and top_k < K:
-        vals, keys = torch.topk(rows, top_k, dim=-1, sorted=False)
+        vals, keys = _topk_rows(rows, top_k)
+        _check_finite(vals.numpy(), name, False)  # NaN / +inf rank first: they would be here
         keys, order = torch.sort(keys, dim=-1)
         vals = torch.gather(vals, -1, order)
         keep = vals > 0
         if thr is not None:
             keep &= vals >= thr
-        row_ids = torch.arange(R).unsqueeze(-1).expand_as(keys)
-        flat = (row_ids * K + keys)[keep]
+        row_mass = torch.where(keep, vals.double(), 0.0).sum(-1).float()
+        flat = (torch.arange(R).unsqueeze(-1) * K + keys)[keep]
         values = vals[keep]
     else:
+        _check_finite(x.numpy(), name, False)
         keep = rows >= thr if thr is not None else rows > 0
         flat = keep.view(-1).nonzero().squeeze(-1)
         values = rows.view(-1)[flat]
-    row_mass = torch.from_numpy(np.bincount(
-        (flat // K).numpy(), weights=values.numpy(), minlength=R).astype(np.float32))
+        row_mass = torch.from_numpy(np.bincount(
+            (flat // K).numpy(), weights=values.numpy(), minlength=R).astype(np.float32))
     n_total = int(np.prod(shape, dtype=np.int64))
     fmt = getattr(opts, "format", "flat")
     if fmt == "coo":
@@ -303,8 +332,43 @@ def encode_sparse(
     return out
 
 
+def _default(obj: Any) -> Any:
+    if isinstance(obj, Base64Text):
+        return orjson.Fragment(b'"' + obj.raw + b'"')
+    raise TypeError(f"Type is not JSON serializable: {type(obj).__name__}")
+
+
+def _topk_rows(rows: torch.Tensor, k: int, chunk: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest values of every row of ``rows`` ``[R, K]`` and their column indices
+    (``[R, k]`` each, unsorted), exactly the set ``torch.topk`` returns up to the order of
+    equal values.
+
+    Two passes instead of one ``torch.topk`` over whole rows (about 2x faster at K = 1024):
+    split each row into chunks of ``chunk`` columns and take each chunk's maximum; the k-th
+    largest chunk maximum tau is a lower bound of the row's k-th largest value (k different
+    chunks hold a value >= tau), and every value > tau lies in one of the k chunks with the
+    largest maxima. So the top k of the row are the top k of those k chunks (plus the columns
+    after the last whole chunk): a ``torch.topk`` over ``k * chunk`` (+ rest) candidates.
+    """
+    R, K = rows.shape
+    G = K // chunk
+    if G < 4 * k or k * chunk >= K:  # short rows: one topk is as cheap
+        return torch.topk(rows, k, dim=-1, sorted=False)
+    main = rows[:, : G * chunk].view(R, G, chunk) if K % chunk == 0 else \
+        rows[:, : G * chunk].reshape(R, G, chunk)
+    _, cid = torch.topk(main.amax(-1), k, dim=-1, sorted=False)  # [R, k] chunk ids
+    cand = torch.gather(main, 1, cid.unsqueeze(-1).expand(R, k, chunk)).reshape(R, k * chunk)
+    col = (cid.unsqueeze(-1) * chunk + torch.arange(chunk)).reshape(R, k * chunk)
+    if K % chunk:  # the columns after the last whole chunk are always candidates
+        cand = torch.cat([cand, rows[:, G * chunk :]], dim=1)
+        col = torch.cat([col, torch.arange(G * chunk, K).expand(R, K - G * chunk)], dim=1)
+    vals, j = torch.topk(cand, k, dim=-1, sorted=False)
+    return vals, torch.gather(col, 1, j)
+
+
 def dumps(content: Any) -> bytes:
-    return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
+    return orjson.dumps(content, default=_default,
+                        option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
 
 
 class ORJSONResponse(JSONResponse):  # a JSONResponse, so OpenAPI documents response models
@@ -366,7 +430,7 @@ def wants_binary(accept: str | None) -> bool:
 def _array_bytes(obj: Any) -> int:
     if isinstance(obj, np.ndarray):
         return obj.nbytes
-    if isinstance(obj, str):
+    if isinstance(obj, (str, Base64Text)):
         return len(obj)
     if isinstance(obj, dict):
         return sum(_array_bytes(v) for v in obj.values())
@@ -379,7 +443,9 @@ def _split_big(obj: Any, big: dict, nonce: str) -> Any:
     """Replace big arrays/strings by sentinel strings (collected into ``big``)."""
     if isinstance(obj, np.ndarray) and obj.nbytes > CHUNK_BYTES or (
         isinstance(obj, str) and len(obj) > CHUNK_BYTES
-    ) or (isinstance(obj, list) and len(obj) > 256):
+    ) or (isinstance(obj, Base64Text) and len(obj) > CHUNK_BYTES) or (
+        isinstance(obj, list) and len(obj) > 256
+    ):
         key = f"\x00{nonce}:{len(big)}\x00"
         big[key] = obj
         return key
@@ -390,8 +456,14 @@ def _split_big(obj: Any, big: dict, nonce: str) -> Any:
     return obj
 
 
-def _iter_value(v: Any) -> Iterator[bytes]:
-    if isinstance(v, str):
+def _iter_value(v: Any) -> Iterator[bytes | memoryview]:
+    if isinstance(v, Base64Text):  # verbatim: zero-copy slices of the ASCII bytes
+        yield b'"'
+        mv = memoryview(v.raw)
+        for i in range(0, len(mv), CHUNK_BYTES):
+            yield mv[i : i + CHUNK_BYTES]
+        yield b'"'
+    elif isinstance(v, str):
         yield b'"'
         for i in range(0, len(v), CHUNK_BYTES):
             yield dumps(v[i : i + CHUNK_BYTES])[1:-1]

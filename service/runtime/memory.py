@@ -20,6 +20,8 @@ Measured against the server's resident memory by ``bench/`` (README "Benchmark")
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from typing import Sequence
 
 import torch
@@ -89,28 +91,64 @@ def check_memory(
 
 
 _LIBC = None
+#: Free heap bytes glibc may keep before :func:`release_memory` trims (Settings.trim_free_bytes).
+TRIM_FREE_BYTES = 256 << 20
 
 
-def release_memory() -> bool:
-    """Give freed heap memory back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
+def set_trim_free_bytes(n: int) -> None:
+    """Set the process-wide trim threshold (the allocator is process-wide; the app calls this
+    once at start-up with ``Settings.trim_free_bytes``)."""
+    global TRIM_FREE_BYTES
+    TRIM_FREE_BYTES = int(n)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL("libc.so.6")
+        _LIBC.mallinfo2.restype = _MallInfo2
+    return _LIBC
+
+
+def free_heap_bytes() -> int | None:
+    """Bytes glibc holds free in its arenas (``mallinfo2().fordblks``, ~0.1-0.3 ms), or None
+    where that is not available (not glibc >= 2.33)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return int(_libc().mallinfo2().fordblks)
+    except (OSError, AttributeError):
+        return None
+
+
+def release_memory(min_free_bytes: int | None = None) -> bool:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim(0)``) once glibc holds more
+    than ``min_free_bytes`` free (default :data:`TRIM_FREE_BYTES`; 0 = always trim); a no-op
+    elsewhere. Returns True when memory was released.
 
     glibc keeps freed chunks of 1-32 MB (q/k/v, hidden states, per-layer attention of
     mid-length texts, encoded bodies) in its heaps: measured by bench/ (GPT-2 small, 200 mixed
-    requests up to T = 1024), the server's RSS stayed at 4.4 GB, 2 GB above idle + cache.
-    Trimming after each forward and after each big response kept it at 1.4 GB for a cost of
-    ~2-10 ms per call (a fixed 1 MB mmap threshold did the same but made every forward 1.2-1.7x
-    slower through page faults). Returns True when memory was released.
+    requests up to T = 1024), the server's RSS stayed at 4.4 GB, 2 GB above idle + cache, with
+    no trimming. Trimming after every forward held it at 1.3 GB but made the next forward fault
+    its pages in again: +25 ms (13%) per T = 128 forward. So it trims only when the free heap
+    is large: a T = 128 forward of GPT-2 small leaves ~100 MB free (reused by the next one, never
+    trimmed), a T = 1024 one ~440 MB (trimmed). RSS then stays within idle + cache budget +
+    about ``min_free_bytes`` + the live request.
     """
-    global _LIBC
-    import sys
-
     if not sys.platform.startswith("linux"):
         return False
+    threshold = TRIM_FREE_BYTES if min_free_bytes is None else min_free_bytes
+    if threshold > 0:
+        free = free_heap_bytes()
+        if free is not None and free <= threshold:
+            return False
     try:
-        if _LIBC is None:
-            import ctypes
-
-            _LIBC = ctypes.CDLL("libc.so.6")
-        return bool(_LIBC.malloc_trim(0))
+        return bool(_libc().malloc_trim(0))
     except (OSError, AttributeError):
         return False

@@ -429,20 +429,20 @@ class Runtime:
                 results = []
                 for b in range(B):
                     idx = mask[b].bool().nonzero().squeeze(-1).to(self.device)
-                    if len(idx) == T:  # unpadded: skip the T^2 gather copy (stack copies once)
-                        pattern = torch.stack([a[b] for a in out.attentions])
+                    if len(idx) == T:  # unpadded: no gathers, each stack copies once
+                        def rows(x, dim):
+                            return x
                     else:
-                        pattern = torch.stack(
-                            [a[b].index_select(-2, idx).index_select(-1, idx)
-                             for a in out.attentions]
-                        )
-                    hidden = torch.stack([h[b].index_select(0, idx) for h in out.hidden_states])
+                        def rows(x, dim):
+                            return x.index_select(dim, idx)
+                    pattern = torch.stack([rows(rows(a[b], -2), -1) for a in out.attentions])
+                    hidden = torch.stack([rows(h[b], 0) for h in out.hidden_states])
                     q, k, v = (
-                        torch.stack([qkv[i][j][b].index_select(1, idx) for i in range(L)])
+                        torch.stack([rows(qkv[i][j][b], 1) for i in range(L)])
                         for j in range(3)
                     )
-                    a_in = torch.stack([x[b].index_select(0, idx) for x in cap_in])
-                    a_out = torch.stack([x[b].index_select(0, idx) for x in cap_out])
+                    a_in = torch.stack([rows(x[b], 0) for x in cap_in])
+                    a_out = torch.stack([rows(x[b], 0) for x in cap_out])
                     results.append(
                         ForwardTensors(*(t.to("cpu").contiguous() for t in
                                          (pattern, hidden, q, k, v, a_in, a_out)))

@@ -1,4 +1,5 @@
-"""Decode every tensor form attnscope sends, to numpy (numpy and the standard library only).
+"""Decode every tensor form attnscope sends, to numpy (numpy and the standard library; pybase64
+when installed).
 
 The server side is ``service/encoding.py``; the forms (README "Tensors on the wire"):
 
@@ -17,11 +18,15 @@ Entry points: :func:`decode_tensor` (one wire value -> ndarray), :func:`sparse_t
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any, Mapping
 
 import numpy as np
+
+try:  # SIMD base64 (a dependency of the client package); the standard library otherwise
+    from pybase64 import b64decode
+except ImportError:  # pragma: no cover - wire.py also works with numpy alone
+    from base64 import b64decode
 
 SAFETENSORS = "application/x-safetensors"
 _NP = {"float32": "<f4", "float16": "<f2", "float64": "<f8", "int32": "<i4", "int64": "<i8"}
@@ -71,7 +76,7 @@ def decode_tensor(
             wire = _NP.get(str(value.get("dtype")))
             if wire is None:
                 raise ValueError(f"unknown tensor dtype {value.get('dtype')!r}")
-            a = np.frombuffer(base64.b64decode(value["data"]), dtype=wire)
+            a = np.frombuffer(b64decode(value["data"]), dtype=wire)
             return _logical(a, value, fill)
         if enc == "binary":
             if arrays is None or value["name"] not in arrays:
