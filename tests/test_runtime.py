@@ -136,6 +136,28 @@ def test_context_limit_names_limit_and_count(gpt2_runtime):
     assert str(n_ctx) in e.value.message and "tokens" in e.value.message
 
 
+def test_tokenize_cache_returns_the_same_tokens_and_still_checks(gpt2_runtime):
+    """Several analyses of one text tokenize it once: a repeat is the cached object, equal to a
+    fresh tokenizer pass; add_bos is part of the key; refused texts are never cached."""
+    from attnscope.service.runtime import model as M
+
+    rt = gpt2_runtime
+    text = "tokenize me once, analyse me five times"
+    a = rt.tokenize(text)
+    assert rt.tokenize(text) is a
+    assert a == rt._tokenize(text, False, "text")
+    bos = rt.tokenize(text, add_bos=True)
+    assert bos is not a and bos.input_ids[1:] == a.input_ids
+    long = "word " * (rt.adapter.n_ctx + 10)
+    for _ in range(2):
+        with pytest.raises(ContextLengthExceeded):
+            rt.tokenize(long, param="texts.3")
+    assert (long, False) not in rt._tok_cache
+    for i in range(M.TOKENIZE_CACHE_ENTRIES + 5):
+        rt.tokenize(f"text number {i}")
+    assert len(rt._tok_cache) == M.TOKENIZE_CACHE_ENTRIES and (text, False) not in rt._tok_cache
+
+
 def test_cache_hit_and_byte_bound(gpt2_runtime):
     rt = gpt2_runtime
     rt.cache.clear()
