@@ -311,7 +311,9 @@ class _Endpoints:
                **options) -> VerifyResponse:
         """``POST /v1/verify``: attention recomputed from scratch from the model's own q/k/v
         against the model's, max abs difference per layer/head, pass/fail at ``tolerance``
-        (``.verification.passed``). Options (``VerifyRequest``): ``layers``, ``tolerance``."""
+        (``.verification.passed``). Options (``VerifyRequest``): ``layers``, ``tolerance``,
+        ``projections`` (also recompute q/k/v from the attention input with the current
+        weights: ~3x the cost)."""
         return self._post_model("/v1/verify", VerifyRequest, VerifyResponse, text, texts,
                                 options)
 
