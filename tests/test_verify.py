@@ -226,7 +226,7 @@ def test_altered_recorded_tensors_fail_at_that_layer_and_head(gpt2_runtime):
     pat = t.pattern.clone()
     pat[1, 2, 5, 0] -= 0.01
     pat[1, 2, 5, 1] += 0.01
-    res = verify(dataclasses.replace(t, pattern=pat), params)
+    res = verify(t.replace(pattern=pat), params)
     assert not res["passed"] and res["failed_layers"] == [1]
     heads = res["layers"][1]["heads"]
     assert [h["head"] for h in heads if h["pattern_max_abs_diff"] > 1e-5] == [2]
@@ -237,7 +237,7 @@ def test_altered_recorded_tensors_fail_at_that_layer_and_head(gpt2_runtime):
     # queries of layer 0, head 3 scaled: its pattern (and so the output) no longer match
     q = t.q.clone()
     q[0, 3] *= 1.5
-    res = verify(dataclasses.replace(t, q=q), params)
+    res = verify(t.replace(q=q), params)
     assert res["failed_layers"] == [0] and "layer 0: pattern of head 3" in res["message"]
     assert [h["head"] for h in res["layers"][0]["heads"] if h["pattern_max_abs_diff"] > 1e-5] == [3]
 
@@ -274,7 +274,7 @@ def test_nan_in_recorded_pattern_fails(gpt2_runtime):
     fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
     bad = fw.pattern.clone()
     bad[1, 2, 3, 0] = float("nan")
-    res = verify(dataclasses.replace(fw.tensors, pattern=bad), all_params(rt), tolerance=1.0)
+    res = verify(fw.tensors.replace(pattern=bad), all_params(rt), tolerance=1.0)
     assert not res["passed"] and res["failed_layers"] == [1] and res["max_abs_diff"] is None
     assert res["layers"][1]["heads"][2]["pattern_max_abs_diff"] is None
     assert res["layers"][1]["pattern_max_abs_diff"] is None

@@ -106,6 +106,11 @@ class ForwardTensors:
                     self._parts[name] = x
         return x
 
+    def replace(self, **changes: torch.Tensor) -> "ForwardTensors":
+        """A copy with some tensors replaced (by field name), e.g. an altered pattern."""
+        fields = {"pattern": self.pattern, **{n: self._get(n) for n in self._NAMES}, **changes}
+        return ForwardTensors(**fields)
+
     hidden_states = property(lambda self: self._get("hidden_states"))
     q = property(lambda self: self._get("q"))
     k = property(lambda self: self._get("k"))
