@@ -254,3 +254,85 @@ def test_heads_two_token_text_and_probe_bounds(client):
     assert r.status_code == 200 and len(r.json()["probe"]["tokens"]) == 256  # exactly n_ctx
     r = client.post("/v1/heads", json={"text": SENTENCE, "probe": {"segment_length": 52, "repeats": 5}})
     assert r.status_code == 422 and "261 tokens" in r.json()["error"]["message"]
+
+
+# ------------------------------------------ vectorised head_scores vs a per-layer float64 loop
+def _reference_head_scores(pattern, token_ids, causal, exclude_bos=False, exclude_current_token=False):
+    """The straightforward implementation head_scores replaced: one layer at a time, the dense
+    TransformerLens detection patterns, float64 throughout."""
+    T = pattern.shape[-1]
+    det = {"previous_token": H.previous_token_detection_pattern(T).double(),
+           "duplicate_token": H.duplicate_token_detection_pattern(token_ids).double(),
+           "induction": H.induction_detection_pattern(token_ids).double()}
+    if not causal:
+        det["next_token"] = H.next_token_detection_pattern(T).double()
+    n_visible = (torch.arange(1, T + 1, dtype=torch.float64) if causal
+                 else torch.full((T,), float(T), dtype=torch.float64))
+    rows = n_visible >= 2
+    pos = torch.arange(T, dtype=torch.float64)
+    dist = (pos[:, None] - pos[None, :]).abs()
+    per_layer = []
+    for layer in range(pattern.shape[0]):
+        a = pattern[layer].double()
+        out = {n: H.pattern_match_score(a, p, exclude_bos, exclude_current_token) for n, p in det.items()}
+        if causal:
+            out["next_token"] = torch.full(a.shape[:1], math.nan, dtype=torch.float64)
+        out["self"] = a.diagonal(dim1=-2, dim2=-1).mean(-1)
+        out["sink"] = a[..., :, 0].mean(-1)
+        ent = H.row_entropy(a)
+        out["entropy"] = ent.mean(-1)
+        out["entropy_normalized"] = ((ent[..., rows] / n_visible[rows].log()).mean(-1) if rows.any()
+                                     else torch.full(a.shape[:1], math.nan, dtype=torch.float64))
+        out["mean_distance"] = (a * dist).sum(-1).mean(-1)
+        per_layer.append(out)
+    return {n: torch.stack([d[n] for d in per_layer]) for n in per_layer[0]}
+
+
+def _assert_same_scores(pattern, ids, causal, **opts):
+    got = H.head_scores(pattern, ids, causal, **opts)
+    want = _reference_head_scores(pattern, ids, causal, **opts)
+    assert set(got) == set(want) == set(H.SCORE_NAMES) - {"induction_probe"}
+    for name, w in want.items():
+        g = got[name]
+        assert g.dtype == torch.float64 and g.shape == w.shape, name
+        assert torch.equal(g.isnan(), w.isnan()), name
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-12, err_msg=name)
+
+
+EXCLUSIONS = [{}, {"exclude_bos": True}, {"exclude_current_token": True},
+              {"exclude_bos": True, "exclude_current_token": True}]
+
+
+@pytest.mark.parametrize("opts", EXCLUSIONS)
+def test_head_scores_equal_the_per_layer_reference_on_real_models(gpt2_runtime, bert_runtime, opts):
+    texts = [REPEATED, TEXTS[1], "a a a a a a a a"]  # repeated ids: many duplicate/induction pairs
+    gpt2 = [gpt2_runtime.tokenize(t, add_bos=True) for t in texts] + [gpt2_runtime.tokenize("In the")]
+    bert = [bert_runtime.tokenize(t) for t in texts]
+    for rt, items in ((gpt2_runtime, gpt2), (bert_runtime, bert)):
+        for fw in rt.forward_many(items):
+            _assert_same_scores(fw.pattern, list(fw.tokens.input_ids), rt.adapter.causal, **opts)
+
+
+@pytest.mark.parametrize("opts", EXCLUSIONS)
+def test_head_scores_equal_the_reference_on_awkward_patterns(opts, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    T = 37
+    ids = torch.randint(0, 5, (T,), generator=g).tolist()
+    raw = torch.rand(3, 2, T, T, generator=g) ** 4
+    raw[raw < 0.05] = 0  # exact zeros inside the rows
+    raw[..., 0] += 1e-3  # no all-zero row
+    causal = torch.tril(raw)
+    causal = causal / causal.sum(-1, keepdim=True)
+    full = raw / raw.sum(-1, keepdim=True)
+    sink = torch.zeros(1, 1, T, T)
+    sink[..., 0] = 1.0  # everything excluded under exclude_bos: NaN pattern scores
+    for chunk in (H.CHUNK_ELEMENTS, 100):  # one chunk, and many chunks of row blocks
+        monkeypatch.setattr(H, "CHUNK_ELEMENTS", chunk)
+        _assert_same_scores(causal, ids, True, **opts)
+        _assert_same_scores(full, ids, False, **opts)
+        _assert_same_scores(full, ids, True, **opts)  # "causal" flag, mass above the diagonal
+        _assert_same_scores(causal.half(), ids, True, **opts)
+        _assert_same_scores(causal.double(), ids, True, **opts)
+        _assert_same_scores(sink, ids, True, **opts)
+        _assert_same_scores(torch.ones(1, 1, 1, 1), [7], True, **opts)
+        _assert_same_scores(torch.full((1, 2, 1, 1), 1.0), [7], False, **opts)

@@ -159,3 +159,90 @@ def test_pure_function_edges():
         trajectories(bad)
     r = trajectories(torch.randn(3, 4, 8), positions=[])
     assert r["paths"].shape == (0, 2, 2) and r["distance_projected"].shape == (0,)
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        for value in (float("inf"), float("-inf"), float("nan")):
+            bad = torch.randn(3, 4, 8).to(dtype)
+            bad[0, 3, 5] = value
+            with pytest.raises(NonFiniteValues):
+                trajectories(bad)
+    big = torch.randn(3, 4, 8, dtype=torch.float64)
+    big[1, 1, 1] = 1e308  # finite, but a column sum overflows float64
+    big[1, 2, 1] = 1e308
+    with pytest.raises(NonFiniteValues, match="beyond float64"):
+        trajectories(big)
+
+
+def _sklearn_recipe(hidden_states, include_final=False, n_components=2):
+    """000_1c89b6c8c2a32040.txt's steps on the same tensor, scikit-learn end to end."""
+    states = hidden_states if include_final else hidden_states[:-1]
+    flat = states.reshape(-1, states.shape[-1]).to(torch.float64).numpy()
+    scaled = StandardScaler().fit_transform(flat)
+    pca = PCA(n_components=n_components, random_state=0)
+    return scaled, pca.fit_transform(scaled).reshape(states.shape[0], states.shape[1], -1), pca
+
+
+@pytest.mark.parametrize("fixture", ["gpt2", "bert"])
+def test_same_numbers_as_scikit_learn_in_process(fixture, request):
+    """standardize_ is StandardScaler bit for bit; the whole function equals the recipe to
+    float64 rounding (the PCA runs with one BLAS thread here)."""
+    from attnscope.service.analysis.trajectories import standardize_
+
+    rt = request.getfixturevalue(f"{fixture}_runtime")
+    fw = rt.forward_many([rt.tokenize(SENTENCE + " And God said, Let there be light.")])[0]
+    hs = fw.hidden_states
+    for kw in ({}, {"include_final": True, "n_components": 5}):
+        scaled, proj, pca = _sklearn_recipe(hs, **kw)
+        states = hs if kw else hs[:-1]
+        mine = states.reshape(-1, hs.shape[-1]).to(torch.float64).numpy().copy()
+        assert standardize_(mine) and np.array_equal(mine, scaled)
+        r = trajectories(hs, **kw)
+        np.testing.assert_allclose(r["paths"], proj.transpose(1, 0, 2), rtol=0, atol=1e-12)
+        np.testing.assert_allclose(r["explained_variance_ratio"], pca.explained_variance_ratio_,
+                                   rtol=1e-12, atol=0)
+    # constant and near-constant features take scale 1, as in StandardScaler
+    x = np.random.default_rng(0).normal(size=(50, 6))
+    x[:, 2] = 3.25
+    x[:, 4] = 1e8 + np.arange(50) * 1e-9
+    want = StandardScaler().fit_transform(x)
+    assert standardize_(x) and np.array_equal(x, want)
+
+
+def test_one_blas_thread_nests_restores_and_works_from_any_thread():
+    import threading
+
+    from threadpoolctl import threadpool_info
+
+    from attnscope.service.analysis._blas import one_blas_thread
+
+    def blas():
+        return {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+    before = blas()
+    assert before
+    seen = []
+    release = threading.Event()
+
+    def worker(done):
+        with one_blas_thread():
+            with one_blas_thread():
+                seen.append(blas())
+            seen.append(blas())
+        seen.append(blas())
+        done.set()
+        release.wait(10)  # stays alive, like a pooled worker thread of the server
+
+    # one live thread, then another: the first must not keep control of OpenBLAS's threads
+    threads = []
+    for _ in range(2):
+        done = threading.Event()
+        threads.append(threading.Thread(target=worker, args=(done,)))
+        threads[-1].start()
+        assert done.wait(10)
+        assert [set(s.values()) for s in seen[:2]] == [{1}, {1}] and seen[2] == before
+        seen.clear()
+    with one_blas_thread():  # and the main thread afterwards
+        assert set(blas().values()) == {1}
+    assert blas() == before
+    release.set()
+    for t in threads:
+        t.join()

@@ -42,11 +42,14 @@ and 003_fd2ce6cc010446bf.txt (identity, local, special-token patterns).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
+from attnscope.service.analysis._blas import one_blas_thread
 from attnscope.service.errors import ContextLengthExceeded, InvalidRequest
 
 #: Order in which labels are tried; the first whose score passes its threshold wins.
@@ -138,6 +141,45 @@ def row_entropy(pattern: torch.Tensor) -> torch.Tensor:
     return -torch.where(a > 0, a * a.clamp_min(1e-300).log(), torch.zeros_like(a)).sum(-1)
 
 
+#: Pattern elements per chunk in :func:`head_scores` (a block of query rows of a few heads,
+#: at least one row): two float64 buffers of this size (512 KiB each) are reused by every
+#: chunk, so the work stays in cache and no fresh pages are faulted in for every text.
+CHUNK_ELEMENTS = 1 << 16
+
+
+def _pair_index(ids: np.ndarray, exclude_bos: bool, exclude_current_token: bool):
+    """Flat ``q * T + k`` indices of the ones of each TransformerLens detection pattern, after
+    the exclusions (a pair in an excluded column or on the excluded diagonal is dropped, which
+    is what zeroing A there before ``sum(A * P)`` does)."""
+    T = len(ids)
+    q = np.arange(T)
+    eq = ids[:, None] == ids[None, :]
+    dq, dk = np.nonzero(np.tril(eq, -1))  # duplicate: k < q, same id
+    iq, ik = dq, dk + 1  # induction: the duplicate pattern shifted one key right (k <= q)
+    pq, pk = q[1:], q[1:] - 1  # previous token
+    nq, nk = q[:-1], q[:-1] + 1  # next token (never column 0 nor the diagonal)
+    out = {}
+    for name, (qq, kk) in (("previous_token", (pq, pk)), ("duplicate_token", (dq, dk)),
+                           ("induction", (iq, ik)), ("next_token", (nq, nk))):
+        keep = np.ones(len(qq), dtype=bool)
+        if exclude_bos:
+            keep &= kk != 0
+        if exclude_current_token:
+            keep &= kk != qq
+        out[name] = (qq[keep] * T + kk[keep]).astype(np.intp)
+    return out
+
+
+def _pattern_numpy(pattern: torch.Tensor) -> np.ndarray:
+    """A numpy view (no copy where possible) of a CPU float pattern; bfloat16 etc. -> float32."""
+    p = pattern.detach()
+    if p.device.type != "cpu":
+        p = p.cpu()
+    if p.dtype not in (torch.float16, torch.float32, torch.float64):
+        p = p.float()
+    return p.numpy()
+
+
 def head_scores(
     pattern: torch.Tensor,  # [layer, head, query_pos, key_pos]
     token_ids: Sequence[int],
@@ -161,44 +203,90 @@ def head_scores(
 
     Raises:
         ValueError: ``pattern`` is not ``[L, H, T, T]`` with T == len(token_ids).
+
+    Every head at once in float64 (numpy, one BLAS thread), without dense detection patterns:
+    each ``sum(A * P)`` sums the gathered entries where P is 1 (the previous/next-token
+    diagonals, the (q, k) pairs whose ids match), which after an exclusion drops the pairs in
+    the zeroed column/diagonal; ``sum(A)`` after the exclusions and ``sum_k A[q,k] |q - k|``
+    are matrix-vector products with a 0/1 mask and the distance matrix; the entropy is
+    ``A * log(max(A, tiny))`` summed per row (exactly 0 where A = 0). The dense parts run over
+    blocks of query rows of a few heads (:data:`CHUNK_ELEMENTS`, two reused buffers: memory
+    stays bounded at T = 1024); for a causal model a row block's keys right of the block are
+    skipped once checked to be all zero. Equal to the per-layer float64 computation with
+    :func:`pattern_match_score` and :func:`row_entropy` up to float64 rounding (tests/
+    test_heads.py keeps that reference and compares to 1e-12). Cost at T = 128 on GPT-2
+    small's 12 x 12 heads: ~5 ms (the per-layer loop: 11-38 ms).
     """
     if pattern.dim() != 4 or pattern.shape[-1] != pattern.shape[-2]:
         raise ValueError(f"pattern must be [layer, head, T, T]; got {tuple(pattern.shape)}")
-    T = pattern.shape[-1]
+    L, NH, T, _ = pattern.shape
     if len(token_ids) != T:
         raise ValueError(f"{len(token_ids)} token ids for a pattern over {T} positions")
-    det = {
-        "previous_token": previous_token_detection_pattern(T).double(),
-        "duplicate_token": duplicate_token_detection_pattern(token_ids).double(),
-        "induction": induction_detection_pattern(token_ids).double(),
-    }
-    if not causal:
-        det["next_token"] = next_token_detection_pattern(T).double()
-    n_visible = (torch.arange(1, T + 1, dtype=torch.float64) if causal
-                 else torch.full((T,), float(T), dtype=torch.float64))
+    names = ["previous_token", "duplicate_token", "induction"] + ([] if causal else ["next_token"])
+    pairs = _pair_index(np.asarray(list(token_ids), dtype=np.int64), exclude_bos,
+                        exclude_current_token)
+    n_heads = L * NH
+    a = _pattern_numpy(pattern).reshape(n_heads, T, T)
+    a_flat = a.reshape(n_heads, T * T)
+    # sparse parts: sum(A * P) over the pairs where P = 1; the diagonal; column 0
+    num = {n: a_flat[:, pairs[n]].astype(np.float64).sum(-1) for n in names}
+    self_ = np.diagonal(a, axis1=1, axis2=2).astype(np.float64).mean(-1)
+    sink = a[:, :, 0].astype(np.float64).mean(-1)
+    # dense parts, per block of query rows (a causal pattern's block r0:r1 is zero right of
+    # key r1 - 1: those keys are skipped once checked to be zero)
+    pos = np.arange(T, dtype=np.float64)
+    dist = np.abs(pos[:, None] - pos[None, :])  # [query_pos, key_pos], tokens
+    keep = None  # [query_pos, key_pos]: 0 where the exclusions zero A
+    if exclude_bos or exclude_current_token:
+        keep = np.ones((T, T))
+        if exclude_bos:
+            keep[:, 0] = 0
+        if exclude_current_token:
+            np.fill_diagonal(keep, 0)
+    den = np.zeros(n_heads)  # sum(A) after the exclusions
+    dist_sum = np.zeros(n_heads)  # sum_{q,k} A[q, k] |q - k|
+    ent = np.empty((n_heads, T))  # [head, query_pos]: minus the row entropy, nats
+    rows_per_block = max(1, min(-(-T // 8) if causal else T, CHUNK_ELEMENTS // T))
+    bounds = list(range(0, T, rows_per_block)) + [T]
+    tiny = np.finfo(np.float64).tiny  # below every nonzero float16/float32 value
+    size = max(CHUNK_ELEMENTS, rows_per_block * T)
+    x_buf = np.empty(size)  # reused by every chunk: stays in cache, no fresh pages
+    lx_buf = np.empty(size)
+    with one_blas_thread():
+        for r0, r1 in itertools.pairwise(bounds):
+            nr = r1 - r0
+            w = r1 if causal and r1 < T and not a[:, r0:r1, r1:].any() else T
+            d_blk = dist[r0:r1, :w].ravel()
+            k_blk = None if keep is None else keep[r0:r1, :w].ravel()
+            step = max(1, CHUNK_ELEMENTS // (nr * w))
+            for c0 in range(0, n_heads, step):
+                c1 = min(n_heads, c0 + step)
+                m = (c1 - c0) * nr * w
+                x = x_buf[:m].reshape(c1 - c0, nr, w)
+                np.copyto(x, a[c0:c1, r0:r1, :w])  # float64
+                flat = x.reshape(c1 - c0, nr * w)
+                den[c0:c1] += flat.sum(-1) if k_blk is None else flat @ k_blk
+                dist_sum[c0:c1] += flat @ d_blk
+                lx = lx_buf[:m].reshape(x.shape)
+                np.maximum(x, tiny, out=lx)  # A * log(max(A, tiny)) = 0 where A = 0
+                np.log(lx, out=lx)
+                np.einsum("cqk,cqk->cq", x, lx, out=ent[c0:c1, r0:r1])
+    np.negative(ent, out=ent)
+    n_visible = np.arange(1, T + 1, dtype=np.float64) if causal else np.full(T, float(T))
     rows = n_visible >= 2
-    pos = torch.arange(T, dtype=torch.float64)
-    dist = (pos[:, None] - pos[None, :]).abs()  # [query_pos, key_pos], tokens
-    per_layer = []
-    for layer in range(pattern.shape[0]):  # one layer at a time bounds float64 memory
-        a = pattern[layer].double()  # [head, T, T]
-        out = {
-            name: pattern_match_score(a, p, exclude_bos, exclude_current_token)
-            for name, p in det.items()
-        }
-        if causal:
-            out["next_token"] = torch.full(a.shape[:1], math.nan, dtype=torch.float64)
-        out["self"] = a.diagonal(dim1=-2, dim2=-1).mean(-1)
-        out["sink"] = a[..., :, 0].mean(-1)
-        ent = row_entropy(a)  # [head, T], nats
-        out["entropy"] = ent.mean(-1)
-        if rows.any():
-            out["entropy_normalized"] = (ent[..., rows] / n_visible[rows].log()).mean(-1)
-        else:
-            out["entropy_normalized"] = torch.full(a.shape[:1], math.nan, dtype=torch.float64)
-        out["mean_distance"] = (a * dist).sum(-1).mean(-1)
-        per_layer.append(out)
-    return {name: torch.stack([d[name] for d in per_layer]) for name in per_layer[0]}
+    ok = den > 0
+    safe = np.where(ok, den, 1.0)
+    res = {n: np.where(ok, num[n] / safe, math.nan) for n in names}
+    if causal:
+        res["next_token"] = np.full(n_heads, math.nan)
+    res["self"] = self_
+    res["sink"] = sink
+    res["entropy"] = ent.mean(-1)
+    res["entropy_normalized"] = ((ent[:, rows] / np.log(n_visible[rows])).mean(-1)
+                                 if rows.any() else np.full(n_heads, math.nan))
+    res["mean_distance"] = dist_sum / T
+    return {n: torch.from_numpy(np.ascontiguousarray(res[n])).reshape(L, NH)
+            for n in SCORE_NAMES if n in res}
 
 
 def mean_over_texts(per_text: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

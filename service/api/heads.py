@@ -71,7 +71,8 @@ async def heads(req: HeadsRequest, rt: RuntimeDep, slot: SlotDep):
 
     def analyse():
         for fw in forwards:
-            if not torch.isfinite(fw.pattern).all():
+            # a NaN/inf anywhere makes the sum non-finite (patterns are in [0, 1]: no overflow)
+            if not torch.isfinite(fw.pattern.sum()):
                 raise NonFiniteValues("the model's attention pattern holds NaN/inf; refusing to score it")
         per_text = [H.head_scores(fw.pattern, fw.tokens.input_ids, rt.adapter.causal,
                                   req.exclude_bos, req.exclude_current_token)

@@ -1,0 +1,47 @@
+"""One BLAS thread for the small float64 linear algebra of the analyses.
+
+The analyses' matrix products are small (a few MB) and run right after a torch forward,
+whose OpenMP threads may still be spinning, on cores that other work shares. Measured on
+the 2-core development machine (GPT-2 small shapes, T = 128): scikit-learn's randomized
+PCA on [1536, 768] float64 takes ~23 ms with one OpenBLAS thread and ~32 ms with two when
+idle, 24 vs 130 ms right after a forward, 30 vs 177 ms beside a torch matmul loop; a
+[144, 16384] float64 matrix-vector product 0.4 ms with one thread, ~8 ms with two.
+
+threadpoolctl's ``threadpool_limits`` rescans every loaded library on each call (~2.5 ms);
+a ``ThreadpoolController`` built once (after numpy's and scipy's BLAS are loaded) and its
+``limit`` cost ~20 us. The limiter must be used as a context manager: threadpoolctl >= 3.6
+lets only one "controlling" thread change OpenBLAS's (process-wide) thread count and frees
+that role in ``__exit__``; a bare ``restore_original_limits()`` keeps it, after which every
+other thread's limits are silently ignored.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_lock = threading.Lock()
+_controller = None
+
+
+def _get_controller():
+    global _controller
+    with _lock:
+        if _controller is None:
+            import numpy  # noqa: F401  (load numpy's and scipy's BLAS before the scan)
+            import scipy.linalg  # noqa: F401
+            from threadpoolctl import ThreadpoolController
+
+            _controller = ThreadpoolController()
+    return _controller
+
+
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """Context manager: every BLAS library loaded when first used (numpy's and scipy's
+    OpenBLAS) runs one thread inside the block; the previous counts come back on exit.
+    Nests. BLAS thread counts are process-wide: two threads inside at once share the limit
+    (threadpoolctl lets the first one set it), as with ``threadpool_limits``."""
+    with _get_controller().limit(limits=1, user_api="blas"):
+        yield
