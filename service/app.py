@@ -26,6 +26,9 @@ from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import AttnscopeError, envelope
 from attnscope.service.ops import InstrumentedSlot, install_ops
 from attnscope.service.runtime import ModelLoadError, Runtime
+from attnscope.service.analysis._blas import (
+    one_blas_thread_for_process, preload_analysis_libraries,
+)
 from attnscope.service.runtime.memory import set_trim_free_bytes
 
 log = logging.getLogger("attnscope")
@@ -195,6 +198,8 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
         if runtime is None:
             async def load():
                 try:
+                    await anyio.to_thread.run_sync(preload_analysis_libraries)
+                    one_blas_thread_for_process()  # from the event loop's (main) thread
                     app.state.runtime = await anyio.to_thread.run_sync(Runtime.load, settings)
                     log.info("model ready: %s", app.state.runtime.info)
                 except ModelLoadError as exc:

@@ -11,7 +11,9 @@ from attnscope.service.runtime import Runtime
 from attnscope.service.runtime.slot import DeviceSlot
 
 
-def get_runtime(request: Request) -> Runtime:
+# async: FastAPI runs a plain ``def`` dependency in its thread pool (~1-2 ms per request
+# under load); these only read app state.
+async def get_runtime(request: Request) -> Runtime:
     rt = getattr(request.app.state, "runtime", None)
     if rt is None:
         err = getattr(request.app.state, "load_error", None)
@@ -21,7 +23,7 @@ def get_runtime(request: Request) -> Runtime:
     return rt
 
 
-def get_slot(request: Request) -> DeviceSlot:
+async def get_slot(request: Request) -> DeviceSlot:
     return request.app.state.slot
 
 

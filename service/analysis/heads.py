@@ -373,7 +373,7 @@ def induction_probe_score(
         raise ValueError("the probe needs repeats >= 2 and a pattern covering every repeat")
     q = torch.arange(start + S, start + S * R)
     k = q - S + 1
-    return pattern.double()[..., q, k].mean(-1)
+    return pattern[..., q, k].double().mean(-1)  # gather first, then float64
 
 
 # -------------------------------------------------------------------- labels

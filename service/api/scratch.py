@@ -81,7 +81,7 @@ async def post_scratch_attention(req: ScratchAttentionRequest, request: Request)
             q, k, v = as_matrix(req.q), as_matrix(req.k), as_matrix(req.v)
             return scratch_attention(q, k, v, req.variant, req.n_heads, req.scale)
     else:
-        rt = get_runtime(request)
+        rt = await get_runtime(request)
         body["model"] = rt.model_ref()
 
         def work():

@@ -210,6 +210,9 @@ class Runtime:
             settings.cache_entries, settings.cache_bytes, lambda t: t.nbytes
         )
         self.forward_count = 0
+        #: Derived data that depends only on the model and tokenizer (e.g. the induction probe
+        #: of /v1/heads per probe options), computed once: key -> value. Bounded by its users.
+        self.memo: dict = {}
 
     # ------------------------------------------------------------------ loading
     @classmethod
