@@ -287,7 +287,7 @@ def encode_sparse(
     thr = getattr(opts, "threshold", None)
     R = rows.shape[0]
     if top_k is not None and top_k < K:
-        vals, keys = _topk_rows(rows, top_k)
+        vals, keys = torch.topk(rows, top_k, dim=-1, sorted=False)
         _check_finite(vals.numpy(), name, False)  # NaN / +inf rank first: they would be here
         keys, order = torch.sort(keys, dim=-1)
         vals = torch.gather(vals, -1, order)
@@ -330,6 +330,12 @@ def encode_sparse(
         out["values"] = _json_array(vals_np, round_)
         out["row_mass"] = mass_np
     return out
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, Base64Text):
+        return orjson.Fragment(b'"' + obj.raw + b'"')
+    raise TypeError(f"Type is not JSON serializable: {type(obj).__name__}")
 
 
 def _default(obj: Any) -> Any:
