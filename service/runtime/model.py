@@ -438,14 +438,16 @@ class Runtime:
             sl = slice(0, n) if self.settings.padding_side == "right" else slice(T - n, T)
             ids[b, sl] = torch.tensor(x, dtype=torch.long)
             mask[b, sl] = 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         kwargs = dict(
             input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=position_ids.to(self.device),
             output_attentions=True,
             output_hidden_states=True,
+            use_cache=False,  # no key/value cache to build (a copy per layer)
         )
+        if not bool(mask.all()):  # padding: mask it, positions from the mask (else the defaults)
+            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+            kwargs.update(attention_mask=mask.to(self.device),
+                          position_ids=position_ids.to(self.device))
         if self.adapter.family == "bert":
             kwargs["token_type_ids"] = torch.zeros_like(ids).to(self.device)
 
