@@ -15,8 +15,10 @@ class SparseOptions(StrictModel):
     """Send only the largest attention weights of each query row (see SparseTensor).
 
     Kept: the ``top_k`` largest weights of each row, and/or those ``>= threshold`` (both given:
-    the top-k entries that also reach the threshold). Zeros are never kept. The response's
-    ``row_mass`` says how much of each row's mass was kept.
+    the top-k entries that also reach the threshold). Zeros are never kept. Among entries
+    exactly equal to a row's k-th largest weight, which ones are kept is torch.topk's choice
+    (the kept values and mass are the same either way). The response's ``row_mass`` says how
+    much of each row's mass was kept.
     """
 
     top_k: int | None = Field(

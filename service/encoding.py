@@ -37,7 +37,7 @@ import torch
 from pybase64 import b64encode
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from attnscope.service.errors import NonFiniteValues, NotAcceptable
+from attnscope.service.errors import InvalidRequest, NonFiniteValues, NotAcceptable
 
 _NP = {"float32": "<f4", "float16": "<f2"}
 
@@ -120,8 +120,22 @@ def _wire_array(a: np.ndarray, wire: str) -> np.ndarray:
     want = np.dtype(_WIRE[wire])
     if a.dtype == want and a.flags.c_contiguous:
         return a
-    if wire == "float16" and a.dtype == np.float32:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(torch.float16).numpy()
+    if wire == "float16" and a.dtype.kind == "f" and a.dtype != np.float16:
+        src = np.ascontiguousarray(a)
+        out = (torch.from_numpy(src).to(torch.float16).numpy() if a.dtype == np.float32
+               else src.astype(np.float16))
+        t16 = torch.from_numpy(out)
+        mn, mx = torch.aminmax(t16) if out.size else (0.0, 0.0)  # ~1 ms per 20M values
+        if mx == float("inf") or mn == float("-inf") and not torch.equal(
+                torch.isneginf(t16), torch.isneginf(torch.from_numpy(src))):  # masked -inf ok
+            bad = np.isinf(out) & np.isfinite(src)  # finite values cast to inf
+            big = float(np.abs(src[bad]).max()) if bad.any() else float("inf")
+            raise InvalidRequest(
+                f"a value of magnitude {big:.4g} is beyond float16's largest finite number "
+                "(65504): it would be sent as inf. Use dtype 'float32' or encoding 'json'",
+                "dtype",
+            )
+        return out
     return np.ascontiguousarray(a, dtype=want)
 
 
@@ -264,8 +278,10 @@ def encode_sparse(
 ) -> dict:
     """Sparse form of a non-negative ``[..., query_pos, key_pos]`` tensor (a pattern).
 
-    Per query row keep the ``opts.top_k`` largest weights (ties: lower key_pos first) and/or
-    those ``>= opts.threshold``; zeros are never kept. Returns the SparseTensor dict
+    Per query row keep the ``opts.top_k`` largest weights and/or those ``>= opts.threshold``;
+    zeros are never kept. Among entries exactly equal to a row's k-th largest weight, which
+    ones are kept is ``torch.topk``'s choice (deterministic for one input and torch build; the
+    kept values and ``row_mass`` do not depend on it). Returns the SparseTensor dict
     (schemas.common): ``indices`` row-major flat int (int32 when the tensor has < 2^31
     elements, else int64) or ``[nnz, ndim]`` int32 coordinates (``opts.format``), ``values``,
     ``row_mass`` ``shape[:-1]`` = sum of kept weights per row (float32, summed in float64),
@@ -336,40 +352,6 @@ def _default(obj: Any) -> Any:
     if isinstance(obj, Base64Text):
         return orjson.Fragment(b'"' + obj.raw + b'"')
     raise TypeError(f"Type is not JSON serializable: {type(obj).__name__}")
-
-
-def _default(obj: Any) -> Any:
-    if isinstance(obj, Base64Text):
-        return orjson.Fragment(b'"' + obj.raw + b'"')
-    raise TypeError(f"Type is not JSON serializable: {type(obj).__name__}")
-
-
-def _topk_rows(rows: torch.Tensor, k: int, chunk: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest values of every row of ``rows`` ``[R, K]`` and their column indices
-    (``[R, k]`` each, unsorted), exactly the set ``torch.topk`` returns up to the order of
-    equal values.
-
-    Two passes instead of one ``torch.topk`` over whole rows (about 2x faster at K = 1024):
-    split each row into chunks of ``chunk`` columns and take each chunk's maximum; the k-th
-    largest chunk maximum tau is a lower bound of the row's k-th largest value (k different
-    chunks hold a value >= tau), and every value > tau lies in one of the k chunks with the
-    largest maxima. So the top k of the row are the top k of those k chunks (plus the columns
-    after the last whole chunk): a ``torch.topk`` over ``k * chunk`` (+ rest) candidates.
-    """
-    R, K = rows.shape
-    G = K // chunk
-    if G < 4 * k or k * chunk >= K:  # short rows: one topk is as cheap
-        return torch.topk(rows, k, dim=-1, sorted=False)
-    main = rows[:, : G * chunk].view(R, G, chunk) if K % chunk == 0 else \
-        rows[:, : G * chunk].reshape(R, G, chunk)
-    _, cid = torch.topk(main.amax(-1), k, dim=-1, sorted=False)  # [R, k] chunk ids
-    cand = torch.gather(main, 1, cid.unsqueeze(-1).expand(R, k, chunk)).reshape(R, k * chunk)
-    col = (cid.unsqueeze(-1) * chunk + torch.arange(chunk)).reshape(R, k * chunk)
-    if K % chunk:  # the columns after the last whole chunk are always candidates
-        cand = torch.cat([cand, rows[:, G * chunk :]], dim=1)
-        col = torch.cat([col, torch.arange(G * chunk, K).expand(R, K - G * chunk)], dim=1)
-    vals, j = torch.topk(cand, k, dim=-1, sorted=False)
-    return vals, torch.gather(col, 1, j)
 
 
 def dumps(content: Any) -> bytes:

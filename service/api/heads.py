@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import anyio.to_thread
 import torch
@@ -24,6 +25,7 @@ ERRORS = error_responses(
 
 
 PROBE_MEMO_ENTRIES = 64  # distinct probe options kept per runtime
+_PROBE_MEMO_LOCK = threading.Lock()
 
 
 def probe_tokens(rt: Runtime, probe) -> tuple[TokenizedText, int]:
@@ -37,8 +39,9 @@ def probe_tokens(rt: Runtime, probe) -> tuple[TokenizedText, int]:
     hit = rt.memo.get(key)
     if hit is None:
         hit = _build_probe_tokens(rt, probe)
-        if sum(1 for k in rt.memo if k[0] == "induction_probe") < PROBE_MEMO_ENTRIES:
-            rt.memo[key] = hit
+        with _PROBE_MEMO_LOCK:  # worker threads: no insert while another counts the keys
+            if sum(1 for k in rt.memo if k[0] == "induction_probe") < PROBE_MEMO_ENTRIES:
+                rt.memo[key] = hit
     return hit
 
 

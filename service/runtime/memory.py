@@ -111,8 +111,15 @@ class _MallInfo2(ctypes.Structure):
 def _libc():
     global _LIBC
     if _LIBC is None:
-        _LIBC = ctypes.CDLL("libc.so.6")
-        _LIBC.mallinfo2.restype = _MallInfo2
+        # published only once mallinfo2's struct return type is set: a thread that saw the
+        # library before would call it as returning int, and glibc would write the 80-byte
+        # struct through a garbage pointer (the hidden return-slot argument)
+        lib = ctypes.CDLL("libc.so.6")
+        try:
+            lib.mallinfo2.restype = _MallInfo2
+        except AttributeError:  # glibc < 2.33: free_heap_bytes() gives None
+            pass
+        _LIBC = lib
     return _LIBC
 
 
