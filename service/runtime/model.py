@@ -106,6 +106,14 @@ class ForwardTensors:
                     self._parts[name] = x
         return x
 
+    def layer(self, name: str, i: int) -> torch.Tensor:
+        """Layer ``i`` of the tensor ``name`` (e.g. ``"q"`` -> ``[head, pos, d_head]``),
+        without stacking the other layers when they are still kept per layer."""
+        if name == "pattern":
+            return self.pattern[i]
+        x = self._parts[name]
+        return x[i]
+
     def replace(self, **changes: torch.Tensor) -> "ForwardTensors":
         """A copy with some tensors replaced (by field name), e.g. an altered pattern."""
         fields = {"pattern": self.pattern, **{n: self._get(n) for n in self._NAMES}, **changes}
