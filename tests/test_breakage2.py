@@ -309,3 +309,14 @@ def test_cors_headers_on_errors(make_client, gpt2_runtime):
         "origin": "https://lab.example", "authorization": "Bearer k1", "accept": "text/html"})
     _err(r, 406, "not_acceptable", "Accept")
     assert "X-Request-ID" in r.headers["access-control-expose-headers"]
+
+
+def test_heads_memory_message_names_the_probe(make_client, gpt2_runtime):
+    """/v1/heads runs the induction probe as a second forward: the 422 counts it and says so;
+    without the probe the count is the user's own texts."""
+    c = make_client(gpt2_runtime, max_request_bytes=1)
+    e = _err(c.post("/v1/heads", json={"text": TEXT}), 422, "memory_limit_exceeded")
+    assert "2 texts, one of them the induction probe" in e["message"]
+    e = _err(c.post("/v1/heads", json={"text": TEXT, "probe": {"enabled": False}}), 422,
+             "memory_limit_exceeded")
+    assert "1 text," in e["message"] and "probe" not in e["message"]

@@ -65,15 +65,17 @@ async def tokenize_request(rt: Runtime, req: TextOrTexts) -> list[TokenizedText]
 
 
 async def forward_request(
-    rt: Runtime, slot: DeviceSlot, items: list[TokenizedText], response_bytes: int = 0
+    rt: Runtime, slot: DeviceSlot, items: list[TokenizedText], response_bytes: int = 0,
+    detail: str = "",
 ) -> list[ForwardResult]:
     """One recorded forward per distinct text, through the device slot (429 when full).
 
     First the memory check (service/runtime/memory.py): 422 ``memory_limit_exceeded`` when the
     forwards plus ``response_bytes`` (the endpoint's estimate of its response) would exceed
-    ``max_request_bytes``; no forward runs then.
+    ``max_request_bytes``; no forward runs then (``detail``: added to the message's text count).
     """
-    check_memory(rt, [len(it) for it in items], response_bytes, limit=slot.max_request_bytes)
+    check_memory(rt, [len(it) for it in items], response_bytes, limit=slot.max_request_bytes,
+                 detail=detail)
     return await slot.run(_forward_and_release, rt, items)
 
 

@@ -86,7 +86,8 @@ async def heads(req: HeadsRequest, rt: RuntimeDep, slot: SlotDep):
     probe = None
     if req.probe.enabled:
         probe, start = await anyio.to_thread.run_sync(probe_tokens, rt, req.probe)
-    forwards = await forward_request(rt, slot, items + ([probe] if probe else []))
+    forwards = await forward_request(rt, slot, items + ([probe] if probe else []),
+                                     detail=", one of them the induction probe" if probe else "")
 
     def analyse():
         for fw in forwards:

@@ -61,6 +61,7 @@ def _fmt(n: int) -> str:
 
 def check_memory(
     rt, lengths: Sequence[int], extra: int = 0, what: str = "response", limit: int | None = None,
+    detail: str = "",
 ) -> int:
     """Raise :class:`MemoryLimitExceeded` (422) when the forwards of texts of ``lengths`` tokens
     plus ``extra`` bytes (the endpoint's ``what``) exceed ``rt.settings.max_request_bytes``.
@@ -68,7 +69,8 @@ def check_memory(
     ``rt``: a Runtime (its adapter's n_layers/n_heads/d_model, the weights' dtype, the
     settings' forward_batch_size). ``limit``: the app's ``max_request_bytes`` when it differs
     from the runtime's (an app built around an existing Runtime); the smaller non-zero of the
-    two applies. Returns the estimate in bytes. A limit of 0 disables it.
+    two applies. ``detail`` is appended to the text count in the message (e.g. ", one of them
+    the induction probe"). Returns the estimate in bytes. A limit of 0 disables it.
     """
     a = rt.adapter
     es = torch.empty((), dtype=next(rt.model.parameters()).dtype).element_size()
@@ -81,7 +83,7 @@ def check_memory(
         n, longest = len(lengths), max(lengths) if lengths else 0
         raise MemoryLimitExceeded(
             f"this request needs an estimated {_fmt(total)} ({total} bytes) of memory (forward {_fmt(fwd)} for "
-            f"{n} text{'s' if n != 1 else ''}, longest {longest} tokens, {a.n_layers} layers x "
+            f"{n} text{'s' if n != 1 else ''}{detail}, longest {longest} tokens, {a.n_layers} layers x "
             f"{a.n_heads} heads, d_model {a.d_model}; {what} {_fmt(int(extra))}); the limit is "
             f"{_fmt(limit)} (max_request_bytes = {limit}). Send fewer or shorter texts, select "
             "layers/heads, or use the sparse, 'tril' or base64 float16 encodings",
