@@ -54,7 +54,7 @@ class Settings(BaseSettings):
         description="Most texts per padded forward pass (a batch request is chunked). The "
         "default 1 makes every answer bitwise identical whatever else was requested; larger "
         "values raise throughput on GPUs, and a text's numbers then agree with its numbers alone "
-        "to float rounding (about 1e-8 in float32), not bit for bit.",
+        "to float rounding (below 1e-6 in float32), not bit for bit.",
     )
     padding_side: Literal["right", "left"] = Field(
         "right", description="Padding side for batched forwards (results never depend on it)."

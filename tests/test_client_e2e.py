@@ -98,7 +98,9 @@ def test_cli_readable_output_json_and_plot(live_server, tmp_path, capsys, monkey
     for cmd in (["model"], ["tokenize", "a b"], ["trajectories", SENTENCE], ["verify", "a b c"]):
         rc, out, err = run(capsys, monkeypatch, url, *cmd)
         assert rc == 0, (cmd, err)
-    assert "PASSED" in out
+    assert "PASSED" in out and "q/k/v" not in out
+    rc, out, err = run(capsys, monkeypatch, url, "verify", "a b c", "--projections")
+    assert rc == 0 and "q/k/v max|diff|" in out and "PASSED" in out, err
 
 
 def test_cli_exit_codes(live_server, capsys, monkeypatch):

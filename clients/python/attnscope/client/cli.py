@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     _text_args(p, plot=False)
     p.add_argument("--layers", type=_ints, help="layer indices (default all)")
     p.add_argument("--tolerance", type=float, default=None, help="largest difference that passes")
+    p.add_argument("--projections", action="store_true", default=None,
+                   help="also recompute q/k/v from the attention input (~3x the cost)")
 
     p = sub.add_parser("heads", help="classify every head (previous-token, induction, sink, ...)")
     _common(p)
@@ -306,16 +308,20 @@ def cmd_trajectories(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    opts = _options(args, {"layers": "layers", "tolerance": "tolerance"})
+    opts = _options(args, {"layers": "layers", "tolerance": "tolerance",
+                           "projections": "projections"})
     with _client(args) as c:
         res = c.verify(_read_text(args.text), **opts)
     v = res.verification
     if args.json:
         _print_json(res)
     else:
+        qkv = bool(getattr(v, "projections", False))
         rows = [[l.layer, _fmt(l.pattern_max_abs_diff), _fmt(l.output_max_abs_diff),
+                 *([_fmt(l.qkv_max_abs_diff)] if qkv else []),
                  "pass" if l.passed else "FAIL"] for l in v.layers]
-        print(_table(rows, ["layer", "pattern max|diff|", "output max|diff|", "result"]))
+        print(_table(rows, ["layer", "pattern max|diff|", "output max|diff|",
+                            *(["q/k/v max|diff|"] if qkv else []), "result"]))
         print(f"{'PASSED' if v.passed else 'FAILED'}: {v.message}")
     return EXIT_OK if v.passed else EXIT_NEGATIVE
 
