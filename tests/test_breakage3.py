@@ -5,6 +5,7 @@ runtime's own forward or an independent numpy rule."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace as NS
@@ -591,3 +592,20 @@ def test_iter_json_equals_dumps_with_big_base64():
     assert np.array_equal(wire.decode_tensor({"encoding": "base64", "dtype": "float32",
                                               "shape": [600_000], "data": back["a"][0]["data"]}),
                           np.arange(600_000, dtype=np.float32))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_keep_freed_memory_keeps_a_freed_block_in_the_heap():
+    """With keep_freed_memory, a freed 24 MiB block stays in glibc's heap (free bytes grow by
+    it: the next request reuses its pages instead of faulting fresh ones) until
+    release_memory decides; glibc's default would have mapped and unmapped it."""
+    from attnscope.service.runtime import memory as M
+
+    assert M.keep_freed_memory(M.TRIM_FREE_BYTES) is True
+    before = M.free_heap_bytes()
+    if before is None:
+        pytest.skip("mallinfo2 needs glibc >= 2.33")
+    a = np.ones(24 << 20, dtype=np.uint8)  # 24 MiB, touched; below the 32 MiB mmap threshold
+    del a
+    assert M.free_heap_bytes() - before >= 20 << 20  # (part may reuse what was free)
+    M.release_memory(0)  # 0: trim now; must not raise
