@@ -60,11 +60,11 @@ def trajectories(
 
     Cost (GPT-2 small shapes, T = 128, [1536, 768] samples x features): ~25 ms, ~20 of them
     scikit-learn's randomized SVD (16 float64 products with the data matrix, one BLAS thread;
-    two threads measured slower, 5x slower right after a forward); the standardisation is
-    :func:`standardize_` (~2 ms, StandardScaler's numbers without its ~4 ms of checks).
+    two threads measured slower, 5x slower right after a forward).
     """
     from sklearn import config_context
     from sklearn.decomposition import PCA
+    from sklearn.preprocessing import StandardScaler
 
     n_total, n_token, d_model = hidden_states.shape
     positions = check_trajectory_request(
@@ -78,21 +78,22 @@ def trajectories(
     sel = np.asarray(positions, dtype=np.int64)
     first = flat[sel]  # [n_selected, d_model], state 0 (copies)
     last = flat[(n_state - 1) * n_token + sel]  # the last state used
-    # 3. standardise (StandardScaler().fit_transform, in place)
-    if not standardize_(flat, check_finite=hidden_states.dtype == torch.float64):
+    # 3. standardise (StandardScaler, in place: copy=False on our own float64 array)
+    if not _finite(flat, check_all=hidden_states.dtype == torch.float64):
         raise NonFiniteValues(
             f"{where}: the hidden states hold non-finite values (NaN or inf, or sums beyond "
             "float64); refusing to project"
-        )
-    if not np.any(flat):
-        raise InvalidRequest(
-            f"{where}: the hidden states do not vary across states and tokens, so PCA "
-            "has no direction to find", where,
         )
     # 4. PCA with a fixed random state (scikit-learn's default solver for the shape; copy=False
     #    centres our own array in place, the same numbers). One BLAS thread: see _blas.py.
     pca = PCA(n_components=n_components, random_state=random_state, copy=False)
     with one_blas_thread(), config_context(assume_finite=True):  # checked in step 3
+        flat = StandardScaler(copy=False).fit_transform(flat)
+        if not np.any(flat):
+            raise InvalidRequest(
+                f"{where}: the hidden states do not vary across states and tokens, so PCA "
+                "has no direction to find", where,
+            )
         projected = pca.fit_transform(flat)
     evr = np.asarray(pca.explained_variance_ratio_, dtype=np.float64)
     # 5. reshape to per-token paths [n_state, n_token, n_components]
@@ -126,35 +127,14 @@ def _float64_copy(x: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(x.to(torch.float64).numpy())
 
 
-def standardize_(X: np.ndarray, check_finite: bool = True) -> bool:
-    """scikit-learn's ``StandardScaler().fit_transform(X)`` for a dense float64
-    ``[n_samples, n_features]`` array without NaN, computed in place with the same operations
-    in the same order, so the same numbers (``_incremental_mean_and_var`` on a first call:
-    column means, the two-pass variance with its correction term; ``_is_constant_feature``
-    features get scale 1; then ``(X - mean) / scale``). Skips scikit-learn's validation and
-    copies (~4 ms of ~5 ms for [1536, 768]).
-
-    Returns False (``X`` unchanged) when ``X`` holds NaN/inf or a column sum overflows
-    float64. With ``check_finite=False`` only the column sums are checked: enough when ``X``
-    came from float32/float16 values, whose sums cannot overflow float64.
-    """
-    n = X.shape[0]
+def _finite(X: np.ndarray, check_all: bool) -> bool:
+    """Whether every column sum of ``X`` is finite (a NaN/inf anywhere makes its column's sum
+    non-finite; so do float64 values whose sum overflows) and, with ``check_all``, every
+    value (float64 input, where an overflowing sum is possible without an inf)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        total = np.sum(X, axis=0)
-    if not np.isfinite(total).all() or (check_finite and not np.isfinite(X).all()):
-        return False  # (float64 values near 1e308 whose sum overflows count as non-finite)
-    mean = total / n
-    X -= mean
-    correction = np.sum(X, axis=0)
-    var = np.sum(np.square(X), axis=0)
-    var -= correction**2 / n
-    var /= n
-    eps = np.finfo(np.float64).eps
-    constant = var <= n * eps * var + (n * mean * eps) ** 2
-    scale = np.sqrt(var)
-    scale[constant] = 1.0
-    X /= scale
-    return True
+        if not np.isfinite(np.sum(X, axis=0)).all():
+            return False
+    return not check_all or bool(np.isfinite(X).all())
 
 
 def check_trajectory_request(
