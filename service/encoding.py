@@ -152,18 +152,6 @@ class Base64Text:
     def __len__(self) -> int:
         return len(self.raw)
 
-    def __str__(self) -> str:
-        return self.raw.decode("ascii")
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Base64Text):
-            return self.raw == other.raw
-        if isinstance(other, str):
-            return str(self) == other
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
 
 def _b64(a: np.ndarray) -> Base64Text:
     """Standard base64 (RFC 4648, padded) of ``a``'s bytes; SIMD-accelerated by pybase64."""

@@ -320,8 +320,7 @@ class Runtime:
             hit = self._tok_cache.get(key)
             if hit is not None:  # several analyses of one text tokenize it once
                 self._tok_cache.move_to_end(key)
-        if hit is not None:
-            self._check_context(len(hit), param)
+        if hit is not None:  # (it passed the context check when it was made)
             return hit
         tt = self._tokenize(text, add_bos, param)
         if len(text) <= TOKENIZE_CACHE_MAX_CHARS:
