@@ -13,6 +13,7 @@ import torch
 from attnscope.schemas import HeadsResponse
 from attnscope.service.analysis import heads as H
 
+import heads_reference as R
 from conftest import SENTENCE
 
 TEXTS = [
@@ -80,22 +81,22 @@ def test_scores_have_documented_formulas():
     assert s["sink"] == pytest.approx((1 + 0.5) / T)
     assert s["mean_distance"] == pytest.approx(0.5 * (T - 1) / T)
     # exclusions: TransformerLens zeroes before both sums (ratio of totals)
-    ex = H.pattern_match_score(prev, H.previous_token_detection_pattern(T), exclude_current_token=True)
+    ex = R.pattern_match_score(prev, R.previous_token_detection_pattern(T), exclude_current_token=True)
     assert float(ex) == pytest.approx((0.5 * (T - 1)) / (0.5 * (T - 1)))
-    ex = H.pattern_match_score(prev, H.previous_token_detection_pattern(T), exclude_bos=True)
+    ex = R.pattern_match_score(prev, R.previous_token_detection_pattern(T), exclude_bos=True)
     assert float(ex) == pytest.approx(0.5 * (T - 2) / (T - 1.5))
     sink = _pattern([{0: 1.0} for _ in range(T)])
-    assert math.isnan(float(H.pattern_match_score(sink, H.previous_token_detection_pattern(T),
+    assert math.isnan(float(R.pattern_match_score(sink, R.previous_token_detection_pattern(T),
                                                   exclude_bos=True)))
 
 
 def test_detection_patterns_match_transformerlens_definitions():
     tl = pytest.importorskip("transformer_lens.head_detector")
     ids = torch.tensor([[3, 9, 3, 4, 9, 3, 3, 7, 4]])
-    assert torch.equal(H.previous_token_detection_pattern(9), tl.get_previous_token_head_detection_pattern(ids))
-    assert torch.equal(H.duplicate_token_detection_pattern(ids[0].tolist()),
+    assert torch.equal(R.previous_token_detection_pattern(9), tl.get_previous_token_head_detection_pattern(ids))
+    assert torch.equal(R.duplicate_token_detection_pattern(ids[0].tolist()),
                        tl.get_duplicate_token_head_detection_pattern(ids))
-    assert torch.equal(H.induction_detection_pattern(ids[0].tolist()),
+    assert torch.equal(R.induction_detection_pattern(ids[0].tolist()),
                        tl.get_induction_head_detection_pattern(ids))
 
 
@@ -261,11 +262,11 @@ def _reference_head_scores(pattern, token_ids, causal, exclude_bos=False, exclud
     """The straightforward implementation head_scores replaced: one layer at a time, the dense
     TransformerLens detection patterns, float64 throughout."""
     T = pattern.shape[-1]
-    det = {"previous_token": H.previous_token_detection_pattern(T).double(),
-           "duplicate_token": H.duplicate_token_detection_pattern(token_ids).double(),
-           "induction": H.induction_detection_pattern(token_ids).double()}
+    det = {"previous_token": R.previous_token_detection_pattern(T).double(),
+           "duplicate_token": R.duplicate_token_detection_pattern(token_ids).double(),
+           "induction": R.induction_detection_pattern(token_ids).double()}
     if not causal:
-        det["next_token"] = H.next_token_detection_pattern(T).double()
+        det["next_token"] = R.next_token_detection_pattern(T).double()
     n_visible = (torch.arange(1, T + 1, dtype=torch.float64) if causal
                  else torch.full((T,), float(T), dtype=torch.float64))
     rows = n_visible >= 2
@@ -274,12 +275,12 @@ def _reference_head_scores(pattern, token_ids, causal, exclude_bos=False, exclud
     per_layer = []
     for layer in range(pattern.shape[0]):
         a = pattern[layer].double()
-        out = {n: H.pattern_match_score(a, p, exclude_bos, exclude_current_token) for n, p in det.items()}
+        out = {n: R.pattern_match_score(a, p, exclude_bos, exclude_current_token) for n, p in det.items()}
         if causal:
             out["next_token"] = torch.full(a.shape[:1], math.nan, dtype=torch.float64)
         out["self"] = a.diagonal(dim1=-2, dim2=-1).mean(-1)
         out["sink"] = a[..., :, 0].mean(-1)
-        ent = H.row_entropy(a)
+        ent = R.row_entropy(a)
         out["entropy"] = ent.mean(-1)
         out["entropy_normalized"] = ((ent[..., rows] / n_visible[rows].log()).mean(-1) if rows.any()
                                      else torch.full(a.shape[:1], math.nan, dtype=torch.float64))
