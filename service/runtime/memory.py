@@ -21,6 +21,7 @@ Measured against the server's resident memory by ``bench/`` (README "Benchmark")
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 from typing import Sequence
 
@@ -189,3 +190,38 @@ def release_memory(min_free_bytes: int | None = None) -> bool:
         return bool(_libc().malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+def set_numpy_hugepages(enabled: bool) -> bool | None:
+    """Turn numpy's transparent-huge-page advice for arrays of 4 MiB and more on or off for the
+    whole process (``numpy._core.multiarray._set_madvise_hugepage``, numpy's documented
+    switch, also set by the environment variable ``NUMPY_MADVISE_HUGEPAGE``;
+    Settings.numpy_hugepages). Returns the previous setting, or None where this numpy has no
+    such switch (then nothing changes)."""
+    try:
+        from numpy._core import multiarray as ma
+    except ImportError:  # numpy < 2
+        from numpy.core import multiarray as ma  # type: ignore[no-redef]
+    setter = getattr(ma, "_set_madvise_hugepage", None)
+    if setter is None:
+        return None
+    return bool(setter(bool(enabled)))
+
+
+def freeze_startup_objects() -> int:
+    """Collect once, then move every object alive now (modules, the model, the tokenizer,
+    scikit-learn and scipy) out of the cyclic garbage collector's reach (``gc.freeze``).
+    Returns the number of objects frozen. Undo with ``gc.unfreeze()`` (the app does at
+    shutdown).
+
+    Why: a served model keeps ~500k objects that the collector tracks, and an occasional full
+    (generation 2) collection walks all of them: measured 250 ms with GPT-2 small, torch,
+    transformers and scikit-learn loaded, paid by whichever request allocated at the wrong
+    moment. After the freeze a full collection walks only what requests created (< 1 ms).
+    Reference counting still frees everything as usual; only cycles among frozen objects
+    are never collected, which for start-up objects that live as long as the process is
+    what happens anyway.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
