@@ -14,7 +14,10 @@ the tokenizer only turns text into ids, all ids are < 2,048 < 50,257, and the mo
 small's 50,257-row embedding). A real uvicorn (``attnscope serve``) serves it on 127.0.0.1;
 every figure is the median of several runs after a warm-up, and every request to the service
 uses a fresh text of exactly T tokens (so each one runs its forward; the cache is measured
-separately). Prints a table and writes JSON to ``bench/results/`` (git-ignored).
+separately). The figures at the target length (T = 128) are taken at steady state: the forward
+cache is first filled with texts of that length, so each new forward replaces an evicted one
+(a fresh server's first ~1 GiB of new texts touches new memory, ~10% of a forward here); the
+``cache_fill`` section, run first, gives the same figures while the cache fills. Prints a table and writes JSON to ``bench/results/`` (git-ignored).
 
 Measured: the floor (in-process Hugging Face forward, ``GPT2Model`` with
 ``output_attentions=True``, the part of the model the service runs); ``/v1/attention`` end to
@@ -42,6 +45,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -282,6 +286,47 @@ def encoders_in_process(base, texts: Texts, lengths, runs: int) -> dict:
     return out
 
 
+def cache_gauges(url: str) -> dict:
+    """The server's forward-cache gauges from /metrics (bytes, entries)."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        for k in ("attnscope_cache_bytes", "attnscope_cache_entries"):
+            if line.startswith(k + " "):
+                out[k.removeprefix("attnscope_")] = float(line.split()[1])
+    return out
+
+
+def fill_cache(url: str, texts: Texts, T: int, cache_bytes: int, extra: int = 3,
+               limit: int = 400) -> dict:
+    """Bring the server to its steady state for texts of T tokens: post fresh texts (a
+    one-head /v1/attention, so the response is small) until the forward cache is full of
+    T-token forwards, then ``extra`` more, so each later forward replaces an evicted one of the
+    same size. Until then every forward's recorded tensors (~38 MB at T = 128, GPT-2 small)
+    are memory the process has never touched, and faulting it in costs ~10% of a forward on
+    the measuring VM; the "cache_fill" section measures that phase."""
+    t0 = time.perf_counter()
+    n, entry = 0, None
+    with httpx.Client(base_url=url, timeout=900) as client:
+        while n < limit:
+            before = cache_gauges(url)
+            r = client.post("/v1/attention", json={"text": texts.make(T), "layers": [0],
+                                                   "heads": [0]})
+            n += 1
+            if r.status_code != 200:
+                raise RuntimeError(f"fill: /v1/attention -> {r.status_code}: {r.text[:300]}")
+            after = cache_gauges(url)
+            if after["cache_entries"] <= before["cache_entries"]:
+                break  # the new forward evicted an older one: the cache is full
+            entry = after["cache_bytes"] - before["cache_bytes"]
+            if after["cache_bytes"] + entry > cache_bytes:
+                break  # the next one will evict
+        for _ in range(extra):
+            client.post("/v1/attention", json={"text": texts.make(T), "layers": [0], "heads": [0]})
+    g = cache_gauges(url)
+    return {"T": T, "requests": n + extra, "s": time.perf_counter() - t0,
+            "entry_bytes": entry, **g}
+
+
 def floor_once(base, texts: Texts, T: int) -> float:
     import torch
 
@@ -294,13 +339,16 @@ def floor_once(base, texts: Texts, T: int) -> float:
 
 
 def attention_e2e(url: str, texts: Texts, lengths, runs_for, info: dict, floor: dict,
-                  base=None) -> dict:
+                  base=None, steady: Callable[[int], dict] | None = None) -> dict:
     """Each request is paired with an in-process floor forward run just before it (the
-    machine's load drifts; ratios use the paired floors)."""
+    machine's load drifts; ratios use the paired floors). ``steady(T)`` is called before each
+    length (it fills the forward cache before the target length: :func:`fill_cache`)."""
     out = {}
     L, H = info["n_layers"], info["n_heads"]
     with httpx.Client(base_url=url, timeout=900) as client:
         for T in lengths:
+            if steady is not None:
+                steady(T)
             post_attention(client, texts.make(T), {"encoding": "base64"}, None)  # warm-up
             out[T] = {}
             for name, (opts, accept) in ENCODINGS.items():
@@ -391,6 +439,30 @@ def analyses_sequence(url: str, texts: Texts, T: int, runs: int) -> dict:
     return {"T": T, "status": available, "analyses": names, "one_alone_s": median(alone),
             "all_in_sequence_s": median(seq), "ratio": median(seq) / median(alone),
             "per_analysis_s": {n: median(v) for n, v in per.items()}}
+
+
+def cache_fill_phase(url: str, texts: Texts, T: int, runs: int, info: dict, base) -> dict:
+    """The target figures on a freshly started server, while its forward cache fills: base64
+    float16 ``/v1/attention`` paired with floors, and the analyses sequence. Run first, so the
+    cache (1 GiB by default) is not yet full; the other sections run at steady state."""
+    L, H = info["n_layers"], info["n_heads"]
+    opts = ENCODINGS["base64_f16"][0]
+    last, full, floors = [], [], []
+    with httpx.Client(base_url=url, timeout=900) as client:
+        post_attention(client, texts.make(T), opts, None)  # warm-up
+        for _ in range(runs):
+            floors.append(floor_once(base, texts, T))
+            resp, dt = post_attention(client, texts.make(T), opts, None)
+            t0 = time.perf_counter()
+            decode(resp, opts, T, L, H)
+            last.append(dt)
+            full.append(dt + time.perf_counter() - t0)
+    fl = median(floors)
+    b64 = {"floor_s": fl, "latency_s": median(last), "with_decode_s": median(full),
+           "ratio_to_floor": median(last) / fl, "ratio_with_decode": median(full) / fl,
+           "runs": runs}
+    analyses = analyses_sequence(url, texts, T, runs)
+    return {"T": T, "base64_f16": b64, "analyses": analyses, "cache_after": cache_gauges(url)}
 
 
 def heads_vs_tl(url: str, model_dir: Path, texts: Texts, T: int, runs: int) -> dict:
@@ -559,6 +631,19 @@ def report(res: dict) -> str:
     lines.append("\nFloor: in-process HF forward (GPT2Model, output_attentions=True)")
     lines.append("  " + "  ".join(f"T={T}: {fmt_s(v['median_s'])}" for T, v in floor.items())
                  + "  (median of all floor runs, most interleaved with the requests below)")
+    if ok(res, "cache_fill"):
+        c = res["cache_fill"]
+        b, a = c["base64_f16"], c["analyses"]
+        lines.append(f"\nFresh server, forward cache filling (T={c['T']}; every later T={c['T']} "
+                     "figure is taken with the cache full): base64_f16 "
+                     f"{fmt_s(b['latency_s'])} = {b['ratio_to_floor']:.2f}x floor to last byte, "
+                     f"{b['ratio_with_decode']:.2f}x with decode; analyses {a['ratio']:.2f}x ("
+                     + ", ".join(f"{k} {fmt_s(v)}" for k, v in a["per_analysis_s"].items())
+                     + f"); cache after: {fmt_b(c['cache_after'].get('cache_bytes', 0))}")
+    for f in res.get("steady_state_fills") or []:
+        lines.append(f"  steady state: filled the cache with {f['requests']} T={f['T']} texts in "
+                     f"{f['s']:.1f} s ({fmt_b(f.get('cache_bytes', 0))} in "
+                     f"{int(f.get('cache_entries', 0))} entries)")
     if ok(res, "encoders"):
         lines.append("\nEncoders in-process (encode + every byte of the body)")
         lines.append(f"  {'encoding':18} " + " ".join(f"{'T=' + str(T):>22}" for T in res["encoders"]))
@@ -641,9 +726,12 @@ def targets(res: dict, T0: int = 128) -> list[dict]:
     att = res.get("attention", {}) if ok(res, "attention") else {}
     if T0 in att:
         a = att[T0]
+        cold = (res["cache_fill"]["base64_f16"] if ok(res, "cache_fill") else None)
         out.append({"target": "base64 float16 end to end <= 1.15x floor (T=128)",
                     "figure": f"{a['base64_f16']['ratio_to_floor']:.2f}x to last byte, "
-                              f"{a['base64_f16']['ratio_with_decode']:.2f}x incl. decode",
+                              f"{a['base64_f16']['ratio_with_decode']:.2f}x incl. decode"
+                              + (f" (cache filling, fresh server: {cold['ratio_to_floor']:.2f}x, "
+                                 f"{cold['ratio_with_decode']:.2f}x)" if cold else ""),
                     "met": a["base64_f16"]["ratio_with_decode"] <= 1.15})
         out.append({"target": "JSON end to end <= 1.5x floor (T=128)",
                     "figure": f"{a['json']['ratio_to_floor']:.2f}x to last byte, "
@@ -652,8 +740,11 @@ def targets(res: dict, T0: int = 128) -> list[dict]:
                     "met": a["json"]["ratio_to_floor"] <= 1.5})
     if ok(res, "analyses"):
         a = res["analyses"]
+        cold = res["cache_fill"]["analyses"] if ok(res, "cache_fill") else None
         out.append({"target": "five analyses of one text <= 1.3x one alone",
-                    "figure": f"{a['ratio']:.2f}x ({len(a['analyses'])} analyses)",
+                    "figure": f"{a['ratio']:.2f}x ({len(a['analyses'])} analyses)"
+                              + (f" (cache filling, fresh server: {cold['ratio']:.2f}x)" if cold
+                                 else ""),
                     "met": a["ratio"] <= 1.3 if len(a["analyses"]) == 5 else None})
     h = res.get("heads_vs_tl", {}) if ok(res, "heads_vs_tl") else {}
     if "tl_run_with_cache_detect3_s" in h:
@@ -745,14 +836,24 @@ def main(argv=None) -> int:
             return res[key]
 
         res["floor"] = floor_forward(base, texts, lengths, runs)  # everything is relative to it
+        # first, on the fresh server: the target figures while the forward cache fills
+        section("cache_fill", cache_fill_phase, srv.url, texts, T0, runs, info, base)
+        fills = res["steady_state_fills"] = []
+
+        def steady(T):  # the target figures at T0 are taken with the cache full (steady state)
+            if T == T0:
+                fills.append(fill_cache(srv.url, texts, T0, args.cache_bytes))
+
         section("encoders", encoders_in_process, base, texts, lengths, max(1, runs - 2))
         section("attention", attention_e2e, srv.url, texts, lengths, runs_for, info, res["floor"],
-                base)
+                base, steady)
         for T, f in res["floor"].items():  # all floors measured interleaved with requests
             if f.get("paired"):
                 f["standalone_median_s"] = f["median_s"]
                 f["median_s"] = median(f["paired"])
+        steady(T0)  # T=512/1024 entries evicted the T0 ones: fill again
         section("client", client_e2e, srv.url, texts, T0, runs, res["floor"], base)
+        steady(T0)
         section("analyses", analyses_sequence, srv.url, texts, T0, 2 * runs)
         section("heads_vs_tl", heads_vs_tl, srv.url, model_dir, texts, T0, runs)
         levels = [1, 4] if args.quick else [1, 4, 16]

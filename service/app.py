@@ -206,7 +206,10 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
                 try:
                     await anyio.to_thread.run_sync(preload_analysis_libraries)
                     one_blas_thread_for_process()  # from the event loop's (main) thread
-                    app.state.runtime = await anyio.to_thread.run_sync(Runtime.load, settings)
+                    # on the device thread: the probe forward's OpenMP team is the one every
+                    # later forward uses (service/runtime/slot.py)
+                    app.state.runtime = await app.state.slot.run(Runtime.load, settings,
+                                                                 admit=False)
                     frozen = freeze_startup_objects()  # no 250 ms full collections later
                     log.info("model ready: %s (%d start-up objects frozen for the garbage "
                              "collector)", app.state.runtime.info, frozen)
@@ -225,6 +228,7 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
         yield
         if task is not None and not task.done():
             task.cancel()
+        app.state.slot.close()
         if runtime is None:
             gc.unfreeze()  # what this app froze can be collected again after shutdown
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 import anyio.to_thread
 import numpy as np
@@ -536,14 +536,16 @@ def safetensors_parts(body: Any) -> list[bytes | memoryview]:
 
 
 async def tensor_response(
-    build: Callable[[], Any], binary: bool = False, status_code: int = 200
+    build: Callable[[], Any], binary: bool = False, status_code: int = 200,
+    run: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
 ) -> Response:
-    """Run ``build()`` (all tensor work: selection, encode_tensor) in a worker thread and
-    return its body: safetensors when ``binary``, else JSON (streamed in chunks when big).
+    """Run ``build()`` (all tensor work: selection, encode_tensor) off the event loop, with
+    ``run`` (e.g. on the device thread: DeviceSlot.run) or else in a worker thread, and return
+    its body: safetensors when ``binary``, else JSON (streamed in chunks when big).
 
     Errors raised by ``build`` (NonFiniteValues, ...) propagate before any byte is sent.
     """
-    body = await anyio.to_thread.run_sync(build)
+    body = await (run(build) if run is not None else anyio.to_thread.run_sync(build))
     if binary:
         parts = await anyio.to_thread.run_sync(safetensors_parts, body)
         del body

@@ -132,11 +132,13 @@ class Metrics:
         )
         self.device_seconds = Histogram(
             "attnscope_forward_seconds",
-            "Time one request held the device slot (its forward passes and cache lookups).",
+            "Time one request held the device slot for its forward passes (a request whose "
+            "forwards are all cached does not wait for the slot and is not counted).",
             buckets=LATENCY_BUCKETS, registry=r,
         )
         self.queue_seconds = Histogram(
-            "attnscope_queue_wait_seconds", "Time a request waited for the device slot.",
+            "attnscope_queue_wait_seconds", "Time a request waited for the device slot before "
+            "its forward passes.",
             buckets=LATENCY_BUCKETS, registry=r,
         )
         r.register(_StateCollector(app))
@@ -153,10 +155,10 @@ class InstrumentedSlot(DeviceSlot):
         super().__init__(max_queue, max_request_bytes)
         self.metrics = metrics
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
+    async def run(self, fn: Callable[..., T], *args, admit: bool = True) -> T:
         m = self.metrics
-        if m is None:
-            return await super().run(fn, *args)
+        if m is None or not admit:  # the metrics time forwards; not an admitted request's analysis
+            return await super().run(fn, *args, admit=admit)
         queued = time.perf_counter()
 
         def timed(*a):
@@ -167,7 +169,7 @@ class InstrumentedSlot(DeviceSlot):
             finally:
                 m.device_seconds.observe(time.perf_counter() - start)
 
-        return await super().run(timed, *args)
+        return await super().run(timed, *args, admit=admit)
 
 
 metrics_router = APIRouter()

@@ -99,4 +99,4 @@ async def attention(req: AttentionRequest, rt: RuntimeDep, slot: SlotDep, reques
             body["results"] = out
         return body
 
-    return await tensor_response(build, binary)
+    return await tensor_response(build, binary, run=lambda f: slot.run(f, admit=False))

@@ -61,6 +61,10 @@ async def tokenize_request(rt: Runtime, req: TextOrTexts) -> list[TokenizedText]
             return [rt.tokenize(req.text, req.add_bos, "text")]
         return [rt.tokenize(t, req.add_bos, f"texts.{i}") for i, t in enumerate(texts)]
 
+    if req.text is not None:  # already tokenized (another analysis of this text): no thread hop
+        hit = rt.tokenize(req.text, req.add_bos, "text", cached_only=True)
+        if hit is not None:
+            return [hit]
     return await anyio.to_thread.run_sync(work)
 
 
@@ -68,7 +72,8 @@ async def forward_request(
     rt: Runtime, slot: DeviceSlot, items: list[TokenizedText], response_bytes: int = 0,
     detail: str = "",
 ) -> list[ForwardResult]:
-    """One recorded forward per distinct text, through the device slot (429 when full).
+    """One recorded forward per distinct text, through the device slot (429 when full);
+    texts whose forwards are all cached are answered at once, without the slot.
 
     First the memory check (service/runtime/memory.py): 422 ``memory_limit_exceeded`` when the
     forwards plus ``response_bytes`` (the endpoint's estimate of its response) would exceed
@@ -76,6 +81,9 @@ async def forward_request(
     """
     check_memory(rt, [len(it) for it in items], response_bytes, limit=slot.max_request_bytes,
                  detail=detail)
+    hits = rt.cached_forwards(items)  # all cached (a further analysis of a text): no device wait
+    if hits is not None:
+        return hits
     return await slot.run(_forward_and_release, rt, items)
 
 

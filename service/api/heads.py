@@ -112,7 +112,7 @@ async def heads(req: HeadsRequest, rt: RuntimeDep, slot: SlotDep):
                 out.append({"layer": layer, "head": head, "label": H.classify(s, th), "scores": s})
         return out
 
-    result = await anyio.to_thread.run_sync(analyse)
+    result = await slot.run(analyse, admit=False)  # torch work: on the device thread
     body = {
         "model": rt.model_ref(),
         "n_texts": len(items),

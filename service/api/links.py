@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import anyio.to_thread
 import numpy as np
 import torch
 from fastapi import APIRouter
@@ -50,8 +49,8 @@ async def links(req: LinksRequest, rt: RuntimeDep, slot: SlotDep):
                 raise OutOfRange(f"ignore[{j}] = {top} is out of range: {where} has {len(it)} "
                                  f"tokens (valid positions 0..{len(it) - 1})", f"ignore.{j}")
     forwards = await forward_request(rt, slot, items)
-    # ranking and building up to top_k x T links per text: off the event loop
-    out = await anyio.to_thread.run_sync(_build, req, forwards)
+    # ranking and building up to top_k x T links per text: on the device thread (torch work)
+    out = await slot.run(_build, req, forwards, admit=False)
     body = {"model": rt.model_ref(), "layer": req.layer, "head": req.head,
             "direction": req.direction}
     if req.text is not None:

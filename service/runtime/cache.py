@@ -35,6 +35,18 @@ class ByteLRU(Generic[V]):
             self.hits += 1
             return item[0]
 
+    def get_all(self, keys: list[Hashable]) -> list[V] | None:
+        """The values of all ``keys`` (each counted as a hit and made most recent), or None
+        when any is missing (then nothing is counted or moved)."""
+        with self._lock:
+            items = [self._data.get(k) for k in keys]
+            if any(item is None for item in items):
+                return None
+            for k in keys:
+                self._data.move_to_end(k)
+            self.hits += len(keys)
+            return [item[0] for item in items]
+
     def put(self, key: Hashable, value: V) -> None:
         size = self._size_of(value)
         with self._lock:
@@ -45,6 +57,19 @@ class ByteLRU(Generic[V]):
             self._data[key] = (value, size)
             self._bytes += size
             while len(self._data) > self.max_entries or self._bytes > self.max_bytes:
+                _, (_, s) = self._data.popitem(last=False)
+                self._bytes -= s
+
+    def reserve(self, size: int, entries: int = 1) -> None:
+        """Evict least-recently-used entries now so that ``entries`` new items of ``size``
+        bytes in all will fit (nothing when they would not be stored anyway). The runtime calls
+        it before a forward: the evicted tensors' memory is then free when the forward's own
+        are allocated, and is reused for them (the same sizes, for texts of the same length)."""
+        with self._lock:
+            if self.max_entries <= 0 or size > self.max_bytes:
+                return
+            while self._data and (len(self._data) + entries > self.max_entries
+                                  or self._bytes + size > self.max_bytes):
                 _, (_, s) = self._data.popitem(last=False)
                 self._bytes -= s
 

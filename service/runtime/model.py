@@ -29,6 +29,7 @@ from attnscope.service.config import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID, Settin
 from attnscope.service.errors import ContextLengthExceeded, InvalidRequest
 from attnscope.service.runtime.adapters import ADAPTERS, CAUSAL_TYPES, Adapter
 from attnscope.service.runtime.cache import ByteLRU
+from attnscope.service.runtime.memory import recorded_bytes
 from attnscope.service.runtime.tokens import bytelevel_label
 
 log = logging.getLogger("attnscope.runtime")
@@ -75,12 +76,12 @@ class TokenizedText:
 class ForwardTensors:
     """The tensors of one forward (cached, shared read-only between requests).
 
-    ``pattern`` ``[layer, head, query_pos, key_pos]`` is one tensor from the start. The others
-    (``hidden_states`` ``[layer+1, pos, d_model]``, ``q``/``k``/``v`` ``[layer, head, pos,
-    d_head]``, ``attn_input``/``attn_output`` ``[layer, pos, d_model]``) may be given as lists
-    of the model's own per-layer tensors and are stacked on first use (thread-safe, once): most
-    requests read only the pattern, and stacking them all costs ~5 ms per GPT-2-small forward
-    at 128 tokens. ``nbytes`` is the same before and after stacking.
+    ``pattern`` ``[layer, head, query_pos, key_pos]``, ``hidden_states`` ``[layer+1, pos,
+    d_model]``, ``q``/``k``/``v`` ``[layer, head, pos, d_head]`` and ``attn_input``/
+    ``attn_output`` ``[layer, pos, d_model]``. The runtime gives each as one buffer (q, k, v as
+    head-split views of the q/k/v modules' stacked outputs; see ``Runtime._forward_batch``).
+    The others may also be given as lists of per-layer tensors, stacked on first use
+    (thread-safe, once). ``nbytes`` is the same before and after stacking.
     """
 
     _NAMES = ("hidden_states", "q", "k", "v", "attn_input", "attn_output")
@@ -287,11 +288,14 @@ class Runtime:
         self.cache.clear()
 
     # --------------------------------------------------------------- tokenizing
-    def tokenize(self, text: str, add_bos: bool = False, param: str = "text") -> TokenizedText:
+    def tokenize(self, text: str, add_bos: bool = False, param: str = "text",
+                 cached_only: bool = False) -> TokenizedText | None:
         """Tokenize ``text`` as plain text (strings that spell special tokens stay text).
 
         Causal models: ``add_bos`` prepends the BOS token. Encoders: the tokenizer's own
-        framing ([CLS] ... [SEP]); ``add_bos`` is rejected.
+        framing ([CLS] ... [SEP]); ``add_bos`` is rejected. ``cached_only``: return None
+        instead of tokenizing when the text is not in the tokenize cache (cheap enough for the
+        event loop; the checks above still run).
 
         Raises:
             InvalidRequest: text too long in characters, or add_bos on an encoder.
@@ -320,7 +324,7 @@ class Runtime:
             hit = self._tok_cache.get(key)
             if hit is not None:  # several analyses of one text tokenize it once
                 self._tok_cache.move_to_end(key)
-        if hit is not None:  # (it passed the context check when it was made)
+        if hit is not None or cached_only:  # (a hit passed the context check when it was made)
             return hit
         tt = self._tokenize(text, add_bos, param)
         if len(text) <= TOKENIZE_CACHE_MAX_CHARS:
@@ -407,6 +411,15 @@ class Runtime:
         return TokenizedText(text, False, tuple(ids), tokens)
 
     # ----------------------------------------------------------------- forward
+    def cached_forwards(self, items: list[TokenizedText]) -> list[ForwardResult] | None:
+        """Every item's forward from the cache, or None (nothing counted) unless all are
+        there. Non-blocking: no forward runs, so the event loop may call it."""
+        hits = self.cache.get_all([it.input_ids for it in items])
+        if hits is None:
+            return None
+        return [ForwardResult(it, t, self.scaling, self.adapter.causal, cached=True)
+                for it, t in zip(items, hits)]
+
     def forward_many(self, items: list[TokenizedText]) -> list[ForwardResult]:
         """Recorded forwards for several tokenized texts (cache first, then padded batches).
 
@@ -425,6 +438,10 @@ class Runtime:
         for s in range(0, len(keys), bs):
             chunk = keys[s : s + bs]
             with self._fwd_lock:
+                a = self.adapter
+                es = next(self.model.parameters()).element_size()
+                self.cache.reserve(sum(recorded_bytes(a.n_layers, a.n_heads, a.d_model, len(k), es)
+                                       for k in chunk), len(chunk))
                 tensors = self._forward_batch(chunk)
             for key, t in zip(chunk, tensors):
                 self.cache.put(key, t)
@@ -459,6 +476,26 @@ class Runtime:
             kwargs["token_type_ids"] = torch.zeros_like(ids).to(self.device)
 
         L = len(self._handles)
+        a = self.adapter
+        # Each text's recorded tensors go into five contiguous buffers allocated BEFORE the
+        # forward (so they sit apart from its transient tensors) and filled once it is done.
+        # Kept per layer, as Hugging Face returns them, a cached forward left ~100 small
+        # tensors between the holes of the freed transients: the heap's free memory grew with
+        # every cached forward (+10 MB each at T = 128) and, once trimmed, every forward faulted
+        # its memory in again (~15k pages). Evicting a text now frees blocks of exactly the
+        # sizes the next text of that length takes. Costs one copy (~38 MB at T = 128).
+        dt = next(self.model.parameters()).dtype
+        widths = [getattr(m, "out_features", None) or m.nf for m in self._handles[0].qkv]
+        bufs = []
+        for x in batch:
+            n = len(x)
+            bufs.append(dict(
+                pattern=torch.empty(L, a.n_heads, n, n, dtype=dt),
+                hidden_states=torch.empty(L + 1, n, a.d_model, dtype=dt),
+                qkv=[torch.empty(L, n, w, dtype=dt) for w in widths],  # the q/k/v modules' outputs
+                attn_input=torch.empty(L, n, a.d_model, dtype=dt),
+                attn_output=torch.empty(L, n, a.d_model, dtype=dt),
+            ))
         cap_in: list = [None] * L
         cap_qkv: list = [[None] * len(h.qkv) for h in self._handles]
         cap_out: list = [None] * L
@@ -479,6 +516,14 @@ class Runtime:
                 cap_out[i] = output
             return fn
 
+        def fill(buf: torch.Tensor, parts) -> torch.Tensor:
+            """Stack the per-layer ``parts`` into ``buf`` (a fresh tensor instead if their dtype
+            or shape differs, so no value is ever cast)."""
+            parts = [t.cpu() for t in parts] if self.device.type != "cpu" else list(parts)
+            if any(t.dtype != buf.dtype or t.shape != buf.shape[1:] for t in parts):
+                return torch.stack(parts)
+            return torch.stack(parts, out=buf)
+
         try:
             for i, h in enumerate(self._handles):
                 hooks.append(h.attn.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
@@ -488,30 +533,31 @@ class Runtime:
             with torch.inference_mode():
                 out = self.adapter.base()(**kwargs)
                 self.forward_count += 1
-                qkv = [self.adapter.split_qkv(c) for c in cap_qkv]  # each [B, H, T, d_head]
                 results = []
                 for b in range(B):
                     idx = mask[b].bool().nonzero().squeeze(-1).to(self.device)
-                    full = len(idx) == T
-                    if full:  # unpadded: no gathers; a batch row is copied out of its batch
+                    if len(idx) == T:  # unpadded: no gathers
                         def rows(x, dim):
-                            return x if B == 1 else x.clone()
-                        pattern = torch.stack([a[b] for a in out.attentions])
+                            return x
+                        attn = [x[b] for x in out.attentions]
                     else:
                         def rows(x, dim):
                             return x.index_select(dim, idx)
-                        pattern = torch.stack([a[b].index_select(-2, idx).index_select(-1, idx)
-                                               for a in out.attentions])
-                    # per-layer lists, stacked on first use (ForwardTensors)
-                    hidden = [rows(h[b], 0) for h in out.hidden_states]
-                    q, k, v = ([rows(qkv[i][j][b], 1) for i in range(L)] for j in range(3))
-                    a_in = [rows(x[b], 0) for x in cap_in]
-                    a_out = [rows(x[b], 0) for x in cap_out]
-                    if self.device.type != "cpu":
-                        pattern = pattern.to("cpu")
-                        hidden, q, k, v, a_in, a_out = (
-                            [t.to("cpu") for t in x] for x in (hidden, q, k, v, a_in, a_out))
-                    results.append(ForwardTensors(pattern, hidden, q, k, v, a_in, a_out))
+                        attn = [x[b].index_select(-2, idx).index_select(-1, idx)
+                                for x in out.attentions]
+                    buf = bufs[b]
+                    # the q/k/v modules' outputs, one [layer, pos, width] tensor each; q, k, v
+                    # are views of them split into heads (layer in the batch dimension)
+                    raw = [fill(buf["qkv"][j], (rows(cap_qkv[i][j][b], 0) for i in range(L)))
+                           for j in range(len(widths))]
+                    q, k, v = self.adapter.split_qkv(raw)  # each [layer, head, pos, d_head]
+                    results.append(ForwardTensors(
+                        fill(buf["pattern"], attn),
+                        fill(buf["hidden_states"], (rows(h[b], 0) for h in out.hidden_states)),
+                        q, k, v,
+                        fill(buf["attn_input"], (rows(x[b], 0) for x in cap_in)),
+                        fill(buf["attn_output"], (rows(x[b], 0) for x in cap_out)),
+                    ))
         finally:
             for h in hooks:
                 h.remove()
