@@ -147,3 +147,29 @@ def test_cached_only_tokenize_and_cached_forwards(gpt2_runtime):
     fw = rt.forward_many([tt])[0]
     hit = rt.cached_forwards([tt])
     assert hit is not None and hit[0].cached and hit[0].tensors is fw.tensors
+
+
+def test_evicted_values_are_freed_outside_the_lock():
+    """Freeing an evicted forward (hundreds of MB at T = 1024) must not hold the lock that the
+    event loop takes for cache hits: a value whose finaliser reads the cache would deadlock."""
+    c = ByteLRU(10, 10, lambda v: v.size)
+    seen = []
+
+    class Val:
+        size = 6
+
+        def __del__(self):
+            seen.append(c.get("probe") is None)  # takes the cache's lock
+
+    def run():
+        c.put("a", Val())
+        c.put("b", Val())  # evicts a (6 + 6 > 10)
+        c.reserve(10)  # evicts b
+        c.put("c", Val())
+        c.clear()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(timeout=10)
+    assert not th.is_alive(), "deadlock: an evicted value was freed while holding the lock"
+    assert seen == [True, True, True]

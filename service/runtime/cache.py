@@ -49,29 +49,37 @@ class ByteLRU(Generic[V]):
 
     def put(self, key: Hashable, value: V) -> None:
         size = self._size_of(value)
+        dropped = []  # freed after the lock is released (freeing big tensors takes time)
         with self._lock:
             if key in self._data:
-                self._bytes -= self._data.pop(key)[1]
+                old, s = self._data.pop(key)
+                self._bytes -= s
+                dropped.append(old)
             if self.max_entries <= 0 or size > self.max_bytes:
                 return
             self._data[key] = (value, size)
             self._bytes += size
             while len(self._data) > self.max_entries or self._bytes > self.max_bytes:
-                _, (_, s) = self._data.popitem(last=False)
+                _, (v, s) = self._data.popitem(last=False)
                 self._bytes -= s
+                dropped.append(v)
+        del dropped
 
     def reserve(self, size: int, entries: int = 1) -> None:
         """Evict least-recently-used entries now so that ``entries`` new items of ``size``
         bytes in all will fit (nothing when they would not be stored anyway). The runtime calls
         it before a forward: the evicted tensors' memory is then free when the forward's own
         are allocated, and is reused for them (the same sizes, for texts of the same length)."""
+        dropped = []  # freed after the lock is released: the event loop also takes it
         with self._lock:
             if self.max_entries <= 0 or size > self.max_bytes:
                 return
             while self._data and (len(self._data) + entries > self.max_entries
                                   or self._bytes + size > self.max_bytes):
-                _, (_, s) = self._data.popitem(last=False)
+                _, (v, s) = self._data.popitem(last=False)
                 self._bytes -= s
+                dropped.append(v)
+        del dropped
 
     @property
     def nbytes(self) -> int:
@@ -82,5 +90,6 @@ class ByteLRU(Generic[V]):
 
     def clear(self) -> None:
         with self._lock:
-            self._data.clear()
+            data, self._data = self._data, OrderedDict()
             self._bytes = 0
+        del data

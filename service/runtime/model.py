@@ -212,7 +212,8 @@ class Runtime:
         self.device = next(model.parameters()).device
         self._handles = adapter.layers()
         self.scaling = tuple(h.scaling for h in self._handles)
-        self._tok_lock = threading.Lock()
+        self._tok_lock = threading.Lock()  # the tokenizer (not shared between threads)
+        self._tok_cache_lock = threading.Lock()  # its LRU (also read on the event loop)
         self._tok_cache: OrderedDict[tuple[str, bool], TokenizedText] = OrderedDict()
         self._fwd_lock = threading.Lock()
         self.cache: ByteLRU[ForwardTensors] = ByteLRU(
@@ -320,7 +321,7 @@ class Runtime:
                 "framing ([CLS] ... [SEP])", "add_bos",
             )
         key = (text, add_bos)
-        with self._tok_lock:
+        with self._tok_cache_lock:
             hit = self._tok_cache.get(key)
             if hit is not None:  # several analyses of one text tokenize it once
                 self._tok_cache.move_to_end(key)
@@ -328,7 +329,7 @@ class Runtime:
             return hit
         tt = self._tokenize(text, add_bos, param)
         if len(text) <= TOKENIZE_CACHE_MAX_CHARS:
-            with self._tok_lock:
+            with self._tok_cache_lock:
                 self._tok_cache[key] = tt
                 while len(self._tok_cache) > TOKENIZE_CACHE_ENTRIES:
                     self._tok_cache.popitem(last=False)
