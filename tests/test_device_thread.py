@@ -173,3 +173,23 @@ def test_evicted_values_are_freed_outside_the_lock():
     th.join(timeout=10)
     assert not th.is_alive(), "deadlock: an evicted value was freed while holding the lock"
     assert seen == [True, True, True]
+
+
+def test_a_cached_text_is_admitted_at_its_analysis(make_client, gpt2_runtime):
+    """Cache hits skip the forward's slot run, so their analysis is their admission: with the
+    device busy and max_queue 0 they get 429 at once instead of queueing without bound."""
+    c = make_client(gpt2_runtime, max_queue=0)
+    text = f"Admission {uuid.uuid4().hex}: the cat sat on the mat."
+    assert c.post("/v1/links", json={"text": text, "layer": 0}).status_code == 200  # cached now
+    gate = threading.Event()
+    fut = c.portal.start_task_soon(c.app.state.slot.run, gate.wait)  # holds the device
+    try:
+        for path, body in (("/v1/links", {"text": text, "layer": 0}), ("/v1/heads", {"text": text}),
+                           ("/v1/verify", {"text": text}), ("/v1/attention", {"text": text})):
+            r = c.post(path, json=body)
+            assert r.status_code == 429, (path, r.status_code, r.text[:200])
+            assert r.json()["error"]["type"] == "overloaded"
+    finally:
+        gate.set()
+        fut.result(timeout=30)
+    assert c.post("/v1/links", json={"text": text, "layer": 0}).status_code == 200

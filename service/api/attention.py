@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 
 from attnscope.schemas import AttentionRequest, AttentionResponse, ErrorResponse
 from attnscope.service.analysis.attention import select_heads
-from attnscope.service.api.common import check_indices, forward_request, tokenize_request
+from attnscope.service.api.common import check_indices, forward_request, on_device, tokenize_request
 from attnscope.service.deps import RuntimeDep, SlotDep
 from attnscope.service.encoding import (
     SAFETENSORS, encode_tensor, estimate_encoded_bytes, tensor_response, wants_binary,
@@ -99,4 +99,4 @@ async def attention(req: AttentionRequest, rt: RuntimeDep, slot: SlotDep, reques
             body["results"] = out
         return body
 
-    return await tensor_response(build, binary, run=lambda f: slot.run(f, admit=False))
+    return await tensor_response(build, binary, run=lambda f: on_device(slot, forwards, f))

@@ -11,7 +11,7 @@ from fastapi import APIRouter
 
 from attnscope.schemas import HeadsRequest, HeadsResponse
 from attnscope.service.analysis import heads as H
-from attnscope.service.api.common import error_responses, forward_request, tokenize_request
+from attnscope.service.api.common import error_responses, forward_request, on_device, tokenize_request
 from attnscope.service.deps import RuntimeDep, SlotDep
 from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import InvalidRequest, NonFiniteValues
@@ -112,7 +112,7 @@ async def heads(req: HeadsRequest, rt: RuntimeDep, slot: SlotDep):
                 out.append({"layer": layer, "head": head, "label": H.classify(s, th), "scores": s})
         return out
 
-    result = await slot.run(analyse, admit=False)  # torch work: on the device thread
+    result = await on_device(slot, forwards, analyse)  # torch work: on the device thread
     body = {
         "model": rt.model_ref(),
         "n_texts": len(items),

@@ -8,7 +8,14 @@ from fastapi import APIRouter
 
 from attnscope.schemas import LinksRequest, LinksResponse
 from attnscope.service.analysis.links import skipped_queries, strongest_links
-from attnscope.service.api.common import check_index, error_responses, check_distinct, forward_request, tokenize_request
+from attnscope.service.api.common import (
+    check_distinct,
+    check_index,
+    error_responses,
+    forward_request,
+    on_device,
+    tokenize_request,
+)
 from attnscope.service.deps import RuntimeDep, SlotDep
 from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
@@ -50,7 +57,7 @@ async def links(req: LinksRequest, rt: RuntimeDep, slot: SlotDep):
                                  f"tokens (valid positions 0..{len(it) - 1})", f"ignore.{j}")
     forwards = await forward_request(rt, slot, items)
     # ranking and building up to top_k x T links per text: on the device thread (torch work)
-    out = await slot.run(_build, req, forwards, admit=False)
+    out = await on_device(slot, forwards, _build, req, forwards)
     body = {"model": rt.model_ref(), "layer": req.layer, "head": req.head,
             "direction": req.direction}
     if req.text is not None:

@@ -6,7 +6,13 @@ from fastapi import APIRouter
 
 from attnscope.schemas import VerifyRequest, VerifyResponse
 from attnscope.service.analysis.verify import verify
-from attnscope.service.api.common import error_responses, check_indices, forward_request, tokenize_request
+from attnscope.service.api.common import (
+    check_indices,
+    error_responses,
+    forward_request,
+    on_device,
+    tokenize_request,
+)
 from attnscope.service.deps import RuntimeDep, SlotDep
 from attnscope.service.encoding import ORJSONResponse
 
@@ -47,7 +53,7 @@ async def post_verify(req: VerifyRequest, rt: RuntimeDep, slot: SlotDep):
         params = {layer: rt.adapter.attention_params(layer) for layer in layers}
         return [verify(fw.tensors, params, req.tolerance, req.projections) for fw in forwards]
 
-    results = await slot.run(work)  # the recomputation runs on the model's device
+    results = await on_device(slot, forwards, work)  # on the model's device
     body: dict = {"model": rt.model_ref()}
     res = [{"tokens": [t.as_dict() for t in fw.tokens.tokens], **r}
            for fw, r in zip(forwards, results)]
