@@ -155,10 +155,12 @@ class InstrumentedSlot(DeviceSlot):
         super().__init__(max_queue, max_request_bytes)
         self.metrics = metrics
 
-    async def run(self, fn: Callable[..., T], *args, admit: bool = True) -> T:
+    async def run(self, fn: Callable[..., T], *args, admit: bool = True, record: bool = True) -> T:
+        """DeviceSlot.run; ``record``: observe the queue wait and device time (forwards only;
+        the analyses that also run on the device thread pass False)."""
         m = self.metrics
-        if m is None or not admit:  # the metrics time forwards; not an admitted request's analysis
-            return await super().run(fn, *args, admit=admit)
+        if m is None or not record:
+            return await super().run(fn, *args, admit=admit, record=record)
         queued = time.perf_counter()
 
         def timed(*a):

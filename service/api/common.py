@@ -91,7 +91,7 @@ async def on_device(slot: DeviceSlot, forwards: list[ForwardResult], fn, *args):
     """Run an analysis's tensor work ``fn(*args)`` on the device thread (slot.run). A request
     whose forwards all came from the cache has not been admitted yet: this is its admission
     (429 when the queue is full); one that waited for a forward is never refused now."""
-    return await slot.run(fn, *args, admit=all(fw.cached for fw in forwards))
+    return await slot.run(fn, *args, admit=all(fw.cached for fw in forwards), record=False)
 
 
 def _forward_and_release(rt: Runtime, items: list[TokenizedText]) -> list[ForwardResult]:

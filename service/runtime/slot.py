@@ -47,12 +47,13 @@ class DeviceSlot:
         """Requests waiting for or holding the device."""
         return self._pending
 
-    async def run(self, fn: Callable[..., T], *args, admit: bool = True) -> T:
+    async def run(self, fn: Callable[..., T], *args, admit: bool = True,
+                  record: bool = True) -> T:
         """Run ``fn(*args)`` on the slot's thread when the device is free (first come, first
         served). A request cancelled while waiting leaves the queue; once ``fn`` has started it
         runs to the end and the caller waits for it (as ``anyio.to_thread.run_sync``).
         ``admit=False``: work of a request already admitted (its analysis after its forward),
-        never refused.
+        never refused. ``record``: whether metrics count it (used by the instrumented slot).
 
         Raises:
             Overloaded: ``max_queue`` requests are already waiting (429 at once; ``admit``).
