@@ -136,7 +136,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AttnscopeError)
     async def _domain(request: Request, exc: AttnscopeError):
-        return ORJSONResponse(envelope(exc.type, exc.message, exc.param), status_code=exc.status)
+        return ORJSONResponse(envelope(exc.type, exc.message, exc.param), status_code=exc.status,
+                              headers=exc.headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -206,6 +207,9 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
                 try:
                     await anyio.to_thread.run_sync(preload_analysis_libraries)
                     one_blas_thread_for_process()  # from the event loop's (main) thread
+                    from transformers.utils import logging as hf_logging
+
+                    hf_logging.disable_progress_bar()  # stderr holds log lines only (JSON)
                     # on the device thread: the probe forward's OpenMP team is the one every
                     # later forward uses (service/runtime/slot.py)
                     app.state.runtime = await app.state.slot.run(Runtime.load, settings,

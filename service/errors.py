@@ -9,10 +9,12 @@ from __future__ import annotations
 
 
 class AttnscopeError(Exception):
-    """Base: ``type`` is the machine-readable error type, ``param`` the request field at fault."""
+    """Base: ``type`` is the machine-readable error type, ``param`` the request field at fault,
+    ``headers`` extra response headers."""
 
     type = "internal_error"
     status = 500
+    headers: dict[str, str] = {}
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -59,6 +61,7 @@ class PayloadTooLarge(AttnscopeError):
 class Overloaded(AttnscopeError):
     type = "overloaded"
     status = 429
+    headers = {"Retry-After": "1"}  # seconds (RFC 9110 10.2.3); the queue moves in ~0.2 s steps
 
 
 class NotReady(AttnscopeError):

@@ -62,6 +62,24 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
+class TextFormatter(logging.Formatter):
+    """``time level logger [request_id]: message key=value ...``: the text format, with the
+    fields passed as ``extra={"fields": {...}}`` (the access line's method, path, status,
+    duration_ms, ...) appended, so it says what the JSON format says."""
+
+    def __init__(self):
+        super().__init__("%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not hasattr(record, "request_id"):
+            record.request_id = request_id_var.get() or "-"
+        line = super().format(record)
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict) and fields:
+            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+        return line
+
+
 def logging_config(log_level: str = "info", log_format: str = "json") -> dict:
     """A dictConfig for the process and uvicorn. ``log_format``: ``"json"`` or ``"text"``."""
     level = log_level.upper()
@@ -71,7 +89,7 @@ def logging_config(log_level: str = "info", log_format: str = "json") -> dict:
         "filters": {"request_id": {"()": "attnscope.service.logs.RequestIdFilter"}},
         "formatters": {
             "json": {"()": "attnscope.service.logs.JsonFormatter"},
-            "text": {"format": "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"},
+            "text": {"()": "attnscope.service.logs.TextFormatter"},
         },
         "handlers": {
             "default": {

@@ -189,6 +189,7 @@ def test_a_cached_text_is_admitted_at_its_analysis(make_client, gpt2_runtime):
             r = c.post(path, json=body)
             assert r.status_code == 429, (path, r.status_code, r.text[:200])
             assert r.json()["error"]["type"] == "overloaded"
+            assert r.headers["retry-after"] == "1"
     finally:
         gate.set()
         fut.result(timeout=30)

@@ -107,6 +107,21 @@ def test_request_id_echoed_and_json_logs(keyed_server):
     text = keyed_server.log.read_text()
     assert any(x.get("logger", "").startswith("uvicorn") for x in lines)
     assert "k-one-0123456789" not in text and "k-two-abcdefghij" not in text
+    # and every line is a JSON object (no progress bar of the model load in between)
+    stray = [x for x in text.splitlines() if x.strip() and not x.startswith("{")]
+    assert not stray, stray[:5]
+
+
+def test_text_log_format_keeps_the_access_fields():
+    import logging
+
+    from attnscope.service.logs import TextFormatter
+
+    rec = logging.LogRecord("attnscope.access", logging.INFO, __file__, 1, "request", None, None)
+    rec.fields = {"method": "POST", "path": "/v1/heads", "status": 422, "duration_ms": 1.5}
+    line = TextFormatter().format(rec)
+    assert line.endswith("request method=POST path=/v1/heads status=422 duration_ms=1.5"), line
+    assert "attnscope.access [-]:" in line
 
 
 def test_healthcheck_module(keyed_server):
