@@ -8,7 +8,6 @@ so ``/healthz`` answers at once and ``/readyz`` says 503 until the probe forward
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -32,6 +31,7 @@ from attnscope.service.analysis._blas import (
 )
 from attnscope.service.runtime.memory import (
     freeze_startup_objects,
+    unfreeze_startup_objects,
     set_numpy_hugepages,
     set_trim_free_bytes,
 )
@@ -201,6 +201,7 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
                                           settings.max_request_bytes)
         app.state.runtime = runtime
         app.state.load_error = None
+        frozen_here: list = []  # True once this app froze its start-up objects
         task = None
         if runtime is None:
             async def load():
@@ -213,8 +214,9 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
                     # on the device thread: the probe forward's OpenMP team is the one every
                     # later forward uses (service/runtime/slot.py)
                     app.state.runtime = await app.state.slot.run(Runtime.load, settings,
-                                                                 admit=False)
+                                                                 admit=False, record=False)
                     frozen = freeze_startup_objects()  # no 250 ms full collections later
+                    frozen_here.append(True)
                     log.info("model ready: %s (%d start-up objects frozen for the garbage "
                              "collector)", app.state.runtime.info, frozen)
                 except ModelLoadError as exc:
@@ -233,8 +235,8 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
         if task is not None and not task.done():
             task.cancel()
         app.state.slot.close()
-        if runtime is None:
-            gc.unfreeze()  # what this app froze can be collected again after shutdown
+        if frozen_here:
+            unfreeze_startup_objects()  # the last app to stop lets the collector see them again
 
     app = FastAPI(
         title="attnscope",

@@ -59,7 +59,7 @@ def test_freeze_startup_objects_freezes_what_is_alive_and_later_cycles_still_col
     before = len(gc.get_objects())
     try:
         n = memory.freeze_startup_objects()
-        assert n == gc.get_freeze_count() >= 1000
+        assert abs(n - gc.get_freeze_count()) <= 10 and n >= 1000  # frozen objects may still die
         # everything alive moved to the permanent generation: the collector walks none of it
         assert len(gc.get_objects()) < before - 1000 and n > before // 2
         # a cycle made after the freeze is garbage-collected as usual
@@ -73,7 +73,7 @@ def test_freeze_startup_objects_freezes_what_is_alive_and_later_cycles_still_col
         assert ref() is None
         assert keep is not None
     finally:
-        gc.unfreeze()
+        memory.unfreeze_startup_objects()
     assert gc.get_freeze_count() == 0
 
 
