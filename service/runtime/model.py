@@ -478,7 +478,7 @@ class Runtime:
 
         L = len(self._handles)
         a = self.adapter
-        # Each text's recorded tensors go into five contiguous buffers allocated BEFORE the
+        # Each text's recorded tensors go into a few contiguous buffers allocated BEFORE the
         # forward (so they sit apart from its transient tensors) and filled once it is done.
         # Kept per layer, as Hugging Face returns them, a cached forward left ~100 small
         # tensors between the holes of the freed transients: the heap's free memory grew with
