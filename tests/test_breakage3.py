@@ -1,5 +1,5 @@
 """Adversarial tests of the speed changes (237787f..9a9b671): base64 spliced verbatim into the
-JSON (Base64Text), two-pass sparse top-k, lazy ForwardTensors stacking, the tokenize LRU,
+JSON (Base64Text), two-pass sparse top-k, ForwardTensors read concurrently, the tokenize LRU,
 trim_free_bytes, verify from recorded q/k/v. Every decoded tensor is compared with the
 runtime's own forward or an independent numpy rule."""
 
@@ -131,8 +131,8 @@ def test_trajectories_and_scratch_base64(client, dtype):
             np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
 
 
-# ------------------------------------------------------------------ lazy stacking, concurrency
-def test_lazy_stacking_is_thread_safe_and_equals_a_batch_copy(gpt2_runtime):
+# ------------------------------------------------------------------ recorded tensors, concurrency
+def test_recorded_tensors_read_concurrently_are_one_object_and_equal_a_batch_copy(gpt2_runtime):
     text = f"A fresh text for the lazy stacking race {threading.get_ident()} zebra quartz."
     ref = gpt2_runtime.forward_many([gpt2_runtime.tokenize(text), gpt2_runtime.tokenize("ab")])
     ref = ref[0].tensors  # a batch of 2: its rows are copies (clone), stacked serially below

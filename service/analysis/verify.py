@@ -114,13 +114,6 @@ def project_qkv(
     )
 
 
-def _layer(t: RecordedForward, name: str, layer: int) -> torch.Tensor:
-    """One layer of a recorded tensor, without stacking the others when the recording keeps
-    them per layer (``ForwardTensors.layer``)."""
-    get = getattr(t, "layer", None)
-    return get(name, layer) if get is not None else getattr(t, name)[layer]
-
-
 def _diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``|a - b|`` on a's device, in at least float32 (a NaN in either stays NaN)."""
     dt = torch.promote_types(a.dtype, torch.float32)
@@ -179,17 +172,17 @@ def verify(
         for layer, p in params.items():
             dev = p.W_o.device
             # the model's own q, k, v [head, pos, d_head] (recorded by the runtime's hooks)
-            q, k, v = (_layer(t, n, layer).to(dev) for n in ("q", "k", "v"))
+            q, k, v = (getattr(t, n)[layer].to(dev) for n in ("q", "k", "v"))
             parts = []
             mdt = torch.float32 if p.upcast else p.W_o.dtype
             if p.causal and (mdt, dev) not in masks:
                 masks[(mdt, dev)] = causal_mask(q.shape[1], mdt, dev)
             pattern, out = recompute_layer(q, k, v, p, masks.get((mdt, dev)))
             parts.append(_diff(pattern, t.pattern[layer]).amax(dim=(-2, -1)))  # [head]
-            parts.append(_diff(out, _layer(t, "attn_output", layer)).amax().view(1))
+            parts.append(_diff(out, t.attn_output[layer]).amax().view(1))
             if projections:
                 # the projections: the recorded attention input through the current weights
-                rq, rk, rv = project_qkv(_layer(t, "attn_input", layer), p)
+                rq, rk, rv = project_qkv(t.attn_input[layer], p)
                 parts.append(torch.stack([_diff(r, m).amax()
                                           for r, m in ((rq, q), (rk, k), (rv, v))]).amax().view(1))
             vec = torch.cat(parts)  # one dtype: float32, or float64 for a float64 model (MPS has none)

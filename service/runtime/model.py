@@ -15,6 +15,7 @@ positions and a text's numbers never depend on its batch mates.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -22,6 +23,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -73,59 +75,30 @@ class TokenizedText:
         return len(self.input_ids)
 
 
+@dataclass(eq=False)
 class ForwardTensors:
-    """The tensors of one forward (cached, shared read-only between requests).
+    """The tensors of one forward (cached, shared read-only between requests). The runtime
+    gives each as one buffer; q, k, v are head-split views of the q/k/v modules' stacked
+    outputs (see ``Runtime._forward_batch``)."""
 
-    ``pattern`` ``[layer, head, query_pos, key_pos]``, ``hidden_states`` ``[layer+1, pos,
-    d_model]``, ``q``/``k``/``v`` ``[layer, head, pos, d_head]`` and ``attn_input``/
-    ``attn_output`` ``[layer, pos, d_model]``. The runtime gives each as one buffer (q, k, v as
-    head-split views of the q/k/v modules' stacked outputs; see ``Runtime._forward_batch``).
-    The others may also be given as lists of per-layer tensors, stacked on first use
-    (thread-safe, once). ``nbytes`` is the same before and after stacking.
-    """
+    pattern: torch.Tensor  # [layer, head, query_pos, key_pos]
+    hidden_states: torch.Tensor  # [layer+1, pos, d_model]
+    q: torch.Tensor  # [layer, head, pos, d_head]
+    k: torch.Tensor  # [layer, head, pos, d_head]
+    v: torch.Tensor  # [layer, head, pos, d_head]
+    attn_input: torch.Tensor  # [layer, pos, d_model]
+    attn_output: torch.Tensor  # [layer, pos, d_model], after the output projection
 
-    _NAMES = ("hidden_states", "q", "k", "v", "attn_input", "attn_output")
+    _NAMES: ClassVar[tuple[str, ...]] = ("hidden_states", "q", "k", "v", "attn_input",
+                                         "attn_output")
 
-    def __init__(self, pattern: torch.Tensor, hidden_states, q, k, v, attn_input, attn_output):
-        self.pattern = pattern
-        self._parts: dict[str, torch.Tensor | list[torch.Tensor]] = dict(
-            zip(self._NAMES, (hidden_states, q, k, v, attn_input, attn_output)))
-        self._lock = threading.Lock()
-        self.nbytes = sum(
-            t.numel() * t.element_size()
-            for x in (pattern, *self._parts.values())
-            for t in (x if isinstance(x, list) else [x])
-        )
-
-    def _get(self, name: str) -> torch.Tensor:
-        x = self._parts[name]
-        if isinstance(x, list):
-            with self._lock:
-                x = self._parts[name]
-                if isinstance(x, list):
-                    x = torch.stack(x)
-                    self._parts[name] = x
-        return x
-
-    def layer(self, name: str, i: int) -> torch.Tensor:
-        """Layer ``i`` of the tensor ``name`` (e.g. ``"q"`` -> ``[head, pos, d_head]``),
-        without stacking the other layers when they are still kept per layer."""
-        if name == "pattern":
-            return self.pattern[i]
-        x = self._parts[name]
-        return x[i]
+    def __post_init__(self):
+        self.nbytes = sum(getattr(self, n).numel() * getattr(self, n).element_size()
+                          for n in ("pattern", *self._NAMES))
 
     def replace(self, **changes: torch.Tensor) -> "ForwardTensors":
         """A copy with some tensors replaced (by field name), e.g. an altered pattern."""
-        fields = {"pattern": self.pattern, **{n: self._get(n) for n in self._NAMES}, **changes}
-        return ForwardTensors(**fields)
-
-    hidden_states = property(lambda self: self._get("hidden_states"))
-    q = property(lambda self: self._get("q"))
-    k = property(lambda self: self._get("k"))
-    v = property(lambda self: self._get("v"))
-    attn_input = property(lambda self: self._get("attn_input"))
-    attn_output = property(lambda self: self._get("attn_output"))
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass
