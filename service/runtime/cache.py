@@ -59,10 +59,7 @@ class ByteLRU(Generic[V]):
                 return
             self._data[key] = (value, size)
             self._bytes += size
-            while len(self._data) > self.max_entries or self._bytes > self.max_bytes:
-                _, (v, s) = self._data.popitem(last=False)
-                self._bytes -= s
-                dropped.append(v)
+            self._evict(0, 0, dropped)
         del dropped
 
     def reserve(self, size: int, entries: int = 1) -> None:
@@ -74,12 +71,17 @@ class ByteLRU(Generic[V]):
         with self._lock:
             if self.max_entries <= 0 or size > self.max_bytes:
                 return
-            while self._data and (len(self._data) + entries > self.max_entries
-                                  or self._bytes + size > self.max_bytes):
-                _, (v, s) = self._data.popitem(last=False)
-                self._bytes -= s
-                dropped.append(v)
+            self._evict(size, entries, dropped)
         del dropped
+
+    def _evict(self, size: int, entries: int, dropped: list) -> None:
+        """Under the lock: pop least-recently-used entries into ``dropped`` until ``entries``
+        more items of ``size`` bytes in all fit (0, 0: until the bounds hold)."""
+        while self._data and (len(self._data) + entries > self.max_entries
+                              or self._bytes + size > self.max_bytes):
+            _, (v, s) = self._data.popitem(last=False)
+            self._bytes -= s
+            dropped.append(v)
 
     @property
     def nbytes(self) -> int:
