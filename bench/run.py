@@ -339,7 +339,8 @@ def floor_once(base, texts: Texts, T: int) -> float:
 
 
 def attention_e2e(url: str, texts: Texts, lengths, runs_for, info: dict, floor: dict,
-                  base=None, steady: Callable[[int], dict] | None = None) -> dict:
+                  base=None, steady: Callable[[int], dict] | None = None,
+                  encodings: dict = ENCODINGS) -> dict:
     """Each request is paired with an in-process floor forward run just before it (the
     machine's load drifts; ratios use the paired floors). ``steady(T)`` is called before each
     length (it fills the forward cache before the target length: :func:`fill_cache`)."""
@@ -351,7 +352,7 @@ def attention_e2e(url: str, texts: Texts, lengths, runs_for, info: dict, floor: 
                 steady(T)
             post_attention(client, texts.make(T), {"encoding": "base64"}, None)  # warm-up
             out[T] = {}
-            for name, (opts, accept) in ENCODINGS.items():
+            for name, (opts, accept) in encodings.items():
                 runs = runs_for(T)
                 last, full, sizes, floors = [], [], [], []
                 decoded = True
@@ -445,22 +446,8 @@ def cache_fill_phase(url: str, texts: Texts, T: int, runs: int, info: dict, base
     """The target figures on a freshly started server, while its forward cache fills: base64
     float16 ``/v1/attention`` paired with floors, and the analyses sequence. Run first, so the
     cache (1 GiB by default) is not yet full; the other sections run at steady state."""
-    L, H = info["n_layers"], info["n_heads"]
-    opts = ENCODINGS["base64_f16"][0]
-    last, full, floors = [], [], []
-    with httpx.Client(base_url=url, timeout=900) as client:
-        post_attention(client, texts.make(T), opts, None)  # warm-up
-        for _ in range(runs):
-            floors.append(floor_once(base, texts, T))
-            resp, dt = post_attention(client, texts.make(T), opts, None)
-            t0 = time.perf_counter()
-            decode(resp, opts, T, L, H)
-            last.append(dt)
-            full.append(dt + time.perf_counter() - t0)
-    fl = median(floors)
-    b64 = {"floor_s": fl, "latency_s": median(last), "with_decode_s": median(full),
-           "ratio_to_floor": median(last) / fl, "ratio_with_decode": median(full) / fl,
-           "runs": runs}
+    b64 = attention_e2e(url, texts, [T], lambda _: runs, info, {T: {}}, base,
+                        encodings={"base64_f16": ENCODINGS["base64_f16"]})[T]["base64_f16"]
     analyses = analyses_sequence(url, texts, T, runs)
     return {"T": T, "base64_f16": b64, "analyses": analyses, "cache_after": cache_gauges(url)}
 

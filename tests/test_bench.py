@@ -38,6 +38,11 @@ def test_bench_quick_tiny(tmp_path):
         assert enc["base64_f16"]["bytes"] < enc["base64_f32"]["bytes"]
         assert res["encoders"][T]["tril_f16"]["bytes"] < res["encoders"][T]["base64_f16"]["bytes"]
     assert res["analyses"]["one_alone_s"] > 0
+    # the fresh-server (cache filling) figures, and the fills before the steady-state ones
+    cf = res["cache_fill"]
+    assert cf["base64_f16"]["ratio_to_floor"] > 0 and cf["analyses"]["one_alone_s"] > 0
+    fills = res["steady_state_fills"]
+    assert fills and all(f["requests"] >= 1 and f["cache_entries"] > 0 for f in fills)
     assert set(res["throughput"]) >= {"1", "4"}
     assert res["memory"]["run"]["after"]["rss_bytes"] > 0
     assert res["memory"]["final"]["peak_rss_bytes"] >= res["memory"]["run"]["after"]["rss_bytes"]
