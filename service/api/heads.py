@@ -60,6 +60,14 @@ def _build_probe_tokens(rt: Runtime, probe) -> tuple[TokenizedText, int]:
     return rt.tokenized_from_ids(ids, "probe"), len(prefix)
 
 
+def default_add_bos(rt: Runtime, requested: bool | None) -> bool:
+    """/v1/heads' add_bos: as requested, else true where the model is causal and its
+    tokenizer has a BOS token (TransformerLens' ``to_tokens`` and S004 prepend it)."""
+    if requested is not None:
+        return requested
+    return bool(rt.adapter.causal and rt.tokenizer.bos_token_id is not None)
+
+
 def _num(x: float, nd: int | None) -> float | None:
     x = float(x)
     return None if math.isnan(x) else (round(x, nd) if nd is not None else x)
@@ -68,16 +76,22 @@ def _num(x: float, nd: int | None) -> float | None:
 @router.post("/v1/heads", response_model=HeadsResponse, responses=ERRORS,
              summary="Classify every head: pattern scores, induction probe, label")
 async def heads(req: HeadsRequest, rt: RuntimeDep, slot: SlotDep):
-    """Per head: TransformerLens ``head_detector`` scores (previous_token, duplicate_token,
+    """Tokens: BOS prepended by default where the model has one (``add_bos`` null -> true for
+    GPT-2), as TransformerLens' ``detect_head`` and S004 tokenize; echoed in ``add_bos``.
+
+    Per head: TransformerLens ``head_detector`` scores (previous_token, duplicate_token,
     induction; fraction of attention mass on the pattern, [0, 1]), next_token (encoders),
     self, sink, entropy (nats) and entropy_normalized ([0, 1]), mean_distance (tokens), the
-    induction probe (Olsson et al. 2022; [0, 1]) and a label (thresholds in the request).
+    induction probe (Olsson et al. 2022: mass on the successors of the token in all earlier
+    repeats; [0, 1]), S004's own previous_s004 / sink_s004 (used for S004's thresholds), every
+    label a head passes (``labels``), the primary ``label`` and the margins to the thresholds.
     Several texts: each score is the mean over texts. Field descriptions give every formula.
 
     Errors: 422 blank text, text under 2 tokens, over n_ctx tokens, probe over n_ctx;
     413; 429; 503.
     """
-    items = await tokenize_request(rt, req)
+    add_bos = default_add_bos(rt, req.add_bos)
+    items = await tokenize_request(rt, req.model_copy(update={"add_bos": add_bos}))
     for i, it in enumerate(items):
         if len(it) < 2:
             param = "text" if req.text is not None else f"texts.{i}"
@@ -109,7 +123,10 @@ async def heads(req: HeadsRequest, rt: RuntimeDep, slot: SlotDep):
         for layer in range(L):
             for head in range(NH):
                 s = {n: _num(lists[n][layer][head], req.round) for n in H.SCORE_NAMES}
-                out.append({"layer": layer, "head": head, "label": H.classify(s, th), "scores": s})
+                c = H.classify_all(s, th)
+                out.append({"layer": layer, "head": head, "label": c["label"],
+                            "labels": c["labels"], "margin": c["margin"],
+                            "margins": c["margins"], "scores": s})
         return out
 
     result = await on_device(slot, forwards, analyse)  # torch work: on the device thread
@@ -117,13 +134,19 @@ async def heads(req: HeadsRequest, rt: RuntimeDep, slot: SlotDep):
         "model": rt.model_ref(),
         "n_texts": len(items),
         "n_tokens": [len(it) for it in items],
+        "add_bos": add_bos,
+        "sink_position": 0,
+        "sink_tokens": [it.tokens[0].label for it in items],
+        "dtype": rt.info["dtype"],
+        "label_scores": dict(H.LABEL_SCORE),
         "exclude_bos": req.exclude_bos,
         "exclude_current_token": req.exclude_current_token,
         "thresholds": req.thresholds.model_dump(),
         "label_order": list(H.LABEL_ORDER) + ["none"],
         "probe": None if probe is None else {
             "segment_length": req.probe.segment_length, "repeats": req.probe.repeats,
-            "seed": req.probe.seed, "start": start,
+            "seed": req.probe.seed, "start": start, "method": "olsson_all_earlier_repeats",
+            "n_queries": (req.probe.repeats - 1) * req.probe.segment_length,
             "tokens": [t.as_dict() for t in probe.tokens],
         },
         "heads": result,
