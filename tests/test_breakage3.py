@@ -403,10 +403,11 @@ def test_trajectories_equal_the_scikit_learn_pipeline(dtype, include_final):
     h[:, :, 5] = 2.0  # a constant feature (scale 1)
     before = h.clone()
     pos = [8, 0, 3]
-    r = trajectories(h, include_final, 3, pos)
+    fin = (torch.randn(9, 24, generator=g) * 2).to(dtype)
+    r = trajectories(h, include_final, 3, pos, final_state=fin)
     assert torch.equal(h, before)  # the recorded hidden states are never changed
-    n = 4 if include_final else 3
-    x = h[:n].reshape(n * 9, 24).to(torch.float64).numpy()
+    n = 5 if include_final else 4  # every residual state, plus the final LayerNorm's output
+    x = torch.cat([h, fin[None]])[:n].reshape(n * 9, 24).to(torch.float64).numpy()
     proj = PCA(n_components=3, random_state=0).fit_transform(StandardScaler().fit_transform(x))
     paths = proj.reshape(n, 9, 3)[:, pos].transpose(1, 0, 2)
     np.testing.assert_allclose(r["paths"], paths, rtol=1e-9, atol=1e-9)
