@@ -57,10 +57,10 @@ bfloat16  2e-1                   1e-1
 float64   1e-9                   1e-9
 ========  =====================  ==========================================================
 
-Measured served-vs-float64 maxima (README "Numerical precision"; S000's text, bundled GPT-2 at
-T = 234 / MiniLM at T = 465): float32 pattern 1.1e-6 / 7.5e-6, states (relative) 1.1e-6 /
-2.7e-6; float16 pattern 4.2e-3 / 9.5e-3, states 3.8e-3 / 2.3e-3; bfloat16 pattern 3.5e-2 /
-6.5e-2, states 2.9e-2 / 1.9e-2. The bounds sit 3-10x above those.
+Measured served-vs-float64 maxima (``scripts/precision.py``, README "Numerical precision";
+bundled GPT-2 at T = 248 / MiniLM at T = 506): float32 pattern 1.4e-6 / 5.6e-6, states
+(relative) 1.2e-6 / 1.8e-6; float16 pattern 4.5e-3 / 1.1e-2, states 3.7e-3 / 2.3e-3; bfloat16
+pattern 4.6e-2 / 8.0e-2, states 3.3e-2 / 2.0e-2. The bounds sit 2.5-70x above those.
 """
 
 from __future__ import annotations
