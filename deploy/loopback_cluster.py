@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import os
 import random
 import shutil
@@ -150,6 +151,87 @@ class Replica:
         return self.proc.returncode
 
 
+class Haproxy:
+    """haproxy with the shipped configuration and ``servers`` (name, port) on 127.0.0.1,
+    listening on ``port``; its admin socket and log live in ``workdir``."""
+
+    def __init__(self, servers: list[tuple[str, int]], workdir: Path, port: int,
+                 stats_port: int | None = None):
+        if shutil.which("haproxy") is None:
+            raise RuntimeError("haproxy is not installed (Debian: apt-get install -y haproxy)")
+        self.servers, self.workdir, self.port = servers, Path(workdir), port
+        self.stats_port = stats_port or free_port()
+        self.admin_socket = self.workdir / f"haproxy-{port}.sock"
+        self.log = self.workdir / f"haproxy-{port}.log"
+        self.cfg = self.workdir / f"haproxy-{port}.cfg"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Haproxy:
+        self.cfg.write_text(render_haproxy_config(self.servers))
+        env = {**os.environ, "ATTNSCOPE_LB_BIND": f"127.0.0.1:{self.port}",
+               "HAPROXY_STATS_BIND": f"127.0.0.1:{self.stats_port}",
+               "HAPROXY_ADMIN_SOCKET": str(self.admin_socket)}
+        check = subprocess.run(["haproxy", "-c", "-q", "-f", str(self.cfg)], env=env,
+                               capture_output=True, text=True)
+        if check.returncode != 0:
+            raise RuntimeError(f"haproxy -c failed:\n{check.stdout}{check.stderr}")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(["haproxy", "-db", "-f", str(self.cfg)], env=env,
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("haproxy exited:\n" + _tail(self.log))
+            try:
+                self.admin("show info")
+                return self
+            except OSError:
+                time.sleep(0.1)
+        self.close()
+        raise TimeoutError("haproxy admin socket did not come up:\n" + _tail(self.log))
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            _kill_group(self.proc, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def __enter__(self) -> Haproxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def admin(self, command: str) -> str:
+        """One command on haproxy's admin socket (runtime API); returns its answer."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(str(self.admin_socket))
+            s.sendall(command.encode() + b"\n")
+            chunks = []
+            while True:
+                b = s.recv(65536)
+                if not b:
+                    break
+                chunks.append(b)
+        return b"".join(chunks).decode()
+
+    def stats(self) -> dict[str, dict[str, str]]:
+        """haproxy's ``show stat`` rows for the attnscope proxies, by server name, with
+        ``FRONTEND`` and ``BACKEND`` rows: status, check_status, scur, stot, hrsp_5xx, wretr
+        (connection retries), wredis (redispatches), eresp, ..."""
+        text = self.admin("show stat").lstrip("# ")
+        rows = {}
+        for row in csv.DictReader(io.StringIO(text)):
+            if row["pxname"] == BACKEND:
+                rows[row["svname"]] = row
+        return rows
+
+
 class LoopbackCluster:
     """``n`` replicas and one haproxy; ``url`` is haproxy's address.
 
@@ -179,9 +261,8 @@ class LoopbackCluster:
         self.stats_port = ports_l.pop()
         self.replicas = [Replica(f"r{i + 1}", ports_l[i], self.workdir, self.serve_args, env)
                          for i in range(n)]
-        self.admin_socket = self.workdir / "haproxy-admin.sock"
+        self.lb: Haproxy | None = None
         self.haproxy: subprocess.Popen | None = None
-        self.haproxy_log = self.workdir / "haproxy.log"
 
     @property
     def url(self) -> str:
@@ -203,38 +284,18 @@ class LoopbackCluster:
         return self
 
     def start_haproxy(self) -> None:
-        cfg = self.workdir / "haproxy.cfg"
-        cfg.write_text(render_haproxy_config([(r.name, r.port) for r in self.replicas]))
-        env = {**os.environ, "ATTNSCOPE_LB_BIND": f"127.0.0.1:{self.lb_port}",
-               "HAPROXY_STATS_BIND": f"127.0.0.1:{self.stats_port}",
-               "HAPROXY_ADMIN_SOCKET": str(self.admin_socket)}
-        check = subprocess.run(["haproxy", "-c", "-q", "-f", str(cfg)], env=env,
-                               capture_output=True, text=True)
-        if check.returncode != 0:
-            raise RuntimeError(f"haproxy -c failed:\n{check.stdout}{check.stderr}")
-        with open(self.haproxy_log, "ab") as log:
-            self.haproxy = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], env=env,
-                                            stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.haproxy.poll() is not None:
-                raise RuntimeError("haproxy exited:\n" + _tail(self.haproxy_log))
-            try:
-                self.admin("show info")
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise TimeoutError("haproxy admin socket did not come up:\n" + _tail(self.haproxy_log))
+        self.lb = Haproxy([(r.name, r.port) for r in self.replicas], self.workdir,
+                          self.lb_port, self.stats_port)
+        self.lb.start()
+        self.haproxy = self.lb.proc
 
     def close(self) -> None:
         """Kill every process this cluster started (SIGKILL to each process group)."""
         for r in self.replicas:
             if r.proc is not None and r.proc.poll() is None:
                 r.stop(signal.SIGKILL, timeout=10)
-        if self.haproxy is not None and self.haproxy.poll() is None:
-            _kill_group(self.haproxy, signal.SIGKILL)
-            self.haproxy.wait(10)
+        if self.lb is not None:
+            self.lb.close()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -248,27 +309,11 @@ class LoopbackCluster:
     # -- haproxy runtime API --------------------------------------------------------------
     def admin(self, command: str) -> str:
         """One command on haproxy's admin socket; returns its answer."""
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(5)
-            s.connect(str(self.admin_socket))
-            s.sendall(command.encode() + b"\n")
-            chunks = []
-            while True:
-                b = s.recv(65536)
-                if not b:
-                    break
-                chunks.append(b)
-        return b"".join(chunks).decode()
+        return self.lb.admin(command)
 
     def stats(self) -> dict[str, dict[str, str]]:
-        """haproxy's ``show stat`` rows of the backend, by server name (plus ``BACKEND``) and
-        the frontend row as ``FRONTEND``: status, scur, stot, hrsp_5xx, wretr, wredis, ..."""
-        text = self.admin("show stat").lstrip("# ")
-        rows = {}
-        for row in csv.DictReader(io.StringIO(text)):
-            if row["pxname"] == BACKEND:
-                rows[row["svname"]] = row
-        return rows
+        """haproxy's counters per server (see :meth:`Haproxy.stats`)."""
+        return self.lb.stats()
 
     def wait_status(self, server: str, status: str, timeout: float = 30.0) -> None:
         """Wait until haproxy reports ``server``'s status starting with ``status`` (UP, DOWN,
@@ -320,6 +365,70 @@ class LoopbackCluster:
         r.wait_ready(timeout)
         self.set_state(r.name, "ready")
         self.wait_status(r.name, "UP", timeout=30)
+
+
+# -- corpus and `attnscope batch` helpers (tests/test_scaleout.py, scripts/scaleout_bench.py) --
+WORDS = ("the a model attention head layer token text cat sat on mat when then we I tried to "
+         "see what it does and why one more time over every word of this small corpus").split()
+
+
+def corpus_texts(n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct texts of 4-30 words (seeded), 5-60 tokens of the bundled model."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    out = []
+    while len(out) < n:
+        t = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 30)))
+        if t not in seen:
+            seen.add(t)
+            out.append(t)
+    return out
+
+
+def write_jsonl(path: str | Path, items: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for obj in items:
+            f.write(json.dumps(obj) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every line of a JSONL file (none if it does not exist)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def count_lines(path: str | Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def start_batch(url: str, corpus: str | Path, output: str | Path, concurrency: int,
+                *extra: str, log: str | Path | None = None) -> subprocess.Popen:
+    """``attnscope batch CORPUS -o OUTPUT --url URL -c N --no-progress --json EXTRA...`` as a
+    child process (stdout: the JSON summary; stderr: the summary line)."""
+    cmd = [*attnscope_command(), "batch", str(corpus), "-o", str(output), "--url", url,
+           "-c", str(concurrency), "--no-progress", "--json", *extra]
+    err = open(log, "ab") if log else subprocess.PIPE
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def finish_batch(proc: subprocess.Popen, timeout: float = 900.0) -> tuple[int, dict]:
+    """Wait for a :func:`start_batch` process; returns (exit code, JSON summary)."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc, signal.SIGKILL)
+        proc.wait(10)
+        raise
+    lines = [ln for ln in out.decode().splitlines() if ln.strip()]
+    return proc.returncode, (json.loads(lines[-1]) if lines else {})
 
 
 def main(argv: list[str] | None = None) -> int:
