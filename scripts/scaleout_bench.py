@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import signal
 import sys
 import tempfile
@@ -58,22 +59,30 @@ def throughput(args) -> None:
     lc.write_jsonl(d / "in.jsonl", [{"id": i, "text": t} for i, t in enumerate(texts)])
     print(f"# {args.n} texts, {os.cpu_count()} CPUs; items = attention(head_mean, layer 1) + "
           f"links, cache off", flush=True)
-    print("| replicas | torch threads each | concurrency | items/s | replica CPU ms/item | "
-          "failed | load avg (1 min) before -> after |")
-    print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| replicas | torch threads each | concurrency | items/s | CPU ms/item: replicas + "
+          "batch client + haproxy | 2-core ceiling, items/s | failed | load avg (1 min) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for n in [int(x) for x in args.replicas.split(",")]:
         for threads in args.threads.split(","):
+            if threads == "default" and n not in [int(x) for x in args.default_threads_for.split(",")]:
+                continue
             env = {} if threads == "default" else {"OMP_NUM_THREADS": threads}
             with lc.LoopbackCluster(n, serve_args=SERVE, replica_env=env) as c:
                 for conc in [n * int(f) for f in args.concurrency_per_replica.split(",")]:
                     load0 = os.getloadavg()[0]
                     cpu0 = sum(_cpu_seconds(r.proc.pid) for r in c.replicas)
+                    lb0 = _cpu_seconds(c.haproxy.pid)
+                    ch0 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the batch client, once waited
                     s = _run(c.url, d / "in.jsonl", d / "out.jsonl", conc)
-                    cpu1 = sum(_cpu_seconds(r.proc.pid) for r in c.replicas)
-                    per_item = (cpu1 - cpu0) / max(s["done"], 1) * 1000
+                    ch1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    k = 1000 / max(s["done"], 1)
+                    rep = (sum(_cpu_seconds(r.proc.pid) for r in c.replicas) - cpu0) * k
+                    cli = (ch1.ru_utime + ch1.ru_stime - ch0.ru_utime - ch0.ru_stime) * k
+                    lb = (_cpu_seconds(c.haproxy.pid) - lb0) * k
+                    ceiling = (os.cpu_count() or 1) * 1000 / (rep + cli + lb)
                     print(f"| {n} | {threads} | {conc} | {s['items_per_second']:.1f} | "
-                          f"{per_item:.1f} | {s['failed']} | {load0:.1f} -> "
-                          f"{os.getloadavg()[0]:.1f} |", flush=True)
+                          f"{rep:.1f} + {cli:.1f} + {lb:.2f} | {ceiling:.0f} | {s['failed']} | "
+                          f"{load0:.1f} -> {os.getloadavg()[0]:.1f} |", flush=True)
 
 
 def chaos(args) -> None:
@@ -154,6 +163,8 @@ def main() -> int:
     t.add_argument("--replicas", default="1,2,3")
     t.add_argument("--threads", default="1,default",
                    help="OMP_NUM_THREADS per replica, comma-separated ('default': unset)")
+    t.add_argument("--default-threads-for", default="3",
+                   help="replica counts that also run with torch's default threads")
     t.add_argument("--concurrency-per-replica", default="1,2")
     c = sub.add_parser("chaos")
     c.add_argument("--n", type=int, default=3000)
