@@ -73,12 +73,13 @@ def texts() -> list[str]:
 @pytest.fixture(scope="module")
 def reference(cluster, texts, tmp_path_factory):
     """Single-server answers: the same corpus through ``attnscope batch`` straight to one
-    replica (no haproxy), one request at a time. text -> results; plus the failures."""
+    replica (no haproxy), two requests in flight (each is forwarded alone: the engine does
+    not batch across requests). text -> results; plus the failures."""
     d = tmp_path_factory.mktemp("reference")
     items = [{"id": f"ref-{i}", "text": t} for i, t in enumerate(texts + TOO_LONG)]
     lc.write_jsonl(d / "in.jsonl", items)
     rc, summary = lc.finish_batch(lc.start_batch(cluster.replicas[0].url, d / "in.jsonl",
-                                                 d / "out.jsonl", 1, *PARAMS))
+                                                 d / "out.jsonl", 2, *PARAMS))
     assert rc == 4 and summary["done"] == N_TEXTS and summary["failed"] == len(TOO_LONG), summary
     by_id = {it["id"]: it["text"] for it in items}
     answers = {by_id[o["id"]]: o["results"] for o in lc.read_jsonl(d / "out.jsonl")}
