@@ -11,6 +11,7 @@ import torch
 from fastapi import APIRouter, Request
 
 from attnscope.schemas import ScratchAttentionRequest, ScratchAttentionResponse
+from attnscope.schemas.scratch import MAX_WEIGHTS
 from attnscope.service.analysis.scratch import as_matrix, embedding_qkv, scratch_attention
 from attnscope.service.api.common import error_responses
 from attnscope.service.deps import get_runtime
@@ -79,7 +80,8 @@ async def post_scratch_attention(req: ScratchAttentionRequest, request: Request)
     if req.text is None:
         def work():
             q, k, v = as_matrix(req.q), as_matrix(req.k), as_matrix(req.v)
-            return scratch_attention(q, k, v, req.variant, req.n_heads, req.scale)
+            return scratch_attention(q, k, v, req.variant, req.n_heads, req.scale,
+                                     max_weights=MAX_WEIGHTS)
     else:
         rt = await get_runtime(request)
         body["model"] = rt.model_ref()
@@ -100,7 +102,8 @@ async def post_scratch_attention(req: ScratchAttentionRequest, request: Request)
                 req.variant, req.project, req.seed,
             )
             names = ("query_text" if query_tt is not None else "text", "text", "text")
-            return scratch_attention(q, k, v, req.variant, req.n_heads, req.scale, names)
+            return scratch_attention(q, k, v, req.variant, req.n_heads, req.scale, names,
+                                     max_weights=MAX_WEIGHTS)
 
     # A PCA fit of the embedding matrix takes seconds of CPU: one at a time, and requests
     # waiting for it wait here (holding no worker thread), not in the shared thread pool.
