@@ -406,17 +406,18 @@ def cmd_verify(args) -> int:
 
 
 def _verdict(v) -> str:
-    """``PASSED (max |diff| 1.2e-07 <= tolerance 1e-05)``, or ``FAILED`` with the server's
-    message; the message is left out where it only repeats the verdict."""
+    """``PASSED: <the server's message>`` / ``FAILED: ...``, the message's own leading
+    verdict word dropped (no "PASSED: passed"); without a message, the max difference and the
+    tolerance."""
     word = "PASSED" if v.passed else "FAILED"
-    mx, tol = getattr(v, "max_abs_diff", None), getattr(v, "tolerance", None)
-    line = word
-    if tol is not None:
-        line += f" (max |diff| {_fmt(mx)} {'<=' if v.passed else 'vs'} tolerance {_fmt(tol)})"
     msg = (getattr(v, "message", "") or "").strip()
-    if msg and msg.rstrip(".").lower() not in ("passed", "failed", "pass", "fail", "ok"):
-        line += f": {msg}"
-    return line
+    msg = re.sub(r"^(passed|failed|pass|fail|ok)\b[.:;,]?\s*", "", msg, flags=re.I)
+    if msg:
+        return f"{word}: {msg}"
+    mx, tol = getattr(v, "max_abs_diff", None), getattr(v, "tolerance", None)
+    if tol is None:
+        return word
+    return f"{word}: max |diff| {_fmt(mx)} {'<=' if v.passed else '>'} tolerance {_fmt(tol)}"
 
 
 def cmd_heads(args) -> int:
