@@ -16,7 +16,8 @@ The rules (data flows down, nothing reaches upward or sideways):
   client installs without torch;
 * encoding does not import runtime (nor api, serving, the app);
 * the client never imports the service (``attnscope serve`` starts it as a separate process);
-* runtime never imports api or serving, and no service module imports the client.
+* runtime never imports api or serving, serving never imports api, and no service module
+  imports the client.
 
 The planted-fault tests below feed the checker a synthetic tree and a synthetic graph with
 one upward import each and see it reported.
@@ -80,6 +81,8 @@ RULES: tuple[Rule, ...] = (
          forbidden=(SVC,)),
     Rule("runtime never imports api or serving", (f"{SVC}.runtime",),
          forbidden=(f"{SVC}.api", f"{SVC}.serving", f"{SVC}.app", f"{SVC}.deps")),
+    Rule("serving never imports api", (f"{SVC}.serving",),
+         forbidden=(f"{SVC}.api", f"{SVC}.app")),
     Rule("the service never imports the client", (SVC,),
          forbidden=("attnscope.client",)),
 )
@@ -243,6 +246,8 @@ def test_a_clean_synthetic_tree_passes(tmp_path):
      "runtime never imports api or serving"),
     ("service/runtime/model.py", "from ..serving import heads\n",
      "runtime never imports api or serving"),
+    ("service/serving/heads.py", "from attnscope.service.api.common import check_index\n",
+     "serving never imports api"),
     ("service/encoding.py", "from attnscope.client import wire\n",
      "the service never imports the client"),
 ])
