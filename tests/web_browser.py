@@ -65,15 +65,15 @@ def page(browser):
     assert not errors, errors
 
 
-def screenshot(page, name: str, selector: str | None = None) -> Path:
+def screenshot(page, name: str, selector: str | None = None, full_page: bool = False) -> Path:
     """Save a PNG of the page (or of ``selector``) under tests/artifacts/ and check that it is
     not blank: a rendered view has many distinct colours, a blank one a handful."""
-    import io
-
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
-    target = page.locator(selector) if selector else page
-    data = target.screenshot(path=str(path))
+    if selector:
+        data = page.locator(selector).screenshot(path=str(path))
+    else:
+        data = page.screenshot(path=str(path), full_page=full_page)
     assert_not_blank(data)
     return path
 
