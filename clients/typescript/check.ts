@@ -6,7 +6,7 @@ const req: Req = { text: "The cat sat." };            // defaulted fields option
 function first(r: Res): number | null {
   const p = r.attention!.pattern;
   if (Array.isArray(p)) { const row = p[0]; return typeof row === "number" ? row : null; }
-  if (p.encoding === "base64") { const l: "full" | "tril" = p.layout; return p.shape[0]; }
+  if (p.encoding === "base64") { const l: "full" | "tril" = p.layout ?? "full"; return l === "tril" ? p.shape[0] : p.shape[1]; }
   return null;
 }
 // @ts-expect-error: encoding takes only "json" | "base64"
