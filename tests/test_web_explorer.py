@@ -252,3 +252,63 @@ def test_errors_are_shown_and_the_page_recovers(live_server, page):
     page.keyboard.press("Control+Enter")
     page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
     assert page.locator("#tokens .token").count() >= 4
+
+
+def test_long_text_uses_compact_wire_forms_and_caps_the_line_view(live_server, page):
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)  # ~200 tokens
+    n = len(api(live_server.url, "/v1/tokenize", {"text": text})["tokens"]["tokens"])
+    assert 150 < n <= 256
+    sizes = []
+    page.on("response", lambda r: sizes.append((r.url, len(r.body())))
+            if r.url.endswith("/v1/attention") else None)
+    open_explorer(page, live_server.url, text=text, layer=1, head="mean")
+    assert page.locator("#heatmap canvas").get_attribute("data-n") == str(n)
+    # float16 lower triangle of one layer's 4 heads: 2 bytes x 4 x n(n+1)/2, base64 (4/3)
+    tril = 2 * 4 * n * (n + 1) // 2 * 4 // 3
+    assert sizes and max(s for _, s in sizes) < tril + 40_000
+    lines = page.locator("#lineview line").count()
+    assert 0 < lines <= 4000 and "strongest 4000 of" in page.inner_text("#lineview .legend")
+    value, _ = hover_cell(page, n - 1, n - 2)
+    assert value != "masked"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(gpt2_runtime):
+    """A real uvicorn (in a thread, on the session's bundled model) with api_keys set."""
+    import threading
+
+    import uvicorn
+
+    from attnscope.service.app import create_app
+    from attnscope.service.config import Settings
+    from conftest import free_port
+
+    port = free_port()
+    app = create_app(Settings(model="bundled", api_keys=["s3cret"]), runtime=gpt2_runtime)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        import time
+        time.sleep(0.05)
+    yield url
+    server.should_exit = True
+    t.join(timeout=10)
+
+
+def test_with_api_keys_the_page_asks_for_a_key(keyed_server, page):
+    page.goto(f"{keyed_server}/?text={quote('The cat sat.')}")
+    page.wait_for_function("document.body.dataset.state === 'error'", timeout=60_000)
+    assert "401 unauthorized" in page.inner_text("#status")
+    assert page.is_visible("#api-key")
+    page.errors[:] = [e for e in page.errors if "status of 401" not in e]
+    page.fill("#api-key", "s3cret")
+    page.press("#api-key", "Enter")
+    page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
+    assert page.locator("#tokens .token").count() >= 3 and not page.is_visible("#api-key")

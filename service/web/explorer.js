@@ -288,6 +288,7 @@ async function renderPanel(p) {
 }
 
 function fail(e) {
+  if (e instanceof ApiError && e.status === 401) $("#key-row").hidden = false;  // api_keys set
   setStatus(describeError(e), "error");
   document.body.dataset.state = "error";
 }
@@ -323,6 +324,12 @@ async function analyse() {
 
 async function main() {
   readUrl();
+  // with the service's api_keys set: a key typed once, kept for this tab only
+  client.apiKey = sessionStorage.getItem("attnscope-api-key");
+  $("#api-key").addEventListener("change", () => {
+    sessionStorage.setItem("attnscope-api-key", $("#api-key").value.trim());
+    location.reload();
+  });
   try {
     model = await client.model();
   } catch (e) {

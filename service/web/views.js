@@ -217,21 +217,28 @@ export function lineView(container, heads, opts = {}) {
   svg.append(el("text", { x: xl, y: 12, "text-anchor": "end", class: "axis", text: "query" }),
     el("text", { x: xr, y: 12, "text-anchor": "start", class: "axis", text: "key" }), gLines);
   const y = (i) => 26 + i * row + row / 2;
-  let count = 0;
+  // candidate lines: every weight >= minWeight of every selected head; over maxLines (long
+  // texts, many heads) only the strongest are drawn, and the legend says so
+  const cand = [];
   for (const h of heads) {
     for (let q = 0; q < n; q++) {
       for (let k = 0; k < n; k++) {
         const v = h.get(q, k);
-        if (!(v >= minW)) continue;
-        gLines.append(el("line", {
-          x1: xl + 4, y1: y(q), x2: xr - 4, y2: y(k), stroke: h.colour,
-          "stroke-opacity": Math.min(1, v).toFixed(3), "stroke-width": (0.5 + 3 * v).toFixed(2),
-          "data-q": q, "data-k": k, "data-head": h.head, "data-weight": v.toFixed(6),
-        }));
-        count++;
+        if (v >= minW) cand.push([v, q, k, h]);
       }
     }
   }
+  const maxLines = opts.maxLines ?? 4000;
+  const total = cand.length;
+  if (total > maxLines) { cand.sort((a, b) => b[0] - a[0]); cand.length = maxLines; }
+  for (const [v, q, k, h] of cand) {
+    gLines.append(el("line", {
+      x1: xl + 4, y1: y(q), x2: xr - 4, y2: y(k), stroke: h.colour,
+      "stroke-opacity": Math.min(1, v).toFixed(3), "stroke-width": (0.5 + 3 * v).toFixed(2),
+      "data-q": q, "data-k": k, "data-head": h.head, "data-weight": v.toFixed(6),
+    }));
+  }
+  const count = cand.length;
   const focus = (q) => {
     for (const l of gLines.children) l.style.display = q === null || +l.dataset.q === q ? "" : "none";
     svg.querySelectorAll(".qtok").forEach((t) => t.classList.toggle("active", +t.dataset.pos === q));
@@ -251,7 +258,8 @@ export function lineView(container, heads, opts = {}) {
     legend.append(el("span", { class: "legend-item" }, el("span", { class: "swatch", style: `background:${h.colour}` }),
       h.head === "mean" ? "head mean" : `head ${h.head}`));
   }
-  legend.append(el("span", { class: "note", text: `${count} lines (weights \u2265 ${minW})` }));
+  legend.append(el("span", { class: "note", text: total > count
+    ? `the strongest ${count} of ${total} lines (weights \u2265 ${minW})` : `${count} lines (weights \u2265 ${minW})` }));
   container.replaceChildren(legend, svg);
   return svg;
 }
