@@ -272,10 +272,10 @@ def test_long_text_uses_compact_wire_forms_and_caps_the_line_view(live_server, p
     assert value != "masked"
 
 
-@pytest.fixture(scope="module")
-def keyed_server(gpt2_runtime):
-    """A real uvicorn (in a thread, on the session's bundled model) with api_keys set."""
+def _thread_server(runtime, **settings):
+    """A real uvicorn on 127.0.0.1 in a thread, serving an app on an already loaded runtime."""
     import threading
+    import time
 
     import uvicorn
 
@@ -284,7 +284,7 @@ def keyed_server(gpt2_runtime):
     from conftest import free_port
 
     port = free_port()
-    app = create_app(Settings(model="bundled", api_keys=["s3cret"]), runtime=gpt2_runtime)
+    app = create_app(Settings(**{"model": "bundled", **settings}), runtime=runtime)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
@@ -294,12 +294,46 @@ def keyed_server(gpt2_runtime):
             if httpx.get(url + "/healthz", timeout=1).status_code == 200:
                 break
         except httpx.HTTPError:
-            pass
-        import time
-        time.sleep(0.05)
+            time.sleep(0.05)
+    return server, t, url
+
+
+@pytest.fixture(scope="module")
+def keyed_server(gpt2_runtime):
+    """The bundled model behind api_keys."""
+    server, t, url = _thread_server(gpt2_runtime, api_keys=["s3cret"])
     yield url
     server.should_exit = True
     t.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def encoder_server(bert_runtime):
+    """MiniLM (a BERT-family encoder: no causal mask)."""
+    server, t, url = _thread_server(bert_runtime, model=str(bert_runtime.settings.model))
+    yield url
+    server.should_exit = True
+    t.join(timeout=10)
+
+
+def test_encoder_page_has_no_masked_cells_and_full_layout(encoder_server, page):
+    requests = []
+    page.on("request", lambda r: requests.append(json.loads(r.post_data))
+            if r.url.endswith("/v1/attention") else None)
+    text = "The cat sat on the mat."
+    open_explorer(page, encoder_server, text=text, layer=2, head=5)
+    ref = api(encoder_server, "/v1/attention", {"text": text, "layers": [2]})
+    p = decode_tensor(ref["attention"]["pattern"])
+    n = p.shape[-1]
+    assert page.locator("#heatmap canvas").get_attribute("data-n") == str(n)
+    for q, k in [(0, n - 1), (2, 4), (n - 1, 0)]:  # above the diagonal too: an encoder
+        value, _ = hover_cell(page, q, k)
+        assert abs(float(value) - p[0, 5, q, k]) <= 0.5e-3 + 2 ** -11
+    assert requests and all(b.get("layout", "full") == "full" for b in requests)
+    assert not page.is_visible("#add-bos")  # causal models only
+    assert "masked" not in page.inner_text("#cbar")
+    assert page.locator("#tokens .token.special").count() == 2  # [CLS] ... [SEP]
+    screenshot(page, "explorer-encoder", "#panel-attention")
 
 
 def test_with_api_keys_the_page_asks_for_a_key(keyed_server, page):
