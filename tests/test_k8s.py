@@ -155,3 +155,28 @@ def test_check_cli_exit_codes(tmp_path):
     res = subprocess.run([sys.executable, str(K8S / "check.py"), str(bad / "base")],
                          capture_output=True, text=True)
     assert res.returncode == 1 and "resources.limits.memory: missing" in res.stdout
+
+
+def _settings_keys(docs) -> list[str]:
+    keys = [k for d in docs if d["kind"] == "ConfigMap" for k in d.get("data", {})]
+    for d in docs:
+        if d["kind"] == "Deployment":
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                keys += [e["name"] for e in c.get("env", [])]
+    return [k for k in keys if k.startswith("ATTNSCOPE_")]
+
+
+def _unknown_settings(docs) -> list[str]:
+    from attnscope.service.config import Settings
+
+    return [k for k in _settings_keys(docs)
+            if k.removeprefix("ATTNSCOPE_").lower() not in Settings.model_fields]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_attnscope_variable_is_a_setting(overlay, tmp_path):
+    """A misspelt ATTNSCOPE_* variable would be ignored silently by the service."""
+    docs = kc.build(K8S / overlay)
+    assert len(_settings_keys(docs)) >= 8 and _unknown_settings(docs) == []
+    bad = _planted(tmp_path, "base/configmap.yaml", "ATTNSCOPE_MAX_QUEUE:", "ATTNSCOPE_MAXQUEUE:")
+    assert _unknown_settings(kc.build(bad / overlay)) == ["ATTNSCOPE_MAXQUEUE"]
