@@ -52,6 +52,7 @@ from attnscope.client._errors import (
 )
 from attnscope.client import wire
 from attnscope.client._tensors import attach_numpy
+from attnscope.client.notebook import view_class
 from attnscope.schemas import (
     AttentionRequest,
     AttentionResponse,
@@ -222,7 +223,8 @@ class BaseClient:
         if cast_to is None:
             return data
         try:
-            return attach_numpy(cast_to.model_validate(data), arrays)
+            # notebook.view_class: the same class with _repr_html_ (Jupyter shows the view)
+            return attach_numpy(view_class(cast_to).model_validate(data), arrays)
         except pydantic.ValidationError as exc:
             raise APIResponseValidationError(
                 f"the {response.request.url.path} answer does not fit {cast_to.__name__}: {exc}",
