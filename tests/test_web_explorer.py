@@ -346,3 +346,29 @@ def test_with_api_keys_the_page_asks_for_a_key(keyed_server, page):
     page.press("#api-key", "Enter")
     page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
     assert page.locator("#tokens .token").count() >= 3 and not page.is_visible("#api-key")
+
+
+def test_verification_panel_shows_a_planted_fault(page):
+    """Planted fault: the output projection of layer 1 changes after the text's forward was
+    recorded (cached); the service's verification fails at layer 1 and the page says so."""
+    import torch
+
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+
+    rt = Runtime.load(Settings(model="bundled"))  # its own copy: its weights change here
+    server, t, url = _thread_server(rt)
+    try:
+        assert api(url, "/v1/verify", {"text": SENTENCE})["verification"]["passed"]  # cached
+        w = rt.adapter.base().h[1].attn.c_proj.weight
+        with torch.no_grad():
+            w[:, 7].add_(0.05)
+        open_explorer(page, url, layer=1, head=0)
+        v = api(url, "/v1/verify", {"text": SENTENCE})["verification"]
+        assert not v["passed"] and v["failed_layers"] == [1]
+        assert page.inner_text("#verify p.fail") == f"FAILED: {v['message']}"
+        rows = page.locator("#verify tr").all_inner_texts()
+        assert rows[1].split("\t")[-1] == "yes" and rows[2].split("\t")[-1] == "NO"
+    finally:
+        server.should_exit = True
+        t.join(timeout=10)
