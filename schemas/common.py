@@ -8,6 +8,8 @@ from pydantic import (
     AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator,
 )
 
+from attnscope.schemas.errors import ERROR_TYPES
+
 
 class StrictModel(BaseModel):
     """Base for requests: unknown fields are rejected (422), never silently ignored, and values
@@ -216,10 +218,8 @@ class ModelInfo(LenientModel):
 
 class ErrorBody(LenientModel):
     type: str = Field(
-        description="Machine-readable error type: validation_error, context_length_exceeded, "
-        "out_of_range, batch_too_large, memory_limit_exceeded, payload_too_large, not_acceptable, "
-        "overloaded, not_ready, not_found, "
-        "method_not_allowed, unauthorized, timeout, non_finite_values, internal_error."
+        description="Machine-readable error type (branch on this): "
+        + ", ".join(f"{t} ({s})" for t, s in ERROR_TYPES.items()) + "."
     )
     message: str = Field(description="Human-readable message naming the field, limit and value.")
     param: str | None = Field(None, description="The request field at fault, dotted, if any.")
