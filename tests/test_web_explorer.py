@@ -372,3 +372,24 @@ def test_verification_panel_shows_a_planted_fault(page):
     finally:
         server.should_exit = True
         t.join(timeout=10)
+
+
+def test_extra_panels_plug_in_with_register_panel(live_server, page):
+    """The hook later panels (ablation/patching, norms, rollout) use: a registered panel
+    renders with the page's context and, if layerAware, again when the layer/head changes."""
+    open_explorer(page, live_server.url, layer=0, head=1)
+    page.evaluate("""async () => {
+      const { registerPanel } = await import('/static/web/explorer.js');
+      registerPanel({ id: 'probe', title: 'Probe panel', layerAware: true,
+        async render(ctx, body) {
+          const r = await ctx.client.tokenize({ text: ctx.text, add_bos: ctx.addBos });
+          body.textContent = `${ctx.model.id} layer ${ctx.layer} head ${ctx.head}: ` +
+            `${r.tokens.n_tokens} tokens`;
+        } });
+    }""")
+    page.wait_for_selector("#panel-probe[data-ready='1']")
+    n = len(api(live_server.url, "/v1/tokenize", {"text": SENTENCE})["tokens"]["tokens"])
+    assert page.inner_text("#panel-probe h2") == "Probe panel"
+    assert page.inner_text("#panel-probe .panel-body") == f"attnscope-tiny-gpt2 layer 0 head 1: {n} tokens"
+    page.select_option("#head", "3")
+    page.wait_for_function("document.querySelector('#panel-probe .panel-body').textContent.includes('head 3')")
