@@ -481,6 +481,9 @@ def verify_from_scratch(
         if not final_out["passed"]:
             failures.append((m.n_layers, f"final LayerNorm output differs by {_fmt(d)} (scale {s:.3g})"))
     failures.sort(key=lambda f: f[0])
+    if layers is not None:  # reported in the order requested
+        order = {layer: i for i, layer in enumerate(layers)}
+        layers_out.sort(key=lambda row: order[row["layer"]])
     passed = not failures
     max_p = math.nan if any(map(math.isnan, all_pat)) else (max(all_pat) if all_pat else 0.0)
     max_r = math.nan if any(map(math.isnan, all_rel)) else max(all_rel)
@@ -496,6 +499,7 @@ def verify_from_scratch(
                    f"tolerance {tol_s:g} (relative to max(1, scale))")
     return {
         "mode": "from_scratch",
+        "projections": False,
         "passed": passed,
         "max_abs_diff": _num(max_p),
         "max_rel_diff": _num(max_r),
