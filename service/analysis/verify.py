@@ -490,8 +490,8 @@ def verify_from_scratch(
     if passed:
         message = (f"passed: embeddings, {len(layers_out)} layer(s)"
                    f"{' and the final LayerNorm' if final_out else ''} match the float64 "
-                   f"recomputation (pattern max diff {_fmt(max_p)} <= {tol_p:g}; states max "
-                   f"relative diff {_fmt(max_r)} <= {tol_s:g})")
+                   f"recomputation (pattern max diff {_fmt(max_p)}, tolerance {tol_p:g}; states "
+                   f"max relative diff {_fmt(max_r)}, tolerance {tol_s:g})")
     else:
         layer, what = failures[0]
         where = "final LayerNorm" if layer == m.n_layers else f"layer {layer}"
