@@ -60,14 +60,14 @@ def fuse_heads(pattern: torch.Tensor, fusion: Fusion = "mean") -> torch.Tensor:
     """
     if pattern.dim() != 4 or pattern.shape[-1] != pattern.shape[-2]:
         raise ValueError(f"pattern must be [layer, head, T, T]; got {tuple(pattern.shape)}")
-    p = pattern.double()
-    if fusion == "mean":
-        return p.mean(1)
-    if fusion == "max":
-        return p.amax(1)
-    if fusion == "min":
-        return p.amin(1)
-    raise ValueError(f"fusion must be 'mean', 'max' or 'min'; got {fusion!r}")
+    ops = {"mean": lambda p: p.mean(0), "max": lambda p: p.amax(0), "min": lambda p: p.amin(0)}
+    if fusion not in ops:
+        raise ValueError(f"fusion must be 'mean', 'max' or 'min'; got {fusion!r}")
+    L, _, T, _ = pattern.shape
+    out = torch.empty(L, T, T, dtype=torch.float64)
+    for layer in range(L):  # one layer's float64 copy at a time
+        out[layer] = ops[fusion](pattern[layer].double())
+    return out
 
 
 def augmented_matrices(
@@ -99,7 +99,7 @@ def augmented_matrices(
         raise ValueError(f"discard must be in [0, 1); got {discard}")
     if sink not in ("keep", "drop"):
         raise ValueError(f"sink must be 'keep' or 'drop'; got {sink!r}")
-    F = fuse_heads(pattern, fusion).clone()
+    F = fuse_heads(pattern, fusion)
     L, T, _ = F.shape
     cand = torch.ones(T, T, dtype=torch.bool)
     if causal:
