@@ -201,3 +201,30 @@ def layer_norms(
     if summed:
         total = summed_norms(a, f, b_o if output_bias == "distribute" else None, H_all)
     return LayerNorms(head, total, value)
+
+
+def noop_scores(
+    pattern: torch.Tensor,  # [head, query_pos, key_pos]
+    head_norms: torch.Tensor,  # [head, query_pos, key_pos], ||alpha^h_ij f_h(x_j)||
+    sink: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Per head, how much attention sits on the sink while contributing little (a "no-op"
+    attention; Kobayashi et al. 2020, section 4: high weight, small norm). For each query row
+    q, the sink's weight share is ``alpha[q, sink]`` and its norm share ``n[q, sink] / sum_k
+    n[q, k]`` (``n`` = the head's contribution norms):
+
+    * ``noop``: mean over query rows of ``alpha[q, sink]`` counted only where the norm share is
+      below the weight share (the weight on the sink that is discounted by its small value
+      vector), a fraction of the row's attention mass, in [0, 1];
+    * ``sink_norm_share``: mean over query rows of the sink's norm share, in [0, 1] (compare
+      with /v1/heads' ``sink``, the mean weight share).
+
+    Rows whose norms are all 0 have norm share 0. Returns float64 ``[head]`` tensors.
+    """
+    a = pattern.double()
+    n = head_norms.double()
+    w0 = a[:, :, sink]
+    tot = n.sum(-1)
+    share = torch.where(tot > 0, n[:, :, sink] / torch.where(tot > 0, tot, 1.0), 0.0)
+    noop = torch.where(share < w0, w0, 0.0).mean(-1)
+    return {"noop": noop, "sink_norm_share": share.mean(-1)}

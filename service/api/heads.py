@@ -110,6 +110,8 @@ async def heads(req: HeadsRequest, rt: RuntimeDep, slot: SlotDep):
             for head in range(NH):
                 s = {n: _num(lists[n][layer][head], req.round) for n in H.SCORE_NAMES}
                 out.append({"layer": layer, "head": head, "label": H.classify(s, th), "scores": s})
+        if req.norm_scores:
+            _add_norm_scores(rt, out, forwards[: len(items)], req.round)
         return out
 
     result = await on_device(slot, forwards, analyse)  # torch work: on the device thread
@@ -129,3 +131,22 @@ async def heads(req: HeadsRequest, rt: RuntimeDep, slot: SlotDep):
         "heads": result,
     }
     return ORJSONResponse(body)
+
+
+def _add_norm_scores(rt: Runtime, out: list[dict], forwards, nd: int | None) -> None:
+    """Each head's ``norm_scores`` (service.analysis.norms.noop_scores), mean over texts."""
+    from attnscope.service.analysis.norms import layer_norms, noop_scores
+
+    L, NH = rt.adapter.n_layers, rt.adapter.n_heads
+    acc = {"noop": torch.zeros(L, NH, dtype=torch.float64),
+           "sink_norm_share": torch.zeros(L, NH, dtype=torch.float64)}
+    for layer in range(L):
+        p = rt.adapter.attention_params(layer)
+        for fw in forwards:
+            n = layer_norms(fw.pattern[layer], fw.tensors.v[layer], p.W_o, p.b_v, p.b_o,
+                            summed=False).head
+            for k, v in noop_scores(fw.pattern[layer], n).items():
+                acc[k][layer] += v / len(forwards)
+    lists = {k: v.tolist() for k, v in acc.items()}
+    for r in out:
+        r["norm_scores"] = {k: _num(lists[k][r["layer"]][r["head"]], nd) for k in lists}
