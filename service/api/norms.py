@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import APIRouter, Request
 
 from attnscope.schemas import NormsRequest, NormsResponse
 from attnscope.service.api.attention import ERRORS as ATTENTION_ERRORS
-from attnscope.service.api.common import forward_request, on_device, tokenize_request
-from attnscope.service.deps import RuntimeDep, SlotDep
-from attnscope.service.encoding import tensor_response, wants_binary
+from attnscope.service.deps import EngineDep
+from attnscope.service.encoding import wants_binary
 from attnscope.service.serving import norms as serving
 
 router = APIRouter(tags=["norms"])
@@ -20,7 +21,7 @@ router = APIRouter(tags=["norms"])
     responses=ATTENTION_ERRORS,
     summary="Value-weighted contribution norms ||alpha f(x)|| per layer and head (Kobayashi et al. 2020)",
 )
-async def attention_norms(req: NormsRequest, rt: RuntimeDep, slot: SlotDep, request: Request):
+async def attention_norms(req: NormsRequest, engine: EngineDep, request: Request):
     """What each key position contributes to each query, beyond its attention weight
     (Kobayashi et al. 2020, "Attention is Not Only a Weight"; S004): with ``f_h(x) = (x W_V^h
     + b_V^h) W_O^h`` and ``x`` the attention input (the LayerNorm output entering attention),
@@ -41,10 +42,5 @@ async def attention_norms(req: NormsRequest, rt: RuntimeDep, slot: SlotDep, requ
     ``max_request_bytes``; 406 Accept; 413; 429; 503.
     """
     binary = wants_binary(request.headers.get("accept"))
-    encoding = "binary" if binary else req.encoding
-    serving.check(rt, req)
-    items = await tokenize_request(rt, req)
-    est = serving.estimate(rt, req, [len(it) for it in items], encoding)
-    forwards = await forward_request(rt, slot, items, est)
-    return await tensor_response(lambda: serving.build(rt, req, forwards, encoding), binary,
-                                 run=lambda f: on_device(slot, forwards, f))
+    return await engine.serve(req, partial(serving.plan, binary=binary), check=serving.check,
+                              binary=binary)

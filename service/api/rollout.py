@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import APIRouter, Request
 
 from attnscope.schemas import RolloutRequest, RolloutResponse
 from attnscope.service.api.attention import ERRORS as ATTENTION_ERRORS
-from attnscope.service.api.common import forward_request, on_device, tokenize_request
-from attnscope.service.deps import RuntimeDep, SlotDep
-from attnscope.service.encoding import tensor_response, wants_binary
+from attnscope.service.deps import EngineDep
+from attnscope.service.encoding import wants_binary
 from attnscope.service.serving import rollout as serving
 
 router = APIRouter(tags=["rollout"])
@@ -20,7 +21,7 @@ router = APIRouter(tags=["rollout"])
     responses=ATTENTION_ERRORS,
     summary="Attention rollout per layer and attention flow (Abnar & Zuidema 2020)",
 )
-async def rollout(req: RolloutRequest, rt: RuntimeDep, slot: SlotDep, request: Request):
+async def rollout(req: RolloutRequest, engine: EngineDep, request: Request):
     """Attention rollout (Abnar and Zuidema 2020, "Quantifying Attention Flow in
     Transformers"; S004): per layer ``Â_l = rownorm((1 - residual) F_l + residual I)`` with
     ``F_l`` the heads fused by ``fusion`` (after dropping the first-token sink on request and
@@ -36,11 +37,5 @@ async def rollout(req: RolloutRequest, rt: RuntimeDep, slot: SlotDep, request: R
     429; 503.
     """
     binary = wants_binary(request.headers.get("accept"))
-    encoding = "binary" if binary else req.encoding
-    serving.check(rt, req)
-    items = await tokenize_request(rt, req)
-    serving.check(rt, req, [len(it) for it in items])
-    est = serving.estimate(rt, req, [len(it) for it in items], encoding)
-    forwards = await forward_request(rt, slot, items, est)
-    return await tensor_response(lambda: serving.build(rt, req, forwards, encoding), binary,
-                                 run=lambda f: on_device(slot, forwards, f))
+    return await engine.serve(req, partial(serving.plan, binary=binary), check=serving.check,
+                              binary=binary)

@@ -8,14 +8,15 @@ from __future__ import annotations
 import torch
 
 from attnscope.service.analysis import norms as N
-from attnscope.service.api.common import check_indices
 from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
 from attnscope.service.errors import InvalidRequest, NonFiniteValues
+from attnscope.service.runtime.engine import Plan
+from attnscope.service.serving.checks import check_indices
 
 
 def check(rt, req) -> tuple[list[int], list[int]]:
-    """Model-aware checks (422): layer/head indices, 'tril' on an encoder. Returns the layers
-    and heads analysed."""
+    """Token-independent checks (422, before tokenizing): layer/head indices in range and
+    distinct, 'tril' on an encoder. Returns the layers and heads analysed."""
     check_indices(req.layers, rt.adapter.n_layers, "layers", "layer")
     check_indices(req.heads, rt.adapter.n_heads, "heads", "head")
     if req.layout == "tril" and not rt.adapter.causal:
@@ -51,6 +52,14 @@ def estimate(rt, req, lengths: list[int], encoding: str) -> int:
         work = 20 * (H + 1) * T * T + 12 * H * T * D + 8 * T * (H + 1) ** 2 + 24 * T * T
         total += work + 3 * 8 * N.CHUNK_ELEMENTS
     return total
+
+
+def plan(rt, req, items, *, binary: bool = False) -> Plan:
+    """The memory estimate of the new tensors (:func:`estimate`, counted with the forwards
+    before any runs) and the job (:func:`build`), on the device thread."""
+    encoding = "binary" if binary else req.encoding
+    est = estimate(rt, req, [len(it) for it in items], encoding)
+    return Plan(items, lambda forwards: build(rt, req, forwards, encoding), est)
 
 
 def build(rt, req, forwards, encoding: str) -> dict:

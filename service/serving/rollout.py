@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from attnscope.service.analysis import rollout as RO
-from attnscope.service.api.common import check_indices
 from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
 from attnscope.service.errors import InvalidRequest, NonFiniteValues
+from attnscope.service.runtime.engine import Plan
+from attnscope.service.serving.checks import check_indices
 
 
 def check(rt, req, lengths: list[int] | None = None) -> tuple[list[int], list[int] | None]:
@@ -56,6 +57,16 @@ def estimate(rt, req, lengths: list[int], encoding: str) -> int:
                 total += 4 * n * T * T + estimate_encoded_bytes(
                     n * T * T, encoding, req.dtype, req.round, req.layout, req.sparse, T)
     return total
+
+
+def plan(rt, req, items, *, binary: bool = False) -> Plan:
+    """The flow length check (422 naming the limit), the memory estimate of the new tensors
+    (:func:`estimate`, counted with the forwards before any runs) and the job (:func:`build`)."""
+    encoding = "binary" if binary else req.encoding
+    lengths = [len(it) for it in items]
+    check(rt, req, lengths)
+    return Plan(items, lambda forwards: build(rt, req, forwards, encoding),
+                estimate(rt, req, lengths, encoding))
 
 
 def build(rt, req, forwards, encoding: str) -> dict:
