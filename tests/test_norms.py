@@ -221,3 +221,214 @@ def test_minilm_special_tokens_get_more_weight_than_contribution(bert_runtime):
     print("MiniLM weight share on [CLS]/[SEP] per layer:", np.round(w_share, 3).tolist())
     print("MiniLM norm share on [CLS]/[SEP] per layer:  ", np.round(n_share, 3).tolist())
     assert (w_share > n_share).all(), (w_share, n_share)
+
+
+# ------------------------------------------------------------------------- the endpoint
+SAFETENSORS = "application/x-safetensors"
+
+
+def _wire():
+    from attnscope.client import wire
+
+    return wire
+
+
+def test_endpoint_equals_the_reference_in_every_encoding(client, gpt2_runtime):
+    from attnscope.schemas import NormsResponse
+
+    wire = _wire()
+    rt = gpt2_runtime
+    H = rt.adapter.n_heads
+    tt = rt.tokenize(SENTENCE)
+    ref = hf_layers(rt.model, "gpt2", list(tt.input_ids))
+    want_head = np.stack([np.linalg.norm(ref_vectors(lay, H), axis=-1) for lay in ref])
+    want_sum = np.stack([np.linalg.norm(ref_vectors(lay, H).sum(0), axis=-1) for lay in ref])
+    r = client.post("/v1/attention-norms", json={"text": SENTENCE})
+    assert r.status_code == 200, r.text
+    body = NormsResponse.model_validate(r.json())
+    res = body.norms
+    assert [t.id for t in res.tokens] == list(tt.input_ids)
+    assert body.value_bias == "include" and body.output_bias == "exclude"
+    np.testing.assert_allclose(wire.decode_tensor(res.norms), want_head, atol=1e-5)
+    np.testing.assert_allclose(wire.decode_tensor(res.summed), want_sum, atol=1e-5)
+    vn = wire.decode_tensor(res.value_norms)
+    assert vn.shape == (rt.adapter.n_layers, H, len(tt))
+    dense = {"norms": want_head, "summed": want_sum}
+    # base64 float32 / float16, 'tril' in json and base64, sparse, safetensors
+    for opts in ({"encoding": "base64"}, {"encoding": "base64", "dtype": "float16"},
+                 {"layout": "tril"}, {"encoding": "base64", "layout": "tril"},
+                 {"sparse": {"top_k": 3}}, {"sparse": {"threshold": 0.5, "format": "coo"}}):
+        r = client.post("/v1/attention-norms", json={"text": SENTENCE, **opts})
+        assert r.status_code == 200, (opts, r.text)
+        got = r.json()["norms"]
+        tol = 1e-2 * want_sum.max() if opts.get("dtype") == "float16" else 1e-5
+        for name, want in dense.items():
+            a = wire.decode_tensor(got[name])
+            if "sparse" in opts:
+                keep = a > 0
+                assert keep.any()
+                np.testing.assert_allclose(a[keep], want[keep], atol=1e-5)
+                sp = opts["sparse"]
+                if "top_k" in sp:
+                    assert (keep.sum(-1) <= sp["top_k"]).all()
+                else:
+                    assert (a[keep] >= sp["threshold"]).all()
+                    assert ((want >= sp["threshold"] + 1e-5) <= keep).all()
+            else:
+                np.testing.assert_allclose(a, want, atol=tol)
+    r = client.post("/v1/attention-norms", json={"text": SENTENCE}, headers={"accept": SAFETENSORS})
+    assert r.status_code == 200 and r.headers["content-type"] == SAFETENSORS
+    got = wire.decode_binary_response(r.content)["norms"]
+    np.testing.assert_allclose(got["norms"], want_head, atol=1e-5)
+    np.testing.assert_allclose(got["summed"], want_sum, atol=1e-5)
+    np.testing.assert_allclose(got["value_norms"], vn, atol=1e-6)
+
+
+def test_endpoint_options_and_batches(client, gpt2_runtime):
+    wire = _wire()
+    rt = gpt2_runtime
+    H = rt.adapter.n_heads
+    r = client.post("/v1/attention-norms", json={
+        "texts": TEXTS, "layers": [1], "heads": [3, 1], "per_head": False, "value_norms": False,
+        "output_bias": "distribute", "value_bias": "exclude"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["output_bias"] == "distribute" and body["value_bias"] == "exclude"
+    for text, res in zip(TEXTS, body["results"]):
+        assert res["norms"] is None and res["value_norms"] is None
+        assert res["layers"] == [1] and res["heads"] == [3, 1]
+        ref = hf_layers(rt.model, "gpt2", list(rt.tokenize(text).input_ids))
+        vec = ref_vectors(ref[1], H, value_bias=False, distribute=True)[[3, 1]]
+        np.testing.assert_allclose(wire.decode_tensor(res["summed"])[0],
+                                   np.linalg.norm(vec.sum(0), axis=-1), atol=1e-5)
+
+
+def test_minilm_endpoint(bert_client, bert_runtime):
+    wire = _wire()
+    rt = bert_runtime
+    tt = rt.tokenize(SENTENCE)
+    ref = hf_layers(rt.model, "bert", list(tt.input_ids))
+    r = bert_client.post("/v1/attention-norms", json={"text": SENTENCE, "encoding": "base64"})
+    assert r.status_code == 200, r.text
+    got = wire.decode_tensor(r.json()["norms"]["summed"])
+    want = np.stack([np.linalg.norm(ref_vectors(lay, rt.adapter.n_heads).sum(0), axis=-1) for lay in ref])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    from conftest import assert_error
+
+    assert_error(bert_client.post("/v1/attention-norms", json={"text": SENTENCE, "layout": "tril"}),
+                 422, "validation_error", "layout")
+
+
+def test_bad_input_gets_a_named_4xx(client):
+    from conftest import assert_error
+
+    post = lambda **kw: client.post("/v1/attention-norms", json={"text": SENTENCE, **kw})  # noqa: E731
+    e = assert_error(post(heads=[]), 422, "out_of_range", "heads")
+    assert "at least one" in e["message"]
+    assert_error(post(layers=[0, 9]), 422, "out_of_range", "layers.1")
+    assert_error(post(heads=[1, 1]), 422, "validation_error", "heads.1")
+    assert_error(post(value_bias="sometimes"), 422, "validation_error", "value_bias")
+    assert_error(post(output_bias="keep"), 422, "validation_error", "output_bias")
+    e = assert_error(post(per_head=False, summed=False, value_norms=False), 422, "validation_error")
+    assert "nothing to return" in e["message"]
+    assert client.post("/v1/attention-norms", json={"text": SENTENCE}).status_code == 200  # still serving
+
+
+def test_memory_estimate_covers_the_norms_before_any_forward(make_client, gpt2_runtime):
+    """A limit the forward fits under but the forward plus the norms do not: 422
+    memory_limit_exceeded, and no forward ran; /v1/attention of the same text still passes."""
+    from conftest import assert_error
+
+    from attnscope.schemas import NormsRequest
+    from attnscope.service.runtime.memory import forward_bytes
+    from attnscope.service.serving import norms as serving
+
+    rt = gpt2_runtime
+    text = "A fresh text for the memory check, never analysed before. " * 3
+    T = len(rt.tokenize(text))
+    a = rt.adapter
+    fwd = forward_bytes(a.n_layers, a.n_heads, a.d_model, [T], 4, rt.settings.forward_batch_size)
+    extra = serving.estimate(rt, NormsRequest(text=text), [T], "json")
+    assert extra > 0
+    limit = fwd + extra // 2
+    c = make_client(rt, max_request_bytes=limit)
+    before = rt.forward_count
+    e = assert_error(c.post("/v1/attention-norms", json={"text": text}), 422, "memory_limit_exceeded")
+    assert str(limit) in e["message"]
+    assert rt.forward_count == before  # refused before any forward
+    # the estimate follows the request: one layer, summed only, fits
+    r = c.post("/v1/attention-norms", json={"text": text, "layers": [0], "per_head": False,
+                                            "value_norms": False})
+    assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------- /v1/links by norm, /v1/heads
+def test_links_by_norm_rank_by_the_reference_norm(client, gpt2_runtime):
+    rt = gpt2_runtime
+    H = rt.adapter.n_heads
+    tt = rt.tokenize(SENTENCE)
+    ref = hf_layers(rt.model, "gpt2", list(tt.input_ids))
+    for head in (None, 2):
+        r = client.post("/v1/links", json={"text": SENTENCE, "layer": 1, "head": head, "by": "norm",
+                                           "top_k": 2})
+        assert r.status_code == 200, r.text
+        assert r.json()["by"] == "norm"
+        vec = ref_vectors(ref[1], H)
+        n = np.linalg.norm(vec.sum(0) if head is None else vec[head], axis=-1)
+        w = ref[1]["pattern"].mean(0) if head is None else ref[1]["pattern"][head]
+        differs = 0
+        for ql in r.json()["links"]["links"]:
+            q = ql["query_pos"]
+            cand = n[q, :q].copy()  # earlier keys, self excluded
+            order = np.argsort(-cand, kind="stable")[:2]
+            assert [lk["key_pos"] for lk in ql["links"]] == order.tolist()
+            for lk in ql["links"]:
+                assert lk["norm"] == pytest.approx(n[q, lk["key_pos"]], abs=1e-4)
+                assert lk["weight"] == pytest.approx(w[q, lk["key_pos"]], abs=1e-6)
+            differs += int(order[0] != np.argmax(w[q, :q]))
+        assert differs > 0  # on this text the norm ranking is not the weight ranking
+    r = client.post("/v1/links", json={"text": SENTENCE, "layer": 1})
+    assert r.json()["by"] == "weight"
+    assert all("norm" not in lk for ql in r.json()["links"]["links"] for lk in ql["links"])
+
+
+def test_noop_scores_on_hand_made_tensors():
+    """Weight on the sink whose value vector is 0 is all 'no-op'; on a sink whose vector is
+    as large as the others it is not counted."""
+    a = torch.tensor([[[1.0, 0, 0], [0.8, 0.2, 0], [0.6, 0.2, 0.2]]])  # [head, q, k]
+    zero_sink = a * torch.tensor([0.0, 1.0, 1.0])  # norms: ||f(x_0)|| = 0
+    s = N.noop_scores(a, zero_sink)
+    # row 0 has no norm at all (share 0 < weight 1): counted; rows 1, 2: share 0 < 0.8, 0.6
+    assert s["noop"].item() == pytest.approx((1.0 + 0.8 + 0.6) / 3)
+    assert s["sink_norm_share"].item() == 0.0
+    equal = a * 2.0  # every ||f|| = 2: norm share = weight share, never below
+    s = N.noop_scores(a, equal)
+    assert s["noop"].item() == 0.0
+    assert s["sink_norm_share"].item() == pytest.approx((1.0 + 0.8 + 0.6) / 3)
+
+
+def test_heads_norm_scores_equal_the_reference(bert_client, bert_runtime):
+    rt = bert_runtime
+    H = rt.adapter.n_heads
+    r = bert_client.post("/v1/heads", json={"texts": TEXTS})
+    assert r.status_code == 200, r.text
+    got = {(h["layer"], h["head"]): h["norm_scores"] for h in r.json()["heads"]}
+    want = {}
+    for text in TEXTS:
+        ref = hf_layers(rt.model, "bert", list(rt.tokenize(text).input_ids))
+        for layer, lay in enumerate(ref):
+            n = np.linalg.norm(ref_vectors(lay, H), axis=-1)  # [head, q, k]
+            w0 = lay["pattern"][:, :, 0]
+            share = n[:, :, 0] / n.sum(-1)
+            for h in range(H):
+                noop = np.where(share[h] < w0[h] - 1e-6, w0[h], 0).mean()
+                acc = want.setdefault((layer, h), [0.0, 0.0])
+                acc[0] += noop / len(TEXTS)
+                acc[1] += share[h].mean() / len(TEXTS)
+    for key, (noop, share) in want.items():
+        assert got[key]["noop"] == pytest.approx(noop, abs=1e-5), key
+        assert got[key]["sink_norm_share"] == pytest.approx(share, abs=1e-5), key
+    # a MiniLM sink head parks weight on [CLS] that contributes little
+    assert max(v["noop"] for v in got.values()) > 0.5
+    off = bert_client.post("/v1/heads", json={"text": SENTENCE, "norm_scores": False}).json()
+    assert all(h.get("norm_scores") is None for h in off["heads"])

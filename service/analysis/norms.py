@@ -203,6 +203,10 @@ def layer_norms(
     return LayerNorms(head, total, value)
 
 
+#: How far below its weight share the sink's norm share must be to count as no-op attention.
+NOOP_TOLERANCE = 1e-6
+
+
 def noop_scores(
     pattern: torch.Tensor,  # [head, query_pos, key_pos]
     head_norms: torch.Tensor,  # [head, query_pos, key_pos], ||alpha^h_ij f_h(x_j)||
@@ -219,12 +223,14 @@ def noop_scores(
     * ``sink_norm_share``: mean over query rows of the sink's norm share, in [0, 1] (compare
       with /v1/heads' ``sink``, the mean weight share).
 
-    Rows whose norms are all 0 have norm share 0. Returns float64 ``[head]`` tensors.
+    "Below" means by more than :data:`NOOP_TOLERANCE` (a share equal to the weight up to
+    float32 rounding is not discounted). Rows whose norms are all 0 have norm share 0.
+    Returns float64 ``[head]`` tensors.
     """
     a = pattern.double()
     n = head_norms.double()
     w0 = a[:, :, sink]
     tot = n.sum(-1)
     share = torch.where(tot > 0, n[:, :, sink] / torch.where(tot > 0, tot, 1.0), 0.0)
-    noop = torch.where(share < w0, w0, 0.0).mean(-1)
+    noop = torch.where(share < w0 - NOOP_TOLERANCE, w0, 0.0).mean(-1)
     return {"noop": noop, "sink_norm_share": share.mean(-1)}

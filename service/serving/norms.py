@@ -50,7 +50,7 @@ def estimate(rt, req, lengths: list[int], encoding: str) -> int:
             total += 4 * n_val + estimate_encoded_bytes(n_val, encoding, req.dtype, req.round,
                                                         "full", None, T)
         work = 20 * (H + 1) * T * T + 12 * H * T * D + 8 * T * (H + 1) ** 2 + 24 * T * T
-        total += work + 3 * 8 * N.CHUNK_ELEMENTS
+        total += work + 3 * 8 * min(N.CHUNK_ELEMENTS, T * T * (H + 1))
     return total
 
 
