@@ -168,3 +168,113 @@ def test_bad_arguments_raise():
     big = torch.full((1, 1, 20, 20), 1 / 20)
     with pytest.raises(ValueError, match="limited to 16 tokens"):
         RO.attention_flow(RO.augmented_matrices(big, False))
+
+
+# ------------------------------------------------------------------------- the endpoint
+def test_endpoint_equals_the_authors_formula_and_networkx(client, gpt2_runtime):
+    from attnscope.client import wire
+    from attnscope.schemas import RolloutResponse
+
+    rt = gpt2_runtime
+    text = SHORT[0]
+    att = hf_attentions(rt, text)
+    ref = authors_joint_attention(att.mean(1))
+    r = client.post("/v1/rollout", json={"text": text, "flow": True})
+    assert r.status_code == 200, r.text
+    body = RolloutResponse.model_validate(r.json())
+    assert body.flow_max_tokens == RO.FLOW_MAX_TOKENS and body.fusion == "mean"
+    res = body.rollout
+    np.testing.assert_allclose(wire.decode_tensor(res.rollout), ref, atol=1e-6)
+    assert res.flow_layers == [rt.adapter.n_layers - 1]
+    aug = np_augmented(att, True)
+    np.testing.assert_allclose(wire.decode_tensor(res.flow)[0], nx_flow(aug, len(aug) - 1), atol=1e-6)
+    # every wire form gives the same rollout
+    for opts, tol in (({"encoding": "base64"}, 1e-6), ({"layout": "tril"}, 1e-6),
+                      ({"encoding": "base64", "dtype": "float16", "layout": "tril"}, 1e-3)):
+        got = client.post("/v1/rollout", json={"text": text, **opts}).json()["rollout"]
+        np.testing.assert_allclose(wire.decode_tensor(got["rollout"]), ref, atol=tol)
+    got = client.post("/v1/rollout", json={"text": text, "sparse": {"top_k": 2}}).json()["rollout"]
+    sp = got["rollout"]
+    dense = wire.decode_tensor(sp)
+    keep = dense > 0
+    np.testing.assert_allclose(dense[keep], ref[keep], atol=1e-6)
+    np.testing.assert_allclose(wire.decode_tensor(sp["row_mass"]), dense.sum(-1), atol=1e-6)
+    r = client.post("/v1/rollout", json={"text": text, "flow": True},
+                    headers={"accept": "application/x-safetensors"})
+    got = wire.decode_binary_response(r.content)["rollout"]
+    np.testing.assert_allclose(got["rollout"], ref, atol=1e-6)
+    assert got["flow"].shape == (1, len(aug[0]), len(aug[0]))
+
+
+def test_endpoint_options_batches_and_encoder(client, bert_client, gpt2_runtime, bert_runtime):
+    from attnscope.client import wire
+
+    opts = {"fusion": "max", "residual": 0.3, "discard": 0.5, "sink": "drop"}
+    r = client.post("/v1/rollout", json={"texts": SHORT[:2], "layers": [1, 0], **opts})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert {k: body[k] for k in opts} == opts
+    for text, res in zip(SHORT, body["results"]):
+        want = np_rollout(np_augmented(hf_attentions(gpt2_runtime, text), True, "max", 0.3, 0.5, "drop"))
+        assert res["layers"] == [1, 0] and res["flow"] is None
+        np.testing.assert_allclose(wire.decode_tensor(res["rollout"]), want[[1, 0]], atol=1e-6)
+    text = SHORT[1]
+    r = bert_client.post("/v1/rollout", json={"text": text, "flow": True, "flow_layers": [0, 2]})
+    assert r.status_code == 200, r.text
+    res = r.json()["rollout"]
+    att = hf_attentions(bert_runtime, text)
+    np.testing.assert_allclose(wire.decode_tensor(res["rollout"]), authors_joint_attention(att.mean(1)),
+                               atol=1e-6)
+    aug = np_augmented(att, False)
+    flow = wire.decode_tensor(res["flow"])
+    for i, top in enumerate([0, 2]):
+        np.testing.assert_allclose(flow[i], nx_flow(aug, top), atol=1e-6)
+
+
+def test_bad_input_gets_a_named_4xx(client, bert_client, gpt2_runtime):
+    from conftest import assert_error
+
+    post = lambda **kw: client.post("/v1/rollout", json={"text": SENTENCE, **kw})  # noqa: E731
+    long_text = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
+    n = len(gpt2_runtime.tokenize(long_text))
+    assert n > RO.FLOW_MAX_TOKENS
+    before = gpt2_runtime.forward_count
+    e = assert_error(client.post("/v1/rollout", json={"text": long_text, "flow": True}),
+                     422, "validation_error", "flow")
+    assert f"limited to {RO.FLOW_MAX_TOKENS} tokens" in e["message"] and f"{n} tokens" in e["message"]
+    assert gpt2_runtime.forward_count == before  # refused before the forward
+    e = assert_error(client.post("/v1/rollout", json={"texts": ["short", long_text], "flow": True}),
+                     422, "validation_error", "flow")
+    assert "texts.1" in e["message"]
+    assert client.post("/v1/rollout", json={"text": long_text}).status_code == 200  # no flow: fine
+    assert_error(post(fusion="median"), 422, "validation_error", "fusion")
+    assert_error(post(discard=1.0), 422, "validation_error", "discard")
+    assert_error(post(discard=-0.1), 422, "validation_error", "discard")
+    assert_error(post(residual=1.5), 422, "validation_error", "residual")
+    assert_error(post(sink="hide"), 422, "validation_error", "sink")
+    assert_error(post(layers=[]), 422, "out_of_range", "layers")
+    assert_error(post(layers=[5]), 422, "out_of_range", "layers.0")
+    assert_error(post(flow_layers=[0]), 422, "validation_error", "flow_layers")
+    assert_error(post(flow=True, flow_layers=[]), 422, "out_of_range", "flow_layers")
+    assert_error(bert_client.post("/v1/rollout", json={"text": "hi", "layout": "tril"}),
+                 422, "validation_error", "layout")
+    assert post().status_code == 200  # still serving
+
+
+def test_memory_estimate_covers_the_rollout_before_any_forward(make_client, gpt2_runtime):
+    from conftest import assert_error
+
+    from attnscope.schemas import RolloutRequest
+    from attnscope.service.runtime.memory import forward_bytes
+    from attnscope.service.serving import rollout as serving
+
+    rt = gpt2_runtime
+    text = "Another fresh text for the rollout memory check, not seen before. " * 3
+    T = len(rt.tokenize(text))
+    a = rt.adapter
+    fwd = forward_bytes(a.n_layers, a.n_heads, a.d_model, [T], 4, rt.settings.forward_batch_size)
+    extra = serving.estimate(rt, RolloutRequest(text=text), [T], "json")
+    c = make_client(rt, max_request_bytes=fwd + extra // 2)
+    before = rt.forward_count
+    assert_error(c.post("/v1/rollout", json={"text": text}), 422, "memory_limit_exceeded")
+    assert rt.forward_count == before
