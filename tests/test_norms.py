@@ -167,6 +167,20 @@ def test_bias_options_and_head_selection(gpt2_runtime):
         assert got.value.shape == (2, len(tt))
 
 
+@pytest.mark.parametrize("value_bias, distribute", [("include", False), ("exclude", True)])
+def test_norms_without_f_equal_the_norms_of_f(gpt2_runtime, value_bias, distribute):
+    """summed=False takes value_norms' quadratic form (no f built): same numbers."""
+    rt = gpt2_runtime
+    fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
+    ob = "distribute" if distribute else "exclude"
+    for layer in range(rt.adapter.n_layers):
+        full = _ours(rt, fw, layer, value_bias=value_bias, output_bias=ob)
+        quick = _ours(rt, fw, layer, value_bias=value_bias, output_bias=ob, summed=False)
+        assert quick.summed is None
+        torch.testing.assert_close(quick.value, full.value, atol=1e-5, rtol=1e-6)
+        torch.testing.assert_close(quick.head, full.head, atol=1e-5, rtol=1e-6)
+
+
 def test_planted_fault_is_caught():
     """The comparison can fail: the norms of a mis-sliced W_O (head 0 reads head 1's rows)
     differ from the reference computed with the right slices."""

@@ -102,6 +102,43 @@ def transformed_values(
     return torch.bmm(v, W)  # [head, key_pos, d_model]
 
 
+def value_norms(
+    v: torch.Tensor,  # [head, key_pos, d_head]
+    W_o: torch.Tensor,  # [n_heads * d_head, d_model]
+    b_v: torch.Tensor | None = None,
+    value_bias: ValueBias = "include",
+    heads: Sequence[int] | None = None,
+    extra: torch.Tensor | None = None,  # [d_model], added to every f_h (e.g. b_O / H)
+) -> torch.Tensor:
+    """``||f_h(x_j) [+ extra]||`` ``[head, key_pos]`` (float32) without building f: with
+    ``u = v_j^h`` and ``W = W_O^h``, ``||u W + e||^2 = u (W W^T) u^T + 2 u (W e) + ||e||^2``
+    (float64). Cost ``H*d_head^2*d_model + H*T*d_head^2`` instead of :func:`transformed_values`'
+    ``H*T*d_head*d_model``: what /v1/heads' norm scores need. Same arguments and errors as
+    :func:`transformed_values`."""
+    if v.dim() != 3:
+        raise ValueError(f"v must be [head, key_pos, d_head]; got {tuple(v.shape)}")
+    H, T, dh = v.shape
+    if W_o.dim() != 2 or W_o.shape[0] != H * dh:
+        raise ValueError(f"W_o must be [{H * dh}, d_model]; got {tuple(W_o.shape)}")
+    u = v.double()
+    if value_bias == "exclude":
+        if b_v is None:
+            raise ValueError("value_bias 'exclude' needs b_v")
+        u = u - b_v.double().reshape(H, 1, dh)
+    elif value_bias != "include":
+        raise ValueError(f"value_bias must be 'include' or 'exclude'; got {value_bias!r}")
+    W = W_o.double().reshape(H, dh, -1)
+    if heads is not None:
+        idx = torch.tensor(list(heads), dtype=torch.long)
+        u, W = u.index_select(0, idx), W.index_select(0, idx)
+    M = torch.bmm(W, W.transpose(1, 2))  # [head, d_head, d_head]
+    sq = (torch.bmm(u, M) * u).sum(-1)  # [head, key_pos]
+    if extra is not None:
+        e = extra.double()
+        sq = sq + 2.0 * torch.einsum("hkd,hd->hk", u, W @ e) + e.dot(e)
+    return sq.clamp_(min=0).sqrt_().float()
+
+
 def contribution_vectors(
     pattern: torch.Tensor,  # [head, query_pos, key_pos]
     f: torch.Tensor,  # [head, key_pos, d_model]
@@ -188,18 +225,22 @@ def layer_norms(
     if output_bias == "distribute" and b_o is None:
         raise ValueError("output_bias 'distribute' needs b_o")
     H_all = v.shape[0]
-    f = transformed_values(v, W_o, b_v, value_bias, heads)  # [head, key_pos, d_model]
     a = pattern.float()
     if heads is not None:
         a = a.index_select(0, torch.tensor(list(heads), dtype=torch.long))
+    share = None if output_bias == "exclude" else b_o.float() / H_all  # each head's b_O part
+    if not summed:  # norms only: never build f (value_norms' quadratic form)
+        value = value_norms(v, W_o, b_v, value_bias, heads)
+        vn = value if share is None else value_norms(v, W_o, b_v, value_bias, heads, share)
+        head = a * vn.unsqueeze(1) if per_head else None
+        return LayerNorms(head, None, value)
+    f = transformed_values(v, W_o, b_v, value_bias, heads)  # [head, key_pos, d_model]
     value = f.norm(dim=-1)  # [head, key_pos]
     head = None
     if per_head:
-        vn = value if output_bias == "exclude" else (f + b_o.float() / H_all).norm(dim=-1)
+        vn = value if share is None else (f + share).norm(dim=-1)
         head = a * vn.unsqueeze(1)  # ||alpha f|| = alpha ||f|| (alpha >= 0)
-    total = None
-    if summed:
-        total = summed_norms(a, f, b_o if output_bias == "distribute" else None, H_all)
+    total = summed_norms(a, f, b_o if output_bias == "distribute" else None, H_all)
     return LayerNorms(head, total, value)
 
 
