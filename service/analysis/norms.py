@@ -176,7 +176,7 @@ def summed_norms(
         coef = torch.cat([coef, coef.sum(0, keepdim=True) / nh], 0)
     n = vecs.shape[0]
     gram = torch.bmm(vecs.transpose(0, 1), vecs.permute(1, 2, 0))  # [key_pos, n, n]
-    cols = coef.permute(2, 1, 0).contiguous()  # [key_pos, query_pos, n] (bmm of a permuted view: ~10x slower)
+    cols = coef.permute(2, 1, 0).contiguous()  # [key_pos, query_pos, n]: each key's coefficients
     out = torch.empty(K, Q, dtype=torch.float64)
     rows = max(1, CHUNK_ELEMENTS // max(1, K * n))
     for q0 in range(0, Q, rows):  # query chunks: the work array is [key_pos, rows, n]
