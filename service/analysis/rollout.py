@@ -149,7 +149,8 @@ def attention_flow(
     layered graph with capacities ``Â`` (module docstring), divided by the row's sum.
 
     Uses networkx's ``maximum_flow_value`` (preflow-push, the residual network built once per
-    layer and reused for each (query, input) pair, which preflow-push resets itself). Pairs
+    layer, or per query when the capacities are lower-triangular (causal models: only positions
+    <= q are reachable from q), and reused for each input, which preflow-push resets). Pairs
     with no path of positive capacity (``R_l[q, k] = 0``: later tokens of a causal model,
     discarded edges) have flow 0 and are not run.
 
@@ -171,18 +172,28 @@ def attention_flow(
     # (products of non-negative entries): the other pairs' flow is 0 without a max-flow run
     reach = rollout(aug) > 0
     out = torch.zeros(len(layers), T, T, dtype=torch.float64)
-    for i, top in enumerate(layers):
+    # lower-triangular capacities (causal models): from (l, q) only positions <= q are
+    # reachable, so query q's flows run on the graph of positions 0..q (exact; 1.3x faster at
+    # 12 layers x 16 tokens)
+    lower = not bool(torch.triu(aug, 1).any())
+
+    def graph(top: int, n: int):
         G = nx.DiGraph()
-        G.add_nodes_from(range((top + 2) * T))
+        G.add_nodes_from(lvl * T + p for lvl in range(top + 2) for p in range(n))
         for lvl in range(1, top + 2):  # node lvl * T + q: position q at layer lvl's output
             m = caps[lvl - 1]
             G.add_edges_from(
                 (lvl * T + q, (lvl - 1) * T + k, {"capacity": m[q][k]})
-                for q in range(T) for k in range(T) if m[q][k] > 0
+                for q in range(n) for k in range(n) if m[q][k] > 0
             )
-        R = build_residual_network(G, "capacity")
+        return G, build_residual_network(G, "capacity")
+
+    for i, top in enumerate(layers):
         src0 = (top + 1) * T
+        G, R = (None, None) if lower else graph(top, T)
         for q in range(T):
+            if lower:
+                G, R = graph(top, q + 1)
             row = [nx.maximum_flow_value(G, src0 + q, k, capacity="capacity",
                                          flow_func=preflow_push, residual=R)
                    if reach[top, q, k] else 0.0 for k in range(T)]
