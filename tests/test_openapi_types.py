@@ -115,3 +115,11 @@ def test_typescript_declarations_are_committed_and_typed():
     assert "unknown[]" not in result and "(number | null" in result
     committed = json.loads((ROOT / "clients" / "typescript" / "openapi.json").read_text())
     assert committed["openapi"].startswith("3.1")
+
+
+def test_committed_document_is_the_served_one(spec):
+    """clients/typescript/ is generated from this very document: after a schema change run
+    scripts/gen-typescript (needs npm) and commit both files."""
+    committed = json.loads((ROOT / "clients" / "typescript" / "openapi.json").read_text())
+    assert committed == json.loads(json.dumps(spec)), \
+        "the API changed: run scripts/gen-typescript and commit clients/typescript/"

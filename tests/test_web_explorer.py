@@ -346,3 +346,50 @@ def test_with_api_keys_the_page_asks_for_a_key(keyed_server, page):
     page.press("#api-key", "Enter")
     page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
     assert page.locator("#tokens .token").count() >= 3 and not page.is_visible("#api-key")
+
+
+def test_verification_panel_shows_a_planted_fault(page):
+    """Planted fault: the output projection of layer 1 changes after the text's forward was
+    recorded (cached); the service's verification fails at layer 1 and the page says so."""
+    import torch
+
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+
+    rt = Runtime.load(Settings(model="bundled"))  # its own copy: its weights change here
+    server, t, url = _thread_server(rt)
+    try:
+        assert api(url, "/v1/verify", {"text": SENTENCE})["verification"]["passed"]  # cached
+        w = rt.adapter.base().h[1].attn.c_proj.weight
+        with torch.no_grad():
+            w[:, 7].add_(0.05)
+        open_explorer(page, url, layer=1, head=0)
+        v = api(url, "/v1/verify", {"text": SENTENCE})["verification"]
+        assert not v["passed"] and v["failed_layers"] == [1]
+        assert page.inner_text("#verify p.fail") == f"FAILED: {v['message']}"
+        rows = page.locator("#verify tr").all_inner_texts()
+        assert rows[1].split("\t")[-1] == "yes" and rows[2].split("\t")[-1] == "NO"
+    finally:
+        server.should_exit = True
+        t.join(timeout=10)
+
+
+def test_extra_panels_plug_in_with_register_panel(live_server, page):
+    """The hook later panels (ablation/patching, norms, rollout) use: a registered panel
+    renders with the page's context and, if layerAware, again when the layer/head changes."""
+    open_explorer(page, live_server.url, layer=0, head=1)
+    page.evaluate("""async () => {
+      const { registerPanel } = await import('/static/web/explorer.js');
+      registerPanel({ id: 'probe', title: 'Probe panel', layerAware: true,
+        async render(ctx, body) {
+          const r = await ctx.client.tokenize({ text: ctx.text, add_bos: ctx.addBos });
+          body.textContent = `${ctx.model.id} layer ${ctx.layer} head ${ctx.head}: ` +
+            `${r.tokens.n_tokens} tokens`;
+        } });
+    }""")
+    page.wait_for_selector("#panel-probe[data-ready='1']")
+    n = len(api(live_server.url, "/v1/tokenize", {"text": SENTENCE})["tokens"]["tokens"])
+    assert page.inner_text("#panel-probe h2") == "Probe panel"
+    assert page.inner_text("#panel-probe .panel-body") == f"attnscope-tiny-gpt2 layer 0 head 1: {n} tokens"
+    page.select_option("#head", "3")
+    page.wait_for_function("document.querySelector('#panel-probe .panel-body').textContent.includes('head 3')")

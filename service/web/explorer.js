@@ -8,7 +8,9 @@
 //   import { registerPanel } from "/static/web/explorer.js";
 //   registerPanel({ id: "rollout", title: "Attention rollout", async render(ctx, body) { ... } });
 // render() runs after every analysis with ctx = {client, model, text, addBos, layer, head,
-// tokens, setStatus}; it fills `body` (a <div> in its own <section id="panel-ID">).
+// tokens, setStatus}; it fills `body` (a <div> in its own <section id="panel-ID">, which gets
+// data-ready="1" once render resolved). `layerAware: true` also re-renders it whenever the
+// layer or head changes.
 
 import { Client, ApiError, decodeTensor } from "./attnscope.js";
 import { colourBar, headColour, headGrid, heatmap, lineView, showLabel, trajectoryPlot, fmt } from "./views.js";

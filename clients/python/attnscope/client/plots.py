@@ -261,7 +261,7 @@ def _grid(mats: list[np.ndarray], titles: list[str], labels, causal, suptitle: s
     nrows = -(-n // ncols)
     T = mats[0].shape[-1]
     side = 3.2 + 0.09 * min(T, MAX_TICK_LABELS)
-    fig = _new_figure((side * ncols + 1.2, side * nrows + 0.8))
+    fig = _new_figure((side * ncols + 1.2, side * nrows + 1.6))
     axes = fig.subplots(nrows, ncols, squeeze=False)
     flat = axes.ravel()
     lo, hi, is_pattern = _limits(mats, vmin, vmax)
