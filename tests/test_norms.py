@@ -410,15 +410,17 @@ def test_noop_scores_on_hand_made_tensors():
     """Weight on the sink whose value vector is 0 is all 'no-op'; on a sink whose vector is
     as large as the others it is not counted."""
     a = torch.tensor([[[1.0, 0, 0], [0.8, 0.2, 0], [0.6, 0.2, 0.2]]])  # [head, q, k]
-    zero_sink = a * torch.tensor([0.0, 1.0, 1.0])  # norms: ||f(x_0)|| = 0
-    s = N.noop_scores(a, zero_sink)
+    s = N.noop_scores(a, torch.tensor([[0.0, 1.0, 1.0]]))  # ||f(x_0)|| = 0
     # row 0 has no norm at all (share 0 < weight 1): counted; rows 1, 2: share 0 < 0.8, 0.6
     assert s["noop"].item() == pytest.approx((1.0 + 0.8 + 0.6) / 3)
     assert s["sink_norm_share"].item() == 0.0
-    equal = a * 2.0  # every ||f|| = 2: norm share = weight share, never below
-    s = N.noop_scores(a, equal)
+    s = N.noop_scores(a, torch.full((1, 3), 2.0))  # every ||f|| = 2: norm share = weight share
     assert s["noop"].item() == 0.0
     assert s["sink_norm_share"].item() == pytest.approx((1.0 + 0.8 + 0.6) / 3)
+    s = N.noop_scores(a, torch.tensor([[1.0, 4.0, 4.0]]))  # a small sink vector
+    share = torch.tensor([1.0, 0.8 / (0.8 + 0.8), 0.6 / (0.6 + 1.6)])
+    assert s["sink_norm_share"].item() == pytest.approx(share.mean().item())
+    assert s["noop"].item() == pytest.approx((0.8 + 0.6) / 3)  # rows 1, 2 (row 0: 1 = 1)
 
 
 def test_heads_norm_scores_equal_the_reference(bert_client, bert_runtime):

@@ -109,17 +109,25 @@ def value_norms(
     value_bias: ValueBias = "include",
     heads: Sequence[int] | None = None,
     extra: torch.Tensor | None = None,  # [d_model], added to every f_h (e.g. b_O / H)
+    gram: torch.Tensor | None = None,  # [n_heads, d_head, d_head] float64: value_gram(W_o)
 ) -> torch.Tensor:
     """``||f_h(x_j) [+ extra]||`` ``[head, key_pos]`` (float32) without building f: with
     ``u = v_j^h`` and ``W = W_O^h``, ``||u W + e||^2 = u (W W^T) u^T + 2 u (W e) + ||e||^2``
     (float64). Cost ``H*d_head^2*d_model + H*T*d_head^2`` instead of :func:`transformed_values`'
     ``H*T*d_head*d_model``: what /v1/heads' norm scores need. Same arguments and errors as
-    :func:`transformed_values`."""
+    :func:`transformed_values`; ``gram``: :func:`value_gram` of ``W_o`` computed before (it
+    depends on the weights only, so callers may keep it).
+
+    Raises:
+        ValueError: as :func:`transformed_values`, or ``gram`` not ``[n_heads, d_head, d_head]``.
+    """
     if v.dim() != 3:
         raise ValueError(f"v must be [head, key_pos, d_head]; got {tuple(v.shape)}")
     H, T, dh = v.shape
     if W_o.dim() != 2 or W_o.shape[0] != H * dh:
         raise ValueError(f"W_o must be [{H * dh}, d_model]; got {tuple(W_o.shape)}")
+    if gram is not None and tuple(gram.shape) != (H, dh, dh):
+        raise ValueError(f"gram must be [{H}, {dh}, {dh}]; got {tuple(gram.shape)}")
     u = v.double()
     if value_bias == "exclude":
         if b_v is None:
@@ -127,16 +135,25 @@ def value_norms(
         u = u - b_v.double().reshape(H, 1, dh)
     elif value_bias != "include":
         raise ValueError(f"value_bias must be 'include' or 'exclude'; got {value_bias!r}")
-    W = W_o.double().reshape(H, dh, -1)
-    if heads is not None:
-        idx = torch.tensor(list(heads), dtype=torch.long)
-        u, W = u.index_select(0, idx), W.index_select(0, idx)
-    M = torch.bmm(W, W.transpose(1, 2))  # [head, d_head, d_head]
+    M = value_gram(W_o, H) if gram is None else gram.double()  # [head, d_head, d_head]
+    idx = None if heads is None else torch.tensor(list(heads), dtype=torch.long)
+    if idx is not None:
+        u, M = u.index_select(0, idx), M.index_select(0, idx)
     sq = (torch.bmm(u, M) * u).sum(-1)  # [head, key_pos]
     if extra is not None:
+        W = W_o.double().reshape(H, dh, -1)
+        if idx is not None:
+            W = W.index_select(0, idx)
         e = extra.double()
         sq = sq + 2.0 * torch.einsum("hkd,hd->hk", u, W @ e) + e.dot(e)
     return sq.clamp_(min=0).sqrt_().float()
+
+
+def value_gram(W_o: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``W_O^h (W_O^h)^T`` for every head: ``[head, d_head, d_head]`` float64, from the output
+    projection ``[n_heads * d_head, d_model]`` (:func:`value_norms`' quadratic form)."""
+    W = W_o.double().reshape(n_heads, W_o.shape[0] // n_heads, -1)
+    return torch.bmm(W, W.transpose(1, 2))
 
 
 def contribution_vectors(
@@ -250,13 +267,13 @@ NOOP_TOLERANCE = 1e-6
 
 def noop_scores(
     pattern: torch.Tensor,  # [head, query_pos, key_pos]
-    head_norms: torch.Tensor,  # [head, query_pos, key_pos], ||alpha^h_ij f_h(x_j)||
+    value_norms: torch.Tensor,  # [head, key_pos], ||f_h(x_j)|| (value_norms / LayerNorms.value)
     sink: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Per head, how much attention sits on the sink while contributing little (a "no-op"
     attention; Kobayashi et al. 2020, section 4: high weight, small norm). For each query row
     q, the sink's weight share is ``alpha[q, sink]`` and its norm share ``n[q, sink] / sum_k
-    n[q, k]`` (``n`` = the head's contribution norms):
+    n[q, k]`` with ``n[q, k] = alpha[q, k] ||f_h(x_k)||`` the head's contribution norms:
 
     * ``noop``: mean over query rows of ``alpha[q, sink]`` counted only where the norm share is
       below the weight share (the weight on the sink that is discounted by its small value
@@ -265,13 +282,15 @@ def noop_scores(
       with /v1/heads' ``sink``, the mean weight share).
 
     "Below" means by more than :data:`NOOP_TOLERANCE` (a share equal to the weight up to
-    float32 rounding is not discounted). Rows whose norms are all 0 have norm share 0.
-    Returns float64 ``[head]`` tensors.
+    float32 rounding is not discounted). Rows whose norms are all 0 have norm share 0. The
+    row sums are one matrix-vector product (no ``[head, query, key]`` norm tensor is built);
+    float32 arithmetic. Returns float64 ``[head]`` tensors.
     """
-    a = pattern.double()
-    n = head_norms.double()
-    w0 = a[:, :, sink]
-    tot = n.sum(-1)
-    share = torch.where(tot > 0, n[:, :, sink] / torch.where(tot > 0, tot, 1.0), 0.0)
-    noop = torch.where(share < w0 - NOOP_TOLERANCE, w0, 0.0).mean(-1)
-    return {"noop": noop, "sink_norm_share": share.mean(-1)}
+    a = pattern.float()
+    vn = value_norms.float()
+    w0 = a[:, :, sink]  # [head, query_pos]
+    n0 = w0 * vn[:, sink : sink + 1]
+    tot = torch.bmm(a, vn.unsqueeze(-1)).squeeze(-1)  # sum_k alpha[q, k] ||f(x_k)||
+    share = torch.where(tot > 0, n0 / torch.where(tot > 0, tot, 1.0), 0.0)
+    noop = torch.where(share < w0 - NOOP_TOLERANCE, w0, 0.0)
+    return {"noop": noop.double().mean(-1), "sink_norm_share": share.double().mean(-1)}
