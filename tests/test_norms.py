@@ -448,3 +448,37 @@ def test_heads_norm_scores_equal_the_reference(bert_client, bert_runtime):
     assert max(v["noop"] for v in got.values()) > 0.5
     off = bert_client.post("/v1/heads", json={"text": SENTENCE, "norm_scores": False}).json()
     assert all(h.get("norm_scores") is None for h in off["heads"])
+
+
+def test_heads_norm_scores_follow_a_weight_change(client, gpt2_runtime):
+    """W_O W_O^T is kept between requests: an in-place change of the output projection must
+    not leave the scores on the old weights (a planted fault for the cache key)."""
+    rt = gpt2_runtime
+    fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
+
+    def direct(layer):
+        p = rt.adapter.attention_params(layer)
+        vn = N.value_norms(fw.tensors.v[layer], p.W_o)  # no kept Gram
+        return N.noop_scores(fw.pattern[layer], vn)["sink_norm_share"]
+
+    def served():
+        r = client.post("/v1/heads", json={"text": SENTENCE, "probe": {"enabled": False}})
+        assert r.status_code == 200, r.text
+        return {(h["layer"], h["head"]): h["norm_scores"]["sink_norm_share"] for h in r.json()["heads"]}
+
+    before = served()
+    W = rt.model.transformer.h[1].attn.c_proj.weight
+    saved = W.detach().clone()
+    g = torch.Generator().manual_seed(1)
+    try:
+        with torch.no_grad():
+            W.add_(torch.randn(W.shape, generator=g) * W.abs().mean())
+        after = served()
+        want = direct(1)
+        for h in range(rt.adapter.n_heads):
+            assert after[(1, h)] == pytest.approx(want[h].item(), abs=1e-6)
+        assert any(abs(after[(1, h)] - before[(1, h)]) > 1e-4 for h in range(rt.adapter.n_heads))
+    finally:
+        with torch.no_grad():
+            W.copy_(saved)
+    assert served() == pytest.approx(before)
