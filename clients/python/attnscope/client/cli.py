@@ -645,6 +645,10 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return EXIT_OK
+    except OSError as exc:  # a file that cannot be read or written (--plot, --output, input)
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"attnscope {args.cmd}: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"attnscope {args.cmd}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
