@@ -522,9 +522,12 @@ def norm_heatmap(norms: Any, attention: Any = None, layer: int | None = None,
     fig = _new_figure(figsize if attention is not None else (6, 5.5))
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (mat, name, vmax) in zip(axes, panels):
-        im = _draw(ax, mat, labels, None, f"layer {layer}, {name}", vmax=vmax)
-        fig.colorbar(im, ax=ax, shrink=0.8, label=name)
-    fig.suptitle(title or "Attention weight vs contribution norm (Kobayashi et al. 2020)")
+        im, masked = _draw(ax, mat, labels, None, f"layer {layer}, {name}", 0.0, vmax or 1.0)
+        _colourbar(fig, im, ax, vmax == 1.0, masked,
+                   label=name + ("" if vmax == 1.0 else " (0 .. max, residual-stream units)"))
+    headline = _headline(_model_id(norms), _text_of(res.tokens))
+    fig.suptitle(title or "\n".join(x for x in (
+        headline, "Attention weight vs contribution norm (Kobayashi et al. 2020)") if x))
     return fig
 
 
@@ -551,7 +554,9 @@ def rollout_heatmap(result: Any, layer: int | None = None, *, flow: bool = False
     fig = _new_figure(figsize)
     ax = fig.subplots()
     name = "attention flow" if flow else "attention rollout"
-    im = _draw(ax, m[layers.index(layer)], token_labels(res.tokens), None,
-               title or f"{name} at layer {layer}", vmax=1.0)
-    fig.colorbar(im, ax=ax, shrink=0.8, label="share of the input token (rows sum to 1)")
+    headline = _headline(_model_id(result), _text_of(res.tokens))
+    im, masked = _draw(ax, m[layers.index(layer)], token_labels(res.tokens), None,
+                       title or "\n".join(x for x in (headline, f"{name} at layer {layer}") if x),
+                       0.0, 1.0)
+    _colourbar(fig, im, ax, True, masked, label="share of the input token (rows sum to 1)")
     return fig
