@@ -23,7 +23,7 @@ from attnscope.service.api import scratch as scratch_api, trajectories as trajec
 from attnscope.service.api import verify as verify_api
 from attnscope.service.config import Settings
 from attnscope.service.encoding import ORJSONResponse
-from attnscope.service.errors import AttnscopeError, envelope
+from attnscope.service.errors import AttnscopeError, envelope, scrub_paths
 from attnscope.service.ops import InstrumentedSlot, install_ops
 from attnscope.service.runtime import ModelLoadError, Runtime
 from attnscope.service.analysis._blas import (
@@ -174,7 +174,18 @@ def _install_offline_docs(app: FastAPI) -> None:
     from fastapi.staticfiles import StaticFiles
     from swagger_ui_bundle import swagger_ui_path
 
-    app.mount("/static/swagger-ui", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+    class _DocsAssets(StaticFiles):
+        """Only the files /docs loads (not the package's demo pages, templates, source maps)."""
+
+        ALLOWED = frozenset({"swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png",
+                             "oauth2-redirect.html"})
+
+        def lookup_path(self, path: str):
+            if path not in self.ALLOWED:
+                return "", None  # -> 404
+            return super().lookup_path(path)
+
+    app.mount("/static/swagger-ui", _DocsAssets(directory=swagger_ui_path), name="swagger-ui")
 
     @app.get("/docs", include_in_schema=False)
     async def docs():
@@ -220,12 +231,12 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
                     log.info("model ready: %s (%d start-up objects frozen for the garbage "
                              "collector)", app.state.runtime.info, frozen)
                 except ModelLoadError as exc:
-                    app.state.load_error = str(exc)
+                    app.state.load_error = scrub_paths(str(exc))  # clients: no local paths
                     log.error("start-up failed: %s", exc)
                     if settings.exit_on_load_failure:
                         os._exit(3)
                 except Exception as exc:  # pragma: no cover
-                    app.state.load_error = f"{type(exc).__name__}: {exc}"
+                    app.state.load_error = scrub_paths(f"{type(exc).__name__}: {exc}")
                     log.exception("start-up failed")
                     if settings.exit_on_load_failure:
                         os._exit(3)

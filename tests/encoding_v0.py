@@ -1,4 +1,8 @@
-"""Tensors become wire data in exactly one place (CONVENTIONS.md).
+"""FROZEN COPY of service/encoding.py before issue 17 (commit 5b2e652): the reference that
+tests/test_encoding_equivalence.py compares the chunked encoders with, byte for byte. Not used
+by the service.
+
+Tensors become wire data in exactly one place (CONVENTIONS.md).
 
 Encodings of one tensor (:func:`encode_tensor`):
 
