@@ -106,6 +106,26 @@ class Settings(BaseSettings):
         "forward already running finishes in the background). 0 = no limit.",
     )
 
+    max_connections: int = Field(
+        1024, ge=1, le=1_000_000, description="Most open client connections (`attnscope "
+        "serve`). Beyond it the connection idle the longest is closed to make room, or, when "
+        "none is idle, the newcomer gets 503 with Retry-After at once (service/server.py). "
+        "Must leave 256 file descriptors under `ulimit -n` (raised to its hard limit at start).",
+    )
+    header_timeout_s: float = Field(
+        10.0, ge=0, description="Most seconds from a connection's start (or a request's first "
+        "byte) to the end of the request's headers; beyond it 408 and the connection is closed "
+        "(slow, trickling clients). 0 = no limit.",
+    )
+    keep_alive_timeout_s: float = Field(
+        5.0, ge=1, description="Seconds an idle kept-alive connection stays open after a "
+        "response (uvicorn timeout_keep_alive).",
+    )
+    max_header_bytes: int = Field(
+        32_768, ge=1024, description="Largest request line + headers, bytes; beyond it 431 and "
+        "the connection is closed.",
+    )
+
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_commas(cls, v):
