@@ -28,7 +28,7 @@ from attnscope.service.encoding.codecs import (  # noqa: F401
 from attnscope.service.encoding.negotiation import SAFETENSORS, wants_binary  # noqa: F401
 from attnscope.service.encoding.responses import (  # noqa: F401
     CHUNK_BYTES, DEADLINE_KEY, STREAM_MIN_BYTES, ChunkedResponse, ORJSONResponse,
-    _array_bytes, _collect_binary, _default, _then_release, body_response, dumps, iter_json,
+    _array_bytes, _collect_binary, _default, _then_release, body_response, dumps, iter_json, respond,
     safetensors_parts, tensor_response,
 )
 from attnscope.service.errors import InvalidRequest, NonFiniteValues, NotAcceptable  # noqa: F401

@@ -304,19 +304,27 @@ async def tensor_response(
     Errors raised by ``build`` (NonFiniteValues, ...) propagate before any byte is sent.
     """
     body = await (run(build) if run is not None else anyio.to_thread.run_sync(build))
-    return await body_response(body, binary, status_code)
+    return await respond(body, binary, status_code)
 
 
-async def body_response(body: Any, binary: bool = False, status_code: int = 200) -> Response:
-    """The response of an encoded ``body``: safetensors (``binary``), one-shot JSON when its
-    arrays are under STREAM_MIN_BYTES, else streamed JSON; the big work off the event loop."""
+async def respond(body: Any, binary: bool = False, status_code: int = 200,
+                  headers: dict | None = None) -> Response:
+    """The response for a finished ``body`` (a dict whose tensors went through
+    ``encode_tensor``): one safetensors file when ``binary``; one-shot JSON when its arrays
+    are under STREAM_MIN_BYTES (rendered in a worker thread); else JSON streamed in bounded
+    chunks (:class:`ChunkedResponse`: each chunk made in a worker thread, cut at the
+    deadline, freed on disconnect)."""
     if binary:
         parts = await anyio.to_thread.run_sync(safetensors_parts, body)
         del body
         length = sum(len(p) for p in parts)
-        return ChunkedResponse(_then_release(parts), status_code, SAFETENSORS, length)
+        return ChunkedResponse(_then_release(parts), status_code, SAFETENSORS, length, headers)
     if _array_bytes(body) < STREAM_MIN_BYTES:
-        # small: one orjson call (<= ~50 ms), done in a worker thread all the same
         content = await anyio.to_thread.run_sync(dumps, body)
-        return Response(content, status_code=status_code, media_type="application/json")
-    return ChunkedResponse(_then_release(iter_json(body)), status_code, "application/json")
+        return Response(content, status_code=status_code, media_type="application/json",
+                        headers=headers)
+    return ChunkedResponse(_then_release(iter_json(body)), status_code, "application/json",
+                           None, headers)
+
+
+body_response = respond
