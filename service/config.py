@@ -69,6 +69,18 @@ class Settings(BaseSettings):
         "(service/runtime/memory.py); beyond it 422 'memory_limit_exceeded' before any forward. "
         "0 = no limit.",
     )
+    memory_budget_bytes: int = Field(
+        0, ge=-1, description="Memory budget of ALL requests in flight together, bytes: a "
+        "request is admitted only while the estimates of those in flight (until their last "
+        "byte is sent) plus its own fit; otherwise it waits up to budget_wait_s, then 429 "
+        "with Retry-After (service/runtime/budget.py). 0 = derived at start-up: the memory "
+        "the process may use (cgroup limit or MemTotal) minus its RSS with the model loaded, "
+        "minus cache_bytes, minus 10% of that memory. -1 = no global budget.",
+    )
+    budget_wait_s: float = Field(
+        5.0, ge=0, description="Most seconds a request waits for room in the memory budget "
+        "before 429.",
+    )
     trim_free_bytes: int = Field(
         268_435_456, ge=0, description="After a forward or a large response, free heap memory "
         "is given back to the OS (glibc malloc_trim) once the allocator holds more than this many "

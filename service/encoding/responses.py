@@ -216,8 +216,9 @@ class ChunkedResponse(Response):
 
     def __init__(self, chunks: Iterable, status_code: int = 200,
                  media_type: str = "application/json", content_length: int | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, on_close: Callable[[], None] | None = None):
         self.chunks = iter(chunks)
+        self.on_close = on_close
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
@@ -271,7 +272,10 @@ class ChunkedResponse(Response):
             if state["why"] != "done":
                 from attnscope.service.runtime.memory import release_memory
 
-                await anyio.to_thread.run_sync(release_memory, 0)
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(release_memory, 0)
+            if self.on_close is not None:
+                self.on_close()  # e.g. the memory budget's ticket: the body is gone
         if state["why"] == "deadline":
             log.warning("response cut at the request's deadline (request_timeout_s) after %d "
                         "bytes; the connection is closed without the end of the body",
@@ -307,24 +311,44 @@ async def tensor_response(
     return await respond(body, binary, status_code)
 
 
+class _ClosingResponse(Response):
+    """A one-shot Response that calls ``on_close`` once sent (or when sending failed)."""
+
+    def __init__(self, content: bytes, status_code: int, headers: dict | None,
+                 on_close: Callable[[], None] | None):
+        super().__init__(content, status_code=status_code, media_type="application/json",
+                         headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.body = b""
+            if self.on_close is not None:
+                self.on_close()
+
+
 async def respond(body: Any, binary: bool = False, status_code: int = 200,
-                  headers: dict | None = None) -> Response:
+                  headers: dict | None = None,
+                  on_close: Callable[[], None] | None = None) -> Response:
     """The response for a finished ``body`` (a dict whose tensors went through
     ``encode_tensor``): one safetensors file when ``binary``; one-shot JSON when its arrays
     are under STREAM_MIN_BYTES (rendered in a worker thread); else JSON streamed in bounded
     chunks (:class:`ChunkedResponse`: each chunk made in a worker thread, cut at the
-    deadline, freed on disconnect)."""
+    deadline, freed on disconnect). ``on_close``: called on the event loop once the response
+    is over (sent, cut, or its client gone), e.g. to give back a memory-budget ticket."""
     if binary:
         parts = await anyio.to_thread.run_sync(safetensors_parts, body)
         del body
         length = sum(len(p) for p in parts)
-        return ChunkedResponse(_then_release(parts), status_code, SAFETENSORS, length, headers)
+        return ChunkedResponse(_then_release(parts), status_code, SAFETENSORS, length, headers,
+                               on_close)
     if _array_bytes(body) < STREAM_MIN_BYTES:
         content = await anyio.to_thread.run_sync(dumps, body)
-        return Response(content, status_code=status_code, media_type="application/json",
-                        headers=headers)
+        return _ClosingResponse(content, status_code, headers, on_close)
     return ChunkedResponse(_then_release(iter_json(body)), status_code, "application/json",
-                           None, headers)
+                           None, headers, on_close)
 
 
 body_response = respond

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from attnscope.schemas import VerifyRequest
 from attnscope.service.analysis.verify import verify
+from attnscope.service.encoding.estimates import verify_bytes
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_indices
 
@@ -29,4 +30,7 @@ def plan(rt, req: VerifyRequest, items) -> Plan:
             body["results"] = res
         return body
 
-    return Plan(items, job)
+    a = rt.adapter
+    est = verify_bytes([len(it) for it in items], len(layers), a.n_heads, a.d_model,
+                       req.projections)
+    return Plan(items, job, est)
