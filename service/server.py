@@ -27,6 +27,7 @@ and the logs need some).
 from __future__ import annotations
 
 import logging
+import os
 import resource
 from typing import Any
 
@@ -57,6 +58,19 @@ def _envelope_response(status: int, reason: str, type_: str, message: str,
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n").encode() + extra + \
         b"\r\n" + body
+
+
+def _unread(transport) -> bool:
+    """True when the connection's socket holds bytes the event loop has not read yet."""
+    import socket as _socket
+
+    sock = transport.get_extra_info("socket")
+    try:
+        fd = sock.fileno()
+        with _socket.socket(fileno=os.dup(fd)) as dup:
+            return bool(dup.recv(1, _socket.MSG_PEEK | _socket.MSG_DONTWAIT))
+    except (OSError, AttributeError, ValueError):
+        return False
 
 
 class _HeadersTooBig(Exception):
@@ -109,6 +123,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
 
         def _arm(self) -> None:
             if self._hdr_timer is None and header_timeout_s > 0:
+                self._armed_at = self.loop.time()
                 self._hdr_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
 
         def _disarm(self) -> None:
@@ -120,8 +135,16 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             self._hdr_timer = None
             if not self._reading or self.transport.is_closing():
                 return
+            late = self.loop.time() - self._armed_at - header_timeout_s
+            if late > 0.1 and _unread(self.transport):
+                # the event loop itself ran late (busy) and bytes the client sent wait unread
+                # in the socket: not the client's fault; another period
+                return self._arm()
             idle.pop(self, None)
-            if self._any_bytes:  # a request began and its headers never ended
+            if not self._any_bytes:
+                log.debug("idle connection closed after %.3g s (header_timeout_s)",
+                          header_timeout_s)
+            else:  # a request began and its headers never ended
                 log.info("connection dropped: headers not complete after %.3g s "
                          "(header_timeout_s)", header_timeout_s)
                 self.transport.write(_envelope_response(
