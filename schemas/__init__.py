@@ -35,6 +35,8 @@ from attnscope.schemas.trajectories import (
     TrajectoriesResponse,
     TrajectoryResult,
 )
+from attnscope.schemas.norms import NormsRequest, NormsResponse, NormsResult
+from attnscope.schemas.rollout import RolloutRequest, RolloutResponse, RolloutResult
 from attnscope.schemas.verify import HeadDiff, LayerDiff, VerifyRequest, VerifyResponse, VerifyResult
 
 __all__ = [
@@ -74,4 +76,10 @@ __all__ = [
     "VerifyResult",
     "HeadDiff",
     "LayerDiff",
+    "NormsRequest",
+    "NormsResponse",
+    "NormsResult",
+    "RolloutRequest",
+    "RolloutResponse",
+    "RolloutResult",
 ]
