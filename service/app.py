@@ -32,7 +32,9 @@ from attnscope.service.runtime import ModelLoadError, Runtime
 from attnscope.service.analysis._blas import (
     one_blas_thread_for_process, preload_analysis_libraries,
 )
+from attnscope.service.encoding.responses import set_heap_release
 from attnscope.service.runtime.memory import (
+    release_memory,
     freeze_startup_objects,
     unfreeze_startup_objects,
     set_numpy_hugepages,
@@ -231,6 +233,7 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
     """Build the app. ``runtime`` given: use it (tests); else load ``settings.model`` in the
     lifespan, off the event loop."""
     settings = settings or Settings()
+    set_heap_release(release_memory)  # process-wide: the encoding layer trims after bodies
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

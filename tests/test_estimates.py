@@ -33,7 +33,7 @@ CASES = [
      {"texts": [LONG, LONG[:300]], "n_components": 128}),
     ("/v1/links", links, schemas.LinksRequest, {"texts": [LONG] * 2, "layer": 1, "top_k": 256}),
     ("/v1/heads", heads, schemas.HeadsRequest, {"texts": [LONG, "a b c d"]}),
-    ("/v1/verify", verify, schemas.VerifyRequest, {"text": LONG, "projections": True}),
+    ("/v1/verify", verify, schemas.VerifyRequest, {"text": LONG, "mode": "recorded_qkv", "projections": True}),
     ("/v1/scratch-attention", scratch, schemas.ScratchAttentionRequest,
      {"text": LONG[:400], "n_heads": 4}),
     ("/v1/scratch-attention", scratch, schemas.ScratchAttentionRequest,

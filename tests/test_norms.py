@@ -363,8 +363,10 @@ def test_memory_estimate_covers_the_norms_before_any_forward(make_client, gpt2_r
     a = rt.adapter
     fwd = forward_bytes(a.n_layers, a.n_heads, a.d_model, [T], 4, rt.settings.forward_batch_size)
     extra = serving.estimate(rt, NormsRequest(text=text), [T], "json")
-    assert extra > 0
-    limit = fwd + extra // 2
+    small = serving.estimate(rt, NormsRequest(text=text, layers=[0], per_head=False,
+                                              value_norms=False), [T], "json")
+    assert 0 < small < extra
+    limit = fwd + (extra + small) // 2  # between the two requests' estimates
     c = make_client(rt, max_request_bytes=limit)
     before = rt.forward_count
     e = assert_error(c.post("/v1/attention-norms", json={"text": text}), 422, "memory_limit_exceeded")
@@ -462,7 +464,8 @@ def test_heads_norm_scores_follow_a_weight_change(client, gpt2_runtime):
         return N.noop_scores(fw.pattern[layer], vn)["sink_norm_share"]
 
     def served():
-        r = client.post("/v1/heads", json={"text": SENTENCE, "probe": {"enabled": False}})
+        r = client.post("/v1/heads", json={"text": SENTENCE, "add_bos": False,
+                                           "probe": {"enabled": False}})
         assert r.status_code == 200, r.text
         return {(h["layer"], h["head"]): h["norm_scores"]["sink_norm_share"] for h in r.json()["heads"]}
 

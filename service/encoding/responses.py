@@ -205,6 +205,22 @@ def safetensors_parts(body: Any) -> list[bytes | memoryview]:
 
 
 # ---------------------------------------------------------------------------- the response
+def _no_release(min_free_bytes: int | None = None) -> bool:
+    return False
+
+
+#: Gives freed heap memory back to the OS once a body is gone; the app wires in the runtime's
+#: ``release_memory`` (service/app.py) so this layer imports nothing above it.
+_release_heap: Callable[..., object] = _no_release
+
+
+def set_heap_release(fn: Callable[..., object] | None) -> None:
+    """Set the function called with ``0`` (trim now) after an early-ended stream and with no
+    argument after a completed one (None: do nothing)."""
+    global _release_heap
+    _release_heap = fn or _no_release
+
+
 class ChunkedResponse(Response):
     """Send ``chunks`` (a sync iterator of bytes), each produced in a worker thread.
 
@@ -270,10 +286,8 @@ class ChunkedResponse(Response):
                 close()  # drops the generator's frame: the body it walked
             del close
             if state["why"] != "done":
-                from attnscope.service.runtime.memory import release_memory
-
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(release_memory, 0)
+                    await anyio.to_thread.run_sync(_release_heap, 0)
             if self.on_close is not None:
                 self.on_close()  # e.g. the memory budget's ticket: the body is gone
         if state["why"] == "deadline":
@@ -290,11 +304,9 @@ class ChunkedResponse(Response):
 def _then_release(chunks: Iterable) -> Iterator:
     """Yield ``chunks``; once they are all sent, trim the heap (the body is freed). A stream
     that stops early is trimmed by :class:`ChunkedResponse` (in a worker thread)."""
-    from attnscope.service.runtime.memory import release_memory
-
     yield from chunks
     del chunks
-    release_memory()
+    _release_heap()
 
 
 async def tensor_response(
