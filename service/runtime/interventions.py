@@ -1,0 +1,234 @@
+"""Intervention forwards of the resident causal LM: head ablation and activation patching.
+
+The runtime owns torch and the model; this module runs the model's own blocks (GPT-2 family:
+``transformer.h[i]``, then ``ln_f`` and the LM head) on a batch of residual streams, starting at
+any layer, with chosen heads' outputs edited. Analyses and serving never touch modules.
+
+Vocabulary (TransformerLens): a head's output **z** is its attention-weighted value vectors
+before the output projection, ``z[pos, head, :] = sum_k pattern[head, pos, k] * v[head, k, :]``
+(TransformerLens ``hook_z``, shape ``[batch, pos, head, d_head]``). In Hugging Face's GPT-2 it is
+the input of ``attn.c_proj`` with the heads merged (``[batch, pos, head * d_head]``), which is
+where the edit is applied. The **residual stream** entering layer ``l`` (TransformerLens
+``resid_pre``) is the recorded ``hidden_states[l]`` for ``l < n_layers`` (index 0 is the
+embedding output).
+
+A run starts from a residual stream ``[batch, pos, d_model]`` at layer ``start`` (the cached
+``hidden_states[start]`` of the text, so the layers below are the text's own and are not run
+again) and applies, at each layer, ``z = where(mask, value, z)`` for the edits of that layer.
+The edits are arguments of one call: the forward pre-hooks that apply them are registered for
+that call only and removed before it returns (one call at a time on the device thread), never
+module state two requests could share. Logits come from the model's own ``ln_f`` and LM head
+applied to the final residual stream this module computes, so they do not depend on how the
+recorded forward lays out its last hidden state.
+
+Causal LMs only (GPT-2 family): an encoder has no LM head to read a metric from.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from attnscope.service.errors import InvalidRequest
+
+
+class NoLanguageModelHead(InvalidRequest):
+    """The loaded model has no language-model head (an encoder): predictions, ablation and
+    patching read next-token logits and cannot run (422)."""
+
+
+@dataclass
+class ZEdit:
+    """An edit of the head outputs z at one layer, for every row of a batch of variants.
+
+    ``mask``: bool, broadcastable to ``[batch, pos, head]``: True where z is replaced.
+    ``value``: broadcastable to ``[batch, pos, head, d_head]``: the replacement (0 for zero
+    ablation, a mean, another run's z, the clean run's z). Rows whose mask is all False are
+    left bit for bit as they were.
+    """
+
+    mask: torch.Tensor
+    value: torch.Tensor
+
+
+@dataclass
+class RunOutput:
+    """What one intervention run returns (tensors on the runtime's device or CPU, see caller).
+
+    ``logits``: ``[batch, len(positions), vocab]`` (all positions when ``positions`` is None),
+    or None when ``logits=False``. ``final``: the residual stream after the last block
+    ``[batch, pos, d_model]`` (before ``ln_f``). ``z``: per layer from ``start`` (index
+    ``layer - start``), the z the next projection received ``[batch, pos, head, d_head]`` when
+    ``capture_z`` (after the edit). ``patterns``: per layer from ``start``,
+    ``[batch, head, query_pos, key_pos]`` when ``capture_patterns``.
+    """
+
+    logits: torch.Tensor | None
+    final: torch.Tensor
+    start: int
+    z: list[torch.Tensor] = field(default_factory=list)
+    patterns: list[torch.Tensor] = field(default_factory=list)
+
+
+def lm_parts(rt):
+    """``(blocks, ln_f, lm_head)`` of a causal LM, or raise :class:`NoLanguageModelHead`."""
+    if not rt.adapter.causal:
+        raise NoLanguageModelHead(
+            f"{rt.info.get('id')} is an encoder ({rt.adapter.family}) without a language-model "
+            "head: predictions, ablation and patching need next-token logits (causal LMs such "
+            "as GPT-2)", "text",
+        )
+    head = rt.model.get_output_embeddings() if hasattr(rt.model, "get_output_embeddings") else None
+    base = rt.adapter.base()
+    if head is None or not hasattr(base, "ln_f"):
+        raise NoLanguageModelHead(
+            f"{rt.info.get('id')} was loaded without a language-model head (no next-token "
+            "logits): predictions, ablation and patching are unavailable", "text",
+        )
+    return base.h, base.ln_f, head
+
+
+def causal_mask(n_tokens: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive causal mask ``[1, 1, query_pos, key_pos]``: 0 where ``key_pos <= query_pos``,
+    the dtype's most negative finite value elsewhere (Hugging Face's eager mask)."""
+    allowed = torch.ones(n_tokens, n_tokens, dtype=torch.bool, device=device).tril()
+    mask = torch.zeros(n_tokens, n_tokens, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def logits_of(rt, final: torch.Tensor, positions: Sequence[int] | None = None) -> torch.Tensor:
+    """Next-token logits ``[batch, P, vocab]`` from final residual streams ``[batch, pos,
+    d_model]`` through the model's own ``ln_f`` and LM head, at ``positions`` (all if None)."""
+    _, ln_f, head = lm_parts(rt)
+    x = final if positions is None else final[:, list(positions)]
+    return head(ln_f(x))
+
+
+def head_z(pattern: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """z ``[layer, pos, head, d_head]`` from a recorded pattern ``[layer, head, query_pos,
+    key_pos]`` and values ``[layer, head, pos, d_head]``: ``pattern @ v`` (the attention's own
+    product; TransformerLens ``hook_z`` layout)."""
+    return torch.matmul(pattern, v).transpose(1, 2)
+
+
+@contextmanager
+def _hooks(rt, start: int, z_edits: dict[int, ZEdit], capture_z: bool, capture_patterns: bool,
+           out: RunOutput) -> Iterator[None]:
+    """Register, for this call only, the pre-hooks on each layer's output projection that
+    apply ``z_edits`` and capture z, and the hooks on attention that capture patterns."""
+    a = rt.adapter
+    H, dh = a.n_heads, a.d_head
+    handles = []
+
+    def z_hook(layer: int):
+        edit = z_edits.get(layer)
+
+        def fn(module, args):
+            x = args[0]
+            z = x.view(*x.shape[:-1], H, dh)  # [batch, pos, head, d_head]
+            if edit is not None:
+                z = torch.where(edit.mask[..., None], edit.value.to(z.dtype), z)
+            if capture_z:
+                out.z.append(z)
+            return (z.reshape(x.shape),) + tuple(args[1:])
+        return fn
+
+    def pattern_hook(module, args, output):
+        out.patterns.append(output[1])
+
+    try:
+        for layer in range(start, a.n_layers):
+            h = rt._handles[layer]
+            if layer in z_edits or capture_z:
+                handles.append(h.out_proj.register_forward_pre_hook(z_hook(layer)))
+            if capture_patterns:
+                handles.append(h.attn.register_forward_hook(pattern_hook))
+        yield
+    finally:
+        for hd in handles:
+            hd.remove()
+
+
+def run_from_layer(
+    rt,
+    resid: torch.Tensor,
+    start: int,
+    z_edits: dict[int, ZEdit] | None = None,
+    positions: Sequence[int] | None = None,
+    *,
+    logits: bool = True,
+    capture_z: bool = False,
+    capture_patterns: bool = False,
+) -> RunOutput:
+    """Run blocks ``start .. n_layers-1`` of the model on residual streams ``resid``
+    ``[batch, pos, d_model]`` (what enters layer ``start``), with the edits ``z_edits``
+    (layer -> :class:`ZEdit`) applied to the head outputs z, then ``ln_f`` and the LM head.
+
+    No padding: every row has ``pos`` real tokens (variants of one text, or texts of equal
+    length). Runs under the caller's grad mode (``torch.inference_mode`` for exact patching,
+    ``torch.enable_grad`` for attribution). ``positions`` restricts the logits (the big
+    ``[batch, pos, vocab]`` tensor) to the positions a metric reads.
+
+    Raises:
+        NoLanguageModelHead: the model is an encoder or has no LM head.
+        InvalidRequest: ``start`` outside ``[0, n_layers]``.
+    """
+    blocks, _, _ = lm_parts(rt)
+    L = rt.adapter.n_layers
+    if not 0 <= start <= L:
+        raise InvalidRequest(f"start layer {start} outside 0..{L}", "layers")
+    z_edits = z_edits or {}
+    resid = resid.to(rt.device)
+    out = RunOutput(None, resid, start)
+    mask = causal_mask(resid.shape[1], resid.dtype, resid.device)
+    x = resid
+    with _hooks(rt, start, z_edits, capture_z, capture_patterns, out):
+        for layer in range(start, L):
+            x = blocks[layer](x, attention_mask=mask)
+            if isinstance(x, tuple):  # older transformers return (hidden_states, ...)
+                x = x[0]
+    out.final = x
+    if logits:
+        out.logits = logits_of(rt, x, positions)
+    return out
+
+
+def clean_final(rt, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The final residual stream ``[pos, d_model]`` (before ``ln_f``) of a recorded forward,
+    recomputed from its cached ``hidden_states[n_layers - 1]`` through the last block only."""
+    L = rt.adapter.n_layers
+    with torch.inference_mode():
+        return run_from_layer(rt, hidden_states[L - 1][None], L - 1, logits=False).final[0]
+
+
+def recorded_logits(rt, ft, positions: Sequence[int] | None = None) -> torch.Tensor:
+    """Next-token logits ``[P, vocab]`` of a recorded forward ``ft`` (ForwardTensors) at
+    ``positions`` (all if None): its last block re-run from the cached residual stream, then
+    ``ln_f`` and the LM head. Equal to Hugging Face's ``GPT2LMHeadModel`` logits to float
+    rounding."""
+    final = clean_final(rt, ft.hidden_states)
+    with torch.inference_mode():
+        return logits_of(rt, final[None], positions)[0]
+
+
+def attribution_grads(
+    rt, resid0: torch.Tensor, metric_fn, positions: Sequence[int] | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One forward and one backward of a text from its embedding output ``resid0`` ``[pos,
+    d_model]``: returns ``(metric, grads)``, the scalar ``metric_fn(logits)`` (logits ``[1, P,
+    vocab]`` at ``positions``) and its gradient with respect to every layer's z, each
+    ``[pos, head, d_head]`` (the total derivative: paths through all later layers included).
+
+    Used by attribution patching (Nanda 2023; Kramár et al. 2024, AtP): the gradient on the
+    corrupted run times the clean-minus-corrupted z is the first-order estimate of each
+    patch's effect.
+    """
+    with torch.inference_mode(False), torch.enable_grad():
+        x = resid0.detach().clone()[None].requires_grad_(True)  # a graph from the embeddings up
+        out = run_from_layer(rt, x, 0, positions=positions, capture_z=True)
+        metric = metric_fn(out.logits)
+        grads = torch.autograd.grad(metric, out.z)
+    return metric.detach(), [g[0].detach() for g in grads]
