@@ -37,7 +37,9 @@ from attnscope.service.errors import InvalidRequest
 
 class NoLanguageModelHead(InvalidRequest):
     """The loaded model has no language-model head (an encoder): predictions, ablation and
-    patching read next-token logits and cannot run (422)."""
+    patching read next-token logits and cannot run (422, type ``unsupported_model``)."""
+
+    type = "unsupported_model"
 
 
 @dataclass
@@ -232,3 +234,136 @@ def attribution_grads(
         metric = metric_fn(out.logits)
         grads = torch.autograd.grad(metric, out.z)
     return metric.detach(), [g[0].detach() for g in grads]
+
+
+# ------------------------------------------------------------------ memory estimates
+def variant_batch_bytes(rt, n_variants: int, n_tokens: int, n_positions: int,
+                        grad: bool = False) -> int:
+    """Estimated peak bytes of one intervention batch: ``n_variants`` rows of ``n_tokens``
+    tokens through the blocks (one block's transients at a time: residual, ln, q/k/v, z and
+    output ``~8*T*D``, the MLP ``~8*T*D``, scores + pattern ``2*H*T^2``, the z edit's mask and
+    value), plus logits, log-probabilities and probabilities at ``n_positions`` positions
+    (``3*P*vocab``), in the model's dtype (float32 for the metric math). ``grad``: every
+    layer's activations kept for the backward (attribution patching)."""
+    a = rt.adapter
+    es = max(4, next(rt.model.parameters()).element_size())
+    T, D, H = n_tokens, a.d_model, a.n_heads
+    block = 16 * T * D + 3 * H * T * T
+    vocab = int(rt.info.get("vocab_size") or rt.model.config.vocab_size)
+    per_row = (block * (a.n_layers if grad else 1) + 3 * n_positions * vocab + 2 * T * D)
+    return es * n_variants * per_row
+
+
+# ------------------------------------------------------------------ grids and ablations
+def _one_hot_heads(n_heads: int, n_tokens: int | None, device) -> torch.Tensor:
+    """Masks of one variant per head ``[head, 1, head]`` (all positions), or per (head, pos)
+    ``[head * pos, pos, head]`` (row ``h * T + p`` patches head h at position p only)."""
+    eye = torch.eye(n_heads, dtype=torch.bool, device=device)
+    if n_tokens is None:
+        return eye[:, None, :]
+    T = n_tokens
+    m = torch.zeros(n_heads, T, T, n_heads, dtype=torch.bool, device=device)
+    for h in range(n_heads):
+        m[h, torch.arange(T), torch.arange(T), h] = True
+    return m.reshape(n_heads * T, T, n_heads)
+
+
+def head_patch_grid(rt, clean, corrupted, metric, positions: Sequence[int] | None,
+                    per_position: bool = False, layers: Sequence[int] | None = None) -> torch.Tensor:
+    """Activation patching of head outputs, clean -> corrupted (TransformerLens
+    ``get_act_patch_attn_head_out_all_pos``, or ``..._by_pos`` with ``per_position``).
+
+    ``clean``, ``corrupted``: recorded forwards (ForwardTensors) of two texts of equal length.
+    For each layer l, one batch of variants starts from the corrupted run's cached residual
+    stream entering l (layers below are the corrupted run's own) with one head's z (all
+    positions, or one position) replaced by the clean run's; ``metric(logits [batch, P,
+    vocab]) -> [batch]`` reads the logits at ``positions``. Returns the raw metric
+    ``[layer, head]`` or ``[layer, head, pos]`` (float32, CPU; layers not in ``layers`` NaN).
+    """
+    a = rt.adapter
+    L, H, T = a.n_layers, a.n_heads, clean.hidden_states.shape[1]
+    z_clean = head_z(clean.pattern, clean.v).to(rt.device)  # [layer, pos, head, d_head]
+    mask = _one_hot_heads(H, T if per_position else None, rt.device)
+    out = torch.full((L, H * T) if per_position else (L, H), float("nan"))
+    with torch.inference_mode():
+        for layer in (range(L) if layers is None else layers):
+            B = mask.shape[0]
+            resid = corrupted.hidden_states[layer][None].expand(B, -1, -1)
+            run = run_from_layer(rt, resid, layer, {layer: ZEdit(mask, z_clean[layer][None])},
+                                 positions)
+            out[layer] = metric(run.logits).float().cpu()
+    return out.reshape(L, H, T) if per_position else out
+
+
+def resid_patch_grid(rt, clean, corrupted, metric, positions: Sequence[int] | None) -> torch.Tensor:
+    """Activation patching of the residual stream entering each layer at each position
+    (TransformerLens ``get_act_patch_resid_pre``): for layer l, a batch of T variants of the
+    corrupted run's cached ``hidden_states[l]``, row p with position p taken from the clean
+    run, run from layer l. Returns the raw metric ``[layer, pos]`` (float32, CPU)."""
+    L, T = rt.adapter.n_layers, clean.hidden_states.shape[1]
+    out = torch.empty(L, T)
+    idx = torch.arange(T)
+    with torch.inference_mode():
+        for layer in range(L):
+            resid = corrupted.hidden_states[layer][None].repeat(T, 1, 1)
+            resid[idx, idx] = clean.hidden_states[layer][idx]
+            out[layer] = metric(run_from_layer(rt, resid, layer, None, positions).logits).float().cpu()
+    return out
+
+
+def mean_z(fts: Sequence) -> torch.Tensor:
+    """Mean head output z ``[layer, head, d_head]`` over every position of the recorded
+    forwards ``fts`` (one text, or a list of reference texts; all positions pooled)."""
+    zs = [head_z(ft.pattern, ft.v) for ft in fts]  # each [layer, pos, head, d_head]
+    return torch.cat(zs, dim=1).mean(dim=1)
+
+
+def ablation_value(method: str, ft, references: Sequence = (), resample=None) -> torch.Tensor:
+    """The replacement z of an ablation, broadcastable to ``[layer, pos, head, d_head]``:
+    ``zero`` -> 0; ``mean`` -> the mean z over the text's own positions (or over the
+    ``references``' positions) ``[layer, 1, head, d_head]``; ``resample`` -> the z of the
+    other text ``resample`` (same length) ``[layer, pos, head, d_head]``."""
+    if method == "zero":
+        L, H, _, dh = ft.v.shape
+        return torch.zeros(L, 1, H, dh, dtype=ft.v.dtype)
+    if method == "mean":
+        return mean_z(list(references) or [ft])[:, None]
+    if method == "resample":
+        return head_z(resample.pattern, resample.v)
+    raise InvalidRequest(f"unknown ablation method {method!r}", "method")
+
+
+def ablate(rt, ft, heads: Sequence[tuple[int, int]], value: torch.Tensor,
+           positions: Sequence[int] | None = None, capture_patterns: bool = False) -> RunOutput:
+    """One text's forward with the ``heads`` ``[(layer, head), ...]`` ablated: their z set to
+    ``value`` (see :func:`ablation_value`) at every position, from the cached residual stream
+    entering the lowest ablated layer. ``RunOutput.logits`` ``[1, P, vocab]``; with
+    ``capture_patterns`` the patterns of the layers from ``RunOutput.start`` up."""
+    H = rt.adapter.n_heads
+    start = min(layer for layer, _ in heads)
+    edits: dict[int, ZEdit] = {}
+    for layer in sorted({layer for layer, _ in heads}):
+        m = torch.zeros(1, 1, H, dtype=torch.bool, device=rt.device)
+        for lyr, h in heads:
+            if lyr == layer:
+                m[0, 0, h] = True
+        edits[layer] = ZEdit(m, value[layer][None].to(rt.device))
+    with torch.inference_mode():
+        return run_from_layer(rt, ft.hidden_states[start][None], start, edits, positions,
+                              capture_patterns=capture_patterns)
+
+
+def ablation_scan(rt, ft, value: torch.Tensor, metric, positions: Sequence[int] | None) -> torch.Tensor:
+    """Every head ablated alone: for each layer a batch of ``n_heads`` variants from the cached
+    residual stream entering it, variant h with head h's z set to ``value[layer]``. Returns
+    ``metric(logits [batch, P, vocab]) -> [batch]`` as ``[layer, head]`` (float32, CPU)."""
+    a = rt.adapter
+    mask = _one_hot_heads(a.n_heads, None, rt.device)
+    out = torch.empty(a.n_layers, a.n_heads)
+    with torch.inference_mode():
+        for layer in range(a.n_layers):
+            resid = ft.hidden_states[layer][None].expand(a.n_heads, -1, -1)
+            run = run_from_layer(rt, resid, layer,
+                                 {layer: ZEdit(mask, value[layer][None].to(rt.device))}, positions)
+            out[layer] = metric(run.logits).float().cpu()
+    return out
