@@ -24,7 +24,9 @@ from attnscope.service.api import verify as verify_api
 from attnscope.service.config import Settings
 from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import AttnscopeError, envelope
-from attnscope.service.ops import InstrumentedSlot, install_ops
+from attnscope.service.ops import install_ops
+from attnscope.service.runtime.engine import Engine
+from attnscope.service.runtime.slot import DeviceSlot
 from attnscope.service.runtime import ModelLoadError, Runtime
 from attnscope.service.analysis._blas import (
     one_blas_thread_for_process, preload_analysis_libraries,
@@ -197,8 +199,7 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
         app.state.settings = settings
         set_trim_free_bytes(settings.trim_free_bytes)
         set_numpy_hugepages(settings.numpy_hugepages)  # process-wide too
-        app.state.slot = InstrumentedSlot(settings.max_queue, app.state.metrics,
-                                          settings.max_request_bytes)
+        app.state.slot = DeviceSlot(settings.max_queue, settings.max_request_bytes)
         app.state.runtime = runtime
         app.state.load_error = None
         frozen_here: list = []  # True once this app froze its start-up objects
@@ -214,7 +215,7 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
                     # on the device thread: the probe forward's OpenMP team is the one every
                     # later forward uses (service/runtime/slot.py)
                     app.state.runtime = await app.state.slot.run(Runtime.load, settings,
-                                                                 admit=False, record=False)
+                                                                 admit=False)
                     frozen = freeze_startup_objects()  # no 250 ms full collections later
                     frozen_here.append(True)
                     log.info("model ready: %s (%d start-up objects frozen for the garbage "
@@ -247,6 +248,7 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
         docs_url=None,  # served below from local files: /docs works without the internet
         redoc_url=None,
     )
+    app.state.engine = Engine(app.state)  # reads runtime/slot/metrics from the state
     install_error_handlers(app)
     _install_offline_docs(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from attnscope.service.errors import NotReady
 from attnscope.service.runtime import Runtime
+from attnscope.service.runtime.engine import Engine
 from attnscope.service.runtime.slot import DeviceSlot
 
 
@@ -29,3 +30,12 @@ async def get_slot(request: Request) -> DeviceSlot:
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 SlotDep = Annotated[DeviceSlot, Depends(get_slot)]
+
+
+async def get_engine(request: Request) -> Engine:
+    """The app's engine (runtime, device slot, memory limit, metrics): the one call a
+    /v1 endpoint makes (service/runtime/engine.py)."""
+    return request.app.state.engine
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]

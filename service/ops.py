@@ -29,7 +29,6 @@ import logging
 import re
 import time
 import uuid
-from typing import Callable, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
@@ -47,12 +46,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import envelope
 from attnscope.service.logs import request_id_var
-from attnscope.service.runtime.slot import DeviceSlot
 
 log = logging.getLogger("attnscope.ops")
 access_log = logging.getLogger("attnscope.access")
 
-T = TypeVar("T")
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 _QUIET_PATHS = OPEN_PATHS  # logged at debug level (probes and scrapes every few seconds)
@@ -146,32 +143,6 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class InstrumentedSlot(DeviceSlot):
-    """:class:`DeviceSlot` that records queue wait and time on the device in ``metrics``."""
-
-    def __init__(self, max_queue: int, metrics: Metrics | None = None, max_request_bytes: int = 0):
-        super().__init__(max_queue, max_request_bytes)
-        self.metrics = metrics
-
-    async def run(self, fn: Callable[..., T], *args, admit: bool = True, record: bool = True) -> T:
-        """DeviceSlot.run; ``record``: observe the queue wait and device time (forwards only;
-        the analyses that also run on the device thread pass False)."""
-        m = self.metrics
-        if m is None or not record:
-            return await super().run(fn, *args, admit=admit, record=record)
-        queued = time.perf_counter()
-
-        def timed(*a):
-            start = time.perf_counter()
-            m.queue_seconds.observe(start - queued)
-            try:
-                return fn(*a)
-            finally:
-                m.device_seconds.observe(time.perf_counter() - start)
-
-        return await super().run(timed, *args, admit=admit)
 
 
 metrics_router = APIRouter()

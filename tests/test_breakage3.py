@@ -420,7 +420,7 @@ def test_probe_memo_is_safe_under_concurrent_heads_requests(gpt2_runtime, monkey
     """Bug: probe_tokens (run in worker threads) counted the memo's keys by iterating the
     shared dict while another thread could insert into it: 'dictionary changed size during
     iteration' -> 500. The iteration is slowed down here to make the race certain."""
-    from attnscope.service.api import heads as api_heads
+    from attnscope.service.serving import heads as api_heads
 
     started = threading.Event()
 

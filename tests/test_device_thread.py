@@ -89,8 +89,8 @@ def test_reserve_runs_before_the_forward_and_the_cache_stays_bounded():
 def test_forwards_and_analyses_run_on_the_slot_thread(make_client, gpt2_runtime, monkeypatch):
     from attnscope.service.analysis import heads as H
     from attnscope.service.analysis import verify as V
-    import attnscope.service.api.heads as heads_api
-    import attnscope.service.api.verify as verify_api
+    import attnscope.service.serving.heads as heads_api
+    import attnscope.service.serving.verify as verify_api
 
     c = make_client(gpt2_runtime)
     slot = c.app.state.slot

@@ -190,7 +190,12 @@ def test_timeout_through_uvicorn(tmp_path):
             assert _sample(m, "attnscope_abandoned_requests") == 0
             assert _sample(m, "attnscope_requests_total", method="POST", route="/v1/attention",
                            status="504") == 1
-            r = c.post("/v1/attention", json={"text": SENTENCE, "layers": [0]})
+            # the next request is served; on a busy machine even a small one can pass 50 ms,
+            # and its abandoned forward is then cached: a bounded retry, not a deadline
+            for _ in range(10):
+                r = c.post("/v1/attention", json={"text": SENTENCE, "layers": [0]})
+                if r.status_code != 504:
+                    break
             assert r.status_code == 200, r.text
         assert s.proc.poll() is None
     finally:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import APIRouter, Request
 
 from attnscope.schemas import AttentionRequest, AttentionResponse, ErrorResponse
-from attnscope.service.analysis.attention import select_heads
-from attnscope.service.api.common import check_indices, forward_request, on_device, tokenize_request
-from attnscope.service.deps import RuntimeDep, SlotDep
-from attnscope.service.encoding import (
-    SAFETENSORS, encode_tensor, estimate_encoded_bytes, tensor_response, wants_binary,
-)
-from attnscope.service.errors import InvalidRequest
+from attnscope.service.deps import EngineDep
+from attnscope.service.encoding import SAFETENSORS, wants_binary
+from attnscope.service.serving import attention as serving
 
 router = APIRouter(tags=["attention"])
 
@@ -32,7 +30,7 @@ ERRORS = {
     responses=ERRORS,
     summary="Attention patterns (and optionally pre-softmax scores) per layer and head",
 )
-async def attention(req: AttentionRequest, rt: RuntimeDep, slot: SlotDep, request: Request):
+async def attention(req: AttentionRequest, engine: EngineDep, request: Request):
     """Attention of the resident model for ``text`` (response field ``attention``) or
     ``texts`` (response field ``results``, in order).
 
@@ -50,53 +48,5 @@ async def attention(req: AttentionRequest, rt: RuntimeDep, slot: SlotDep, reques
     Accept; 413 body too large; 429 overloaded; 503 not ready.
     """
     binary = wants_binary(request.headers.get("accept"))
-    encoding = "binary" if binary else req.encoding
-    check_indices(req.layers, rt.adapter.n_layers, "layers", "layer")
-    check_indices(req.heads, rt.adapter.n_heads, "heads", "head")
-    if req.layout == "tril" and not rt.adapter.causal:
-        raise InvalidRequest("layout 'tril' needs a causal model; this one is an encoder "
-                             "(attention is not triangular)", "layout")
-    items = await tokenize_request(rt, req)
-    layers = req.layers if req.layers is not None else list(range(rt.adapter.n_layers))
-    heads = req.heads if req.heads is not None else list(range(rt.adapter.n_heads))
-    per_matrix = len(layers) * (1 if req.head_mean else len(heads))
-    est = 0
-    for it in items:
-        T = len(it)
-        est += estimate_encoded_bytes(per_matrix * T * T, encoding, req.dtype, req.round,
-                                      req.layout, req.sparse, T)
-        if req.include_scores:  # q.k per layer, stacked, masked (+ head selection), encoded
-            est += 4 * T * T * (2 * len(layers) * rt.adapter.n_heads + per_matrix)
-            est += estimate_encoded_bytes(per_matrix * T * T, encoding, req.dtype, req.round,
-                                          req.layout, None, T)
-    forwards = await forward_request(rt, slot, items, est)
-
-    def build() -> dict:
-        out = []
-        for i, fw in enumerate(forwards):
-            pfx = "attention" if req.text is not None else f"results.{i}"
-            pattern = select_heads(fw.pattern, req.layers, req.heads, req.head_mean)
-            res = {
-                "tokens": [t.as_dict() for t in fw.tokens.tokens],
-                "layers": layers,
-                "heads": heads,
-                "head_mean": req.head_mean,
-                "pattern": encode_tensor(pattern, encoding, req.dtype, req.round,
-                                         f"{pfx}.pattern", layout=req.layout, sparse=req.sparse),
-                "scores": None,
-            }
-            if req.include_scores:
-                scores = select_heads(fw.scores(layers), None, req.heads, req.head_mean)
-                res["scores"] = encode_tensor(
-                    scores, encoding, req.dtype, req.round, f"{pfx}.scores",
-                    allow_neg_inf=True, layout=req.layout,
-                )
-            out.append(res)
-        body: dict = {"model": rt.model_ref()}
-        if req.text is not None:
-            body["attention"] = out[0]
-        else:
-            body["results"] = out
-        return body
-
-    return await tensor_response(build, binary, run=lambda f: on_device(slot, forwards, f))
+    return await engine.serve(req, partial(serving.plan, binary=binary), check=serving.check,
+                              binary=binary)

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
-import torch
 from fastapi import APIRouter
 
 from attnscope.schemas import LinksRequest, LinksResponse
-from attnscope.service.analysis.links import skipped_queries, strongest_links
-from attnscope.service.api.common import (
-    check_distinct,
-    check_index,
-    error_responses,
-    forward_request,
-    on_device,
-    tokenize_request,
-)
-from attnscope.service.deps import RuntimeDep, SlotDep
-from attnscope.service.encoding import ORJSONResponse
-from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
+from attnscope.service.api.common import error_responses
+from attnscope.service.deps import EngineDep
+from attnscope.service.serving import links as serving
 
 router = APIRouter(tags=["links"])
 
@@ -29,7 +18,7 @@ ERRORS = error_responses(
 
 @router.post("/v1/links", response_model=LinksResponse, responses=ERRORS,
              summary="Strongest earlier link(s) of every query token")
-async def links(req: LinksRequest, rt: RuntimeDep, slot: SlotDep):
+async def links(req: LinksRequest, engine: EngineDep):
     """For each query token, its ``top_k`` strongest eligible key tokens in one layer's head
     mean (``head`` null) or one head, as ``strongest_previous_token`` in
     000_1c89b6c8c2a32040.txt defines it: future keys never count, self excluded by default,
@@ -40,51 +29,4 @@ async def links(req: LinksRequest, rt: RuntimeDep, slot: SlotDep):
     Errors: 422 layer/head/ignore out of range, 'any' on a causal model, too many tokens;
     413; 429; 503.
     """
-    check_index(req.layer, rt.adapter.n_layers, "layer", "layer")
-    check_index(req.head, rt.adapter.n_heads, "head", "head")
-    if req.direction == "any" and rt.adapter.causal:
-        raise InvalidRequest("direction 'any' applies to encoders only: in this causal model "
-                             "no query sees a later key", "direction")
-    check_distinct(req.ignore, "ignore")
-    items = await tokenize_request(rt, req)
-    if req.ignore:
-        top = max(req.ignore)
-        for i, it in enumerate(items):
-            if top >= len(it):
-                j, top = next((j, p) for j, p in enumerate(req.ignore) if p >= len(it))
-                where = "text" if req.text is not None else f"texts.{i}"
-                raise OutOfRange(f"ignore[{j}] = {top} is out of range: {where} has {len(it)} "
-                                 f"tokens (valid positions 0..{len(it) - 1})", f"ignore.{j}")
-    forwards = await forward_request(rt, slot, items)
-    # ranking and building up to top_k x T links per text: on the device thread (torch work)
-    out = await on_device(slot, forwards, _build, req, forwards)
-    body = {"model": rt.model_ref(), "layer": req.layer, "head": req.head,
-            "direction": req.direction}
-    if req.text is not None:
-        body["links"] = out[0]
-    else:
-        body["results"] = out
-    return ORJSONResponse(body)
-
-
-def _build(req: LinksRequest, forwards) -> list[dict]:
-    out = []
-    for fw in forwards:
-        pattern = fw.pattern[req.layer]  # [head, query_pos, key_pos]
-        weights = pattern.mean(0) if req.head is None else pattern[req.head]
-        if not torch.isfinite(weights).all():
-            raise NonFiniteValues(f"layer {req.layer}'s attention holds NaN/inf; refusing to rank it")
-        found = strongest_links(weights, req.top_k, req.exclude_self, req.ignore, req.direction)
-        labels = [t.label for t in fw.tokens.tokens]
-        # float32 weights as their shortest round-tripping decimal (as orjson writes float32)
-        rnd = ((lambda w: round(w, req.round)) if req.round is not None
-               else (lambda w: float(str(np.float32(w)))))
-        out.append({
-            "tokens": [t.as_dict() for t in fw.tokens.tokens],
-            "links": [{"query_pos": ql.query_pos, "query": labels[ql.query_pos],
-                       "links": [{"key_pos": k.key_pos, "key": labels[k.key_pos],
-                                  "weight": rnd(k.weight)} for k in ql.links]}
-                      for ql in found],
-            "skipped": skipped_queries(fw.n_tokens, found),
-        })
-    return out
+    return await engine.serve(req, serving.plan, check=serving.check)

@@ -5,16 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from attnscope.schemas import VerifyRequest, VerifyResponse
-from attnscope.service.analysis.verify import verify
-from attnscope.service.api.common import (
-    check_indices,
-    error_responses,
-    forward_request,
-    on_device,
-    tokenize_request,
-)
-from attnscope.service.deps import RuntimeDep, SlotDep
-from attnscope.service.encoding import ORJSONResponse
+from attnscope.service.api.common import error_responses
+from attnscope.service.deps import EngineDep
+from attnscope.service.serving import verify as serving
 
 router = APIRouter(tags=["verify"])
 
@@ -27,7 +20,7 @@ ERRORS = error_responses()
     responses=ERRORS,
     summary="Recompute every layer's attention from scratch and compare with the model's",
 )
-async def post_verify(req: VerifyRequest, rt: RuntimeDep, slot: SlotDep):
+async def post_verify(req: VerifyRequest, engine: EngineDep):
     """The from-scratch check (DESIGN.md, "verification"). For each layer: the model's OWN
     q, k, v (recorded by the runtime's hooks on its q/k/v projections) through the textbook
     scaled dot-product attention (000_1c89b6c8c2a32040.txt) with the model's scaling, the
@@ -44,21 +37,4 @@ async def post_verify(req: VerifyRequest, rt: RuntimeDep, slot: SlotDep):
     weights made after the forward (the recorded q/k/v are what the model used); it does see
     a change of the output projection. HTTP 200 also when the check fails: read ``passed``.
     """
-    check_indices(req.layers, rt.adapter.n_layers, "layers", "layer")
-    items = await tokenize_request(rt, req)
-    forwards = await forward_request(rt, slot, items)
-    layers = req.layers if req.layers is not None else list(range(rt.adapter.n_layers))
-
-    def work():
-        params = {layer: rt.adapter.attention_params(layer) for layer in layers}
-        return [verify(fw.tensors, params, req.tolerance, req.projections) for fw in forwards]
-
-    results = await on_device(slot, forwards, work)  # on the model's device
-    body: dict = {"model": rt.model_ref()}
-    res = [{"tokens": [t.as_dict() for t in fw.tokens.tokens], **r}
-           for fw, r in zip(forwards, results)]
-    if req.text is not None:
-        body["verification"] = res[0]
-    else:
-        body["results"] = res
-    return ORJSONResponse(body)
+    return await engine.serve(req, serving.plan, check=serving.check)

@@ -63,7 +63,7 @@ def _fmt(n: int) -> str:
 
 def check_memory(
     rt, lengths: Sequence[int], extra: int = 0, what: str = "response", limit: int | None = None,
-    detail: str = "",
+    detail: str = "", param: str | None = None,
 ) -> int:
     """Raise :class:`MemoryLimitExceeded` (422) when the forwards of texts of ``lengths`` tokens
     plus ``extra`` bytes (the endpoint's ``what``) exceed ``rt.settings.max_request_bytes``.
@@ -74,15 +74,22 @@ def check_memory(
     two applies. ``detail`` is appended to the text count in the message (e.g. ", one of them
     the induction probe"). Returns the estimate in bytes. A limit of 0 disables it.
     """
-    a = rt.adapter
-    es = torch.empty((), dtype=next(rt.model.parameters()).dtype).element_size()
-    fwd = forward_bytes(a.n_layers, a.n_heads, a.d_model, list(lengths), es,
-                        rt.settings.forward_batch_size)
+    if rt is None:  # a job with no model and no forward (e.g. scratch attention on matrices)
+        a, fwd = None, 0
+    else:
+        a = rt.adapter
+        es = torch.empty((), dtype=next(rt.model.parameters()).dtype).element_size()
+        fwd = forward_bytes(a.n_layers, a.n_heads, a.d_model, list(lengths), es,
+                            rt.settings.forward_batch_size)
     total = fwd + int(extra)
-    limits = [x for x in (getattr(rt.settings, "max_request_bytes", 0), limit) if x]
+    limits = [x for x in (getattr(getattr(rt, "settings", None), "max_request_bytes", 0), limit) if x]
     limit = min(limits) if limits else 0
     if limit and total > limit:
         n, longest = len(lengths), max(lengths) if lengths else 0
+        if a is None:
+            raise MemoryLimitExceeded(
+                f"this request needs an estimated {_fmt(total)} ({total} bytes) of memory "
+                f"({what}); the limit is {_fmt(limit)} (max_request_bytes = {limit})", param)
         raise MemoryLimitExceeded(
             f"this request needs an estimated {_fmt(total)} ({total} bytes) of memory (forward {_fmt(fwd)} for "
             f"{n} text{'s' if n != 1 else ''}{detail}, longest {longest} tokens, {a.n_layers} layers x "

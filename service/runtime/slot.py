@@ -10,7 +10,7 @@ forward ran on whichever pool thread was free, the tensors the forward cache evi
 into other threads' arenas, so at steady state every GPT-2-small forward at 128 tokens still
 faulted in ~14k fresh pages (~55 MB) and the heap's free memory grew until it was trimmed.
 The analyses' own torch work (head scores, links, encoding the pattern, verify) runs on the same
-thread (``service.api.common.on_device``): each OS thread that runs a parallel torch op gets its own
+thread, in the same turn as the request's forwards (``service/runtime/engine.py``): each OS thread that runs a parallel torch op gets its own
 OpenMP team, and once the teams' threads outnumber the cores libgomp stops spinning between
 parallel regions, so every op waits for its team to wake up. Measured on 2 cores (GPT-2 small,
 T = 128): /v1/verify's recomputation 19-20 ms with one team, 27-29 ms once a second thread had
@@ -47,13 +47,12 @@ class DeviceSlot:
         """Requests waiting for or holding the device."""
         return self._pending
 
-    async def run(self, fn: Callable[..., T], *args, admit: bool = True,
-                  record: bool = True) -> T:
+    async def run(self, fn: Callable[..., T], *args, admit: bool = True) -> T:
         """Run ``fn(*args)`` on the slot's thread when the device is free (first come, first
         served). A request cancelled while waiting leaves the queue; once ``fn`` has started it
         runs to the end and the caller waits for it (as ``anyio.to_thread.run_sync``).
         ``admit=False``: work of a request already admitted (its analysis after its forward),
-        never refused. ``record``: whether metrics count it (used by the instrumented slot).
+        never refused.
 
         Raises:
             Overloaded: ``max_queue`` requests are already waiting (429 at once; ``admit``).

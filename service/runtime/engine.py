@@ -1,0 +1,147 @@
+"""The engine: the one object an endpoint calls (DESIGN.md, "Layers").
+
+It owns the runtime (the resident model), the device slot, the memory limit and the metrics.
+An endpoint hands it a request and the feature's ``plan`` function; the engine
+
+1. tokenizes the request's ``text``/``texts`` (off the event loop unless already cached),
+2. calls ``plan(runtime, request, items)``: the feature's model-aware checks, its response
+   estimate and its ``job`` (a pure analysis over recorded forwards, see service/serving/),
+3. checks memory (422 ``memory_limit_exceeded`` over ``max_request_bytes``; the recorded
+   forwards plus the plan's ``response_bytes``) before any forward runs,
+4. in ONE device turn: takes the cached forwards or runs the missing ones, then runs the job,
+5. returns the response (JSON, streamed when big, or safetensors) through the encoding layer.
+
+So one request makes one engine call and one device turn: router -> engine(serving(analysis(
+recorded forwards))) -> response.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import anyio.to_thread
+from fastapi import Response
+
+from attnscope.service.encoding import respond
+from attnscope.service.errors import BatchTooLarge, NotReady
+from attnscope.service.runtime.memory import check_memory, release_memory
+from attnscope.service.runtime.model import ForwardResult, Runtime, TokenizedText
+
+
+@dataclass
+class Plan:
+    """What a feature needs from one device turn.
+
+    ``items``: the tokenized texts whose recorded forwards ``job`` reads (cache first; may be
+    empty: a job that needs no forward, still admitted through the device slot).
+    ``job(forwards) -> body``: runs on the device thread, ``forwards`` in ``items`` order; it
+    returns the response body (a dict whose tensors went through ``encoding.encode_tensor``).
+    ``response_bytes``: the estimated size of the response and the job's own tensors, in bytes
+    (counted with the forwards against ``max_request_bytes``). ``detail``: text added to a
+    memory refusal's text count (e.g. ", one of them the induction probe").
+    """
+
+    items: list[TokenizedText]
+    job: Callable[[list[ForwardResult]], Any]
+    response_bytes: int = 0
+    detail: str = ""
+    status_code: int = 200
+    headers: dict = field(default_factory=dict)
+
+
+class Engine:
+    """Reads its parts from the app's state (``runtime``, ``slot``, ``metrics``,
+    ``settings``), so apps built around an existing Runtime (tests) need nothing more."""
+
+    def __init__(self, state):
+        self._state = state
+
+    # ------------------------------------------------------------------ parts
+    @property
+    def runtime(self) -> Runtime:
+        """The resident model. Raises :class:`NotReady` (503) until it is loaded."""
+        rt = getattr(self._state, "runtime", None)
+        if rt is None:
+            err = getattr(self._state, "load_error", None)
+            raise NotReady("the model is not loaded" + (f": {err}" if err else " yet; retry shortly"))
+        return rt
+
+    @property
+    def slot(self):
+        return self._state.slot
+
+    @property
+    def max_request_bytes(self) -> int:
+        return self.slot.max_request_bytes
+
+    # ------------------------------------------------------------------ the one call
+    async def serve(self, req, plan: Callable[[Runtime | None, Any, list[TokenizedText]], Plan],
+                    *, check: Callable[[Runtime, Any], None] | None = None,
+                    binary: bool = False, tokenize: bool = True,
+                    needs_model: bool = True) -> Response:
+        """Answer ``req`` with ``plan``'s job, in one device turn (module docstring).
+
+        ``check(runtime, req)``: the feature's token-independent checks, made before
+        tokenizing (cheapest first). ``tokenize=False``: the request has no ``text``/``texts`` (``items`` is empty).
+        ``needs_model=False``: the plan may run before the model is loaded (it gets None for
+        the runtime). ``binary``: the response as one safetensors file.
+
+        Raises (each becomes the error envelope): the plan's own 4xx checks,
+        :class:`BatchTooLarge` / context-length 422s from tokenizing,
+        ``MemoryLimitExceeded`` (422), ``Overloaded`` (429), :class:`NotReady` (503).
+        """
+        rt = self.runtime if needs_model else getattr(self._state, "runtime", None)
+        if check is not None:
+            check(rt, req)
+        items = await self.tokenize(rt, req) if tokenize else []
+        p = plan(rt, req, items)
+        body = await self.run(rt, p)
+        return await respond(body, binary, p.status_code, p.headers)
+
+    async def tokenize(self, rt: Runtime, req) -> list[TokenizedText]:
+        """Every text of a ``TextOrTexts`` request, tokenized (off the event loop unless the
+        text was tokenized before), with the batch-size and context-length checks (422)."""
+        texts = req.all_texts()
+        if req.texts is not None and len(texts) > rt.settings.max_batch:
+            raise BatchTooLarge(
+                f"texts holds {len(texts)} texts; the limit is {rt.settings.max_batch} (max_batch)",
+                "texts",
+            )
+        if req.text is not None:  # already tokenized (another analysis of this text): no hop
+            hit = rt.tokenize(req.text, req.add_bos, "text", cached_only=True)
+            if hit is not None:
+                return [hit]
+
+        def work():
+            if req.text is not None:
+                return [rt.tokenize(req.text, req.add_bos, "text")]
+            return [rt.tokenize(t, req.add_bos, f"texts.{i}") for i, t in enumerate(texts)]
+
+        return await anyio.to_thread.run_sync(work)
+
+    async def run(self, rt: Runtime | None, p: Plan) -> Any:
+        """Memory check, then the forwards (cached or new) and ``p.job`` in one device turn.
+
+        A request whose forwards are all cached is admitted like any other (429 when the
+        queue is full) and its turn runs only the job."""
+        check_memory(rt, [len(it) for it in p.items], p.response_bytes,
+                     limit=self.max_request_bytes, detail=p.detail)
+        hits = rt.cached_forwards(p.items) if (rt is not None and p.items) else None
+        if hits is not None or not p.items:
+            return await self.slot.run(p.job, hits or [])
+        metrics = getattr(self._state, "metrics", None)
+        queued = time.perf_counter()
+
+        def turn():
+            start = time.perf_counter()
+            forwards = rt.forward_many(p.items)
+            if metrics is not None:
+                metrics.queue_seconds.observe(start - queued)
+                metrics.device_seconds.observe(time.perf_counter() - start)
+            if not all(f.cached for f in forwards):
+                release_memory()  # the forward's transient tensors go back to the OS
+            return p.job(forwards)
+
+        return await self.slot.run(turn)

@@ -1,0 +1,106 @@
+"""/v1/heads: scores and a label for every head."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from attnscope.schemas import HeadsRequest
+from attnscope.service.analysis import heads as H
+from attnscope.service.errors import InvalidRequest, NonFiniteValues
+from attnscope.service.runtime import Runtime, TokenizedText
+from attnscope.service.runtime.engine import Plan
+
+PROBE_MEMO_ENTRIES = 64  # distinct probe options kept per runtime
+_PROBE_MEMO_LOCK = threading.Lock()
+
+
+def probe_tokens(rt: Runtime, probe) -> tuple[TokenizedText, int]:
+    """The induction probe as tokens: [BOS] + segment x repeats (causal; BOS = the tokenizer's
+    bos, else eos), or [CLS] + segment x repeats + [SEP] (encoders), and the segment's start
+    position. Raises 422 errors (probe over n_ctx, segment longer than the vocabulary).
+
+    Kept in ``rt.memo`` per (segment_length, repeats, seed): building it walks the whole
+    vocabulary (~6 ms for GPT-2's 50,257 tokens), and it depends on nothing else."""
+    key = ("induction_probe", probe.segment_length, probe.repeats, probe.seed)
+    hit = rt.memo.get(key)
+    if hit is None:
+        hit = _build_probe_tokens(rt, probe)
+        with _PROBE_MEMO_LOCK:  # no insert while another thread counts the keys
+            if sum(1 for k in rt.memo if k[0] == "induction_probe") < PROBE_MEMO_ENTRIES:
+                rt.memo[key] = hit
+    return hit
+
+
+def _build_probe_tokens(rt: Runtime, probe) -> tuple[TokenizedText, int]:
+    tok = rt.tokenizer
+    special = set(tok.all_special_ids)
+    candidates = [i for i in range(len(tok)) if i not in special]
+    if rt.adapter.causal:
+        start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        prefix, suffix = ([start] if start is not None else []), []
+    else:
+        prefix = [tok.cls_token_id] if tok.cls_token_id is not None else []
+        suffix = [tok.sep_token_id] if tok.sep_token_id is not None else []
+    ids = H.build_induction_probe(candidates, probe.segment_length, probe.repeats, probe.seed,
+                                  prefix, suffix, rt.adapter.n_ctx)
+    return rt.tokenized_from_ids(ids, "probe"), len(prefix)
+
+
+def _num(x: float, nd: int | None) -> float | None:
+    x = float(x)
+    return None if math.isnan(x) else (round(x, nd) if nd is not None else x)
+
+
+def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
+    """Checks (each text at least 2 tokens, as TransformerLens detect_head), the induction
+    probe's tokens (forwarded with the texts) and the job: per-head scores averaged over the
+    texts, the probe score and a label per head (service/analysis/heads.py)."""
+    for i, it in enumerate(items):
+        if len(it) < 2:
+            param = "text" if req.text is not None else f"texts.{i}"
+            raise InvalidRequest(f"{param} has {len(it)} token; head scores need at least 2 "
+                                 "tokens (as TransformerLens detect_head does)", param)
+    probe, start = (probe_tokens(rt, req.probe) if req.probe.enabled else (None, 0))
+
+    def job(forwards) -> dict:
+        for fw in forwards:
+            # a NaN/inf anywhere makes the sum non-finite (patterns are in [0, 1]: no overflow)
+            if not torch.isfinite(fw.pattern.sum()):
+                raise NonFiniteValues("the model's attention pattern holds NaN/inf; refusing to score it")
+        per_text = [H.head_scores(fw.pattern, fw.tokens.input_ids, rt.adapter.causal,
+                                  req.exclude_bos, req.exclude_current_token)
+                    for fw in forwards[: len(items)]]
+        scores = H.mean_over_texts(per_text)
+        L, NH = scores["self"].shape
+        scores["induction_probe"] = (
+            H.induction_probe_score(forwards[-1].pattern, start, req.probe.segment_length,
+                                    req.probe.repeats)
+            if probe else torch.full((L, NH), math.nan, dtype=torch.float64))
+        th = req.thresholds.model_dump()
+        out = []
+        lists = {n: scores[n].tolist() for n in H.SCORE_NAMES}  # not 1,440 tensor lookups
+        for layer in range(L):
+            for head in range(NH):
+                s = {n: _num(lists[n][layer][head], req.round) for n in H.SCORE_NAMES}
+                out.append({"layer": layer, "head": head, "label": H.classify(s, th), "scores": s})
+        return {
+            "model": rt.model_ref(),
+            "n_texts": len(items),
+            "n_tokens": [len(it) for it in items],
+            "exclude_bos": req.exclude_bos,
+            "exclude_current_token": req.exclude_current_token,
+            "thresholds": th,
+            "label_order": list(H.LABEL_ORDER) + ["none"],
+            "probe": None if probe is None else {
+                "segment_length": req.probe.segment_length, "repeats": req.probe.repeats,
+                "seed": req.probe.seed, "start": start,
+                "tokens": [t.as_dict() for t in probe.tokens],
+            },
+            "heads": out,
+        }
+
+    return Plan(items + ([probe] if probe else []), job,
+                detail=", one of them the induction probe" if probe else "")

@@ -1,0 +1,71 @@
+"""/v1/links: each query token's strongest earlier key token(s)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnscope.schemas import LinksRequest
+from attnscope.service.analysis.links import skipped_queries, strongest_links
+from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
+from attnscope.service.runtime.engine import Plan
+from attnscope.service.serving.checks import check_distinct, check_index
+
+
+def check(rt, req: LinksRequest) -> None:
+    """Token-independent checks (before tokenizing): layer/head range, direction, ignore."""
+    check_index(req.layer, rt.adapter.n_layers, "layer", "layer")
+    check_index(req.head, rt.adapter.n_heads, "head", "head")
+    if req.direction == "any" and rt.adapter.causal:
+        raise InvalidRequest("direction 'any' applies to encoders only: in this causal model "
+                             "no query sees a later key", "direction")
+    check_distinct(req.ignore, "ignore")
+
+
+def plan(rt, req: LinksRequest, items) -> Plan:
+    """Checks (``ignore`` positions inside every text) and the job: per text the ``top_k``
+    strongest eligible keys of every query in ``layer``'s head mean or ``head``
+    (:func:`check` ran before tokenizing)."""
+    if req.ignore:
+        top = max(req.ignore)
+        for i, it in enumerate(items):
+            if top >= len(it):
+                j, top = next((j, p) for j, p in enumerate(req.ignore) if p >= len(it))
+                where = "text" if req.text is not None else f"texts.{i}"
+                raise OutOfRange(f"ignore[{j}] = {top} is out of range: {where} has {len(it)} "
+                                 f"tokens (valid positions 0..{len(it) - 1})", f"ignore.{j}")
+
+    def job(forwards) -> dict:
+        out = _build(req, forwards)
+        body = {"model": rt.model_ref(), "layer": req.layer, "head": req.head,
+                "direction": req.direction}
+        if req.text is not None:
+            body["links"] = out[0]
+        else:
+            body["results"] = out
+        return body
+
+    return Plan(items, job)
+
+
+def _build(req: LinksRequest, forwards) -> list[dict]:
+    out = []
+    for fw in forwards:
+        pattern = fw.pattern[req.layer]  # [head, query_pos, key_pos]
+        weights = pattern.mean(0) if req.head is None else pattern[req.head]
+        if not torch.isfinite(weights).all():
+            raise NonFiniteValues(f"layer {req.layer}'s attention holds NaN/inf; refusing to rank it")
+        found = strongest_links(weights, req.top_k, req.exclude_self, req.ignore, req.direction)
+        labels = [t.label for t in fw.tokens.tokens]
+        # float32 weights as their shortest round-tripping decimal (as orjson writes float32)
+        rnd = ((lambda w: round(w, req.round)) if req.round is not None
+               else (lambda w: float(str(np.float32(w)))))
+        out.append({
+            "tokens": [t.as_dict() for t in fw.tokens.tokens],
+            "links": [{"query_pos": ql.query_pos, "query": labels[ql.query_pos],
+                       "links": [{"key_pos": k.key_pos, "key": labels[k.key_pos],
+                                  "weight": rnd(k.weight)} for k in ql.links]}
+                      for ql in found],
+            "skipped": skipped_queries(fw.n_tokens, found),
+        })
+    return out

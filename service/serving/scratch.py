@@ -1,0 +1,82 @@
+"""/v1/scratch-attention: the textbook attention on given matrices or token embeddings."""
+
+from __future__ import annotations
+
+import torch
+
+from attnscope.schemas import ScratchAttentionRequest
+from attnscope.service.analysis.scratch import as_matrix, embedding_qkv, scratch_attention
+from attnscope.service.encoding import encode_tensor
+from attnscope.service.errors import InvalidRequest
+from attnscope.service.runtime.engine import Plan
+
+
+def check_wire_range(r: dict, dtype: str) -> None:
+    """422 (param ``dtype``) when a finite float64 result would not fit the wire dtype (float32
+    max ~3.4e38, float16 max 65504): the cast would send inf silently. Masked scores (-inf)
+    are exempt."""
+    limit = float(torch.finfo(getattr(torch, dtype)).max)
+    for name in ("scores", "output", "weights"):
+        t = r[name]
+        finite = t[torch.isfinite(t)]
+        if finite.numel() == 0:
+            continue
+        big = float(finite.abs().max())
+        if big > limit:
+            raise InvalidRequest(
+                f"{name} holds a value of magnitude {big:.4g}, beyond {dtype}'s largest finite "
+                f"number ({limit:.4g}): it would be sent as inf. Use dtype 'float32' (if it fits), "
+                "encoding 'json' (full float64), or scale the inputs down", "dtype",
+            )
+
+
+def plan(rt, req: ScratchAttentionRequest, items) -> Plan:
+    """The job (on the device thread): Q, K, V from the request's matrices (no model needed:
+    ``rt`` may be None) or from ``text``'s static token embeddings, then
+    :func:`~attnscope.service.analysis.scratch.scratch_attention`; the body with ``weights``,
+    ``scores`` ``[head, query_pos, key_pos]`` and ``output`` ``[query_pos, d_v]``."""
+    if req.text is not None and rt is None:
+        from attnscope.service.errors import NotReady
+
+        raise NotReady("the model is not loaded yet; retry shortly (the matrices source needs no model)")
+
+    def job(_forwards) -> dict:
+        body: dict = {"model": None, "source": "matrices" if req.text is None else "embeddings",
+                      "tokens": None, "query_tokens": None}
+        if req.text is None:
+            q, k, v = as_matrix(req.q), as_matrix(req.k), as_matrix(req.v)
+            r = scratch_attention(q, k, v, req.variant, req.n_heads, req.scale)
+        else:
+            body["model"] = rt.model_ref()
+            key_tt = rt.tokenize(req.text, req.add_bos, "text")
+            query_tt = None
+            if req.query_text is not None:
+                query_tt = rt.tokenize(req.query_text, req.add_bos, "query_text")
+            body["tokens"] = [t.as_dict() for t in key_tt.tokens]
+            if req.variant != "cross":
+                body["query_tokens"] = body["tokens"]
+            elif query_tt is not None:
+                body["query_tokens"] = [t.as_dict() for t in query_tt.tokens]
+            q, k, v = embedding_qkv(
+                rt.adapter.embed_matrix(), list(key_tt.input_ids),
+                None if query_tt is None else list(query_tt.input_ids),
+                req.variant, req.project, req.seed,
+            )
+            names = ("query_text" if query_tt is not None else "text", "text", "text")
+            r = scratch_attention(q, k, v, req.variant, req.n_heads, req.scale, names)
+        if req.encoding == "base64":
+            check_wire_range(r, req.dtype)
+        enc = (req.encoding, req.dtype, req.round)
+        body.update({
+            "variant": req.variant,
+            "n_heads": req.n_heads,
+            "d_k": r["d_k"],
+            "d_v": r["d_v"],
+            "scaling": r["scaling"],
+            "weights": encode_tensor(r["weights"], *enc, "weights"),
+            "scores": encode_tensor(r["scores"], *enc, "scores", allow_neg_inf=True),
+            "output": encode_tensor(r["output"], *enc, "output"),
+        })
+        return body
+
+    return Plan([], job)

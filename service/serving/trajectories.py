@@ -1,0 +1,46 @@
+"""/v1/trajectories: hidden-state paths per token in one PCA space."""
+
+from __future__ import annotations
+
+from attnscope.schemas import TrajectoriesRequest
+from attnscope.service.analysis.trajectories import check_trajectory_request, trajectories
+from attnscope.service.encoding import encode_tensor
+from attnscope.service.runtime.engine import Plan
+
+
+def plan(rt, req: TrajectoriesRequest, items) -> Plan:
+    """Checks (PCA feasible, positions in range) and the job: per text the PCA-projected
+    paths ``[token, state, component]``, distances and explained variance."""
+    n_hidden, d_model = rt.adapter.n_layers + 1, rt.adapter.d_model
+    wheres = ["text"] if req.text is not None else [f"texts.{i}" for i in range(len(items))]
+    for it, where in zip(items, wheres):
+        check_trajectory_request(n_hidden, len(it), d_model, req.include_final,
+                                 req.n_components, req.positions, where)
+
+    def job(forwards) -> dict:
+        out = []
+        for fw, where in zip(forwards, wheres):
+            r = trajectories(fw.hidden_states, req.include_final, req.n_components,
+                             req.positions, where=where)
+            pfx = "trajectories" if req.text is not None else f"results.{where.split('.')[1]}"
+            out.append({
+                "tokens": [t.as_dict() for t in fw.tokens.tokens],
+                "positions": r["positions"],
+                "states": r["states"],
+                "n_components": r["n_components"],
+                "explained_variance_ratio": r["explained_variance_ratio"].tolist(),
+                "paths": encode_tensor(r["paths"], req.encoding, req.dtype, req.round,
+                                       f"{pfx}.paths"),
+                "distance_projected": r["distance_projected"].tolist(),
+                "distance_full": r["distance_full"].tolist(),
+                "cosine_first_last": [None if c != c else float(c)
+                                      for c in r["cosine_first_last"]],
+            })
+        body: dict = {"model": rt.model_ref()}
+        if req.text is not None:
+            body["trajectories"] = out[0]
+        else:
+            body["results"] = out
+        return body
+
+    return Plan(items, job)
