@@ -84,3 +84,23 @@ def induction_ids(seed: int = 0, n: int = 25, repeats: int = 4, bos: int = 0, vo
     g = torch.Generator().manual_seed(seed)
     seg = (torch.randperm(vocab - low, generator=g)[:n] + low).tolist()
     return [bos] + seg * repeats
+
+
+def induction_text(rt, seed: int = 0, n: int = 25, repeats: int = 4) -> tuple[str, list[int]]:
+    """A TEXT whose tokens are ``n`` distinct random tokens repeated ``repeats`` times (what the
+    HTTP API can be sent), with their ids (BOS not included; ask with ``add_bos``). The
+    tokens are drawn, seeded, from the vocabulary's word tokens with a leading space (each
+    one token alone) until the concatenation round-trips through the tokenizer."""
+    tok = rt.tokenizer
+    pool = []
+    for tid in range(len(tok)):
+        s = tok.decode([tid])
+        if len(s) >= 3 and s[0] == " " and s[1:].isalpha() and list(rt.tokenize(s).input_ids) == [tid]:
+            pool.append(tid)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(100):
+        seg = [pool[i] for i in torch.randperm(len(pool), generator=g)[:n].tolist()]
+        text = tok.decode(seg * repeats)
+        if list(rt.tokenize(text).input_ids) == seg * repeats:
+            return text, seg * repeats
+    raise RuntimeError("no round-tripping segment found")

@@ -4,13 +4,15 @@ circuit, S004's "verify by intervention")."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from attnscope.service.analysis import interventions as A
 from attnscope.service.runtime import interventions as I
 
-from interventions_reference import hf_run, induction_ids, tl_bridge
+from conftest import assert_error
+from interventions_reference import hf_run, induction_ids, induction_text, tl_bridge
 
 SEEDS = (0, 1, 2)
 
@@ -167,3 +169,180 @@ def test_worked_example_induction_circuit(gpt2_runtime):
         assert all_l1 - clean > 5.0
         assert max(singles) - clean < 0.1 * (all_l1 - clean)
         assert l0h1 - clean > 5.0
+
+
+# ------------------------------------------------------------------ the endpoint
+def test_ablate_endpoint_numbers(client, gpt2_runtime):
+    rt = gpt2_runtime
+    text = "The cat sat on the mat. The cat sat on the mat."
+    tt = rt.tokenize(text, add_bos=True)
+    ids = list(tt.input_ids)
+    T = len(ids)
+    r = client.post("/v1/ablate", json={"text": text, "add_bos": True, "heads": [[1, 0], [0, 1]],
+                                        "top_k": 3, "logit_diff": {"target": " m", "distractor": " the"}})
+    assert r.status_code == 200, r.text
+    b = r.json()
+
+    def edit(layer, z):
+        z = z.clone()
+        if layer == 1:
+            z[:, :, 0] = 0
+        if layer == 0:
+            z[:, :, 1] = 0
+        return z
+    with torch.no_grad():
+        clean = rt.model(input_ids=torch.tensor([ids])).logits[0].double()
+        abl = hf_run(rt.model, [ids], edit)[0].double()
+    lc, la = torch.log_softmax(clean, -1), torch.log_softmax(abl, -1)
+    kl = (lc.exp() * (lc - la)).sum(-1)
+    assert [p["position"] for p in b["positions"]] == list(range(T))
+    for p in b["positions"]:
+        i = p["position"]
+        assert p["kl"] == pytest.approx(float(kl[i]), abs=1e-5, rel=1e-6)  # float32 sums
+        assert [t["id"] for t in p["top_ablated"]] == abl[i].topk(3).indices.tolist()
+        assert [t["id"] for t in p["top_clean"]] == clean[i].topk(3).indices.tolist()
+        if i < T - 1:
+            assert p["delta_loss"] == pytest.approx(float(lc[i, ids[i + 1]] - la[i, ids[i + 1]]), abs=1e-5)
+    m_id = rt.tokenize(" m").input_ids[0]
+    the_id = rt.tokenize(" the").input_ids[0]
+    ld = b["logit_diff"]
+    assert ld["position"] == T - 1 and ld["target"]["id"] == m_id
+    assert ld["clean"] == pytest.approx(float(clean[-1, m_id] - clean[-1, the_id]), abs=1e-5)
+    assert ld["ablated"] == pytest.approx(float(abl[-1, m_id] - abl[-1, the_id]), abs=1e-5)
+    assert b["mean_kl"] > 0.01
+
+
+def test_ablate_patterns_after_the_ablation(client, gpt2_runtime):
+    """Layer 0 ablated: layer 0's patterns stay, layer 1's change (its input changed), as in
+    Hugging Face's own output_attentions under the same hook; every wire encoding."""
+    rt = gpt2_runtime
+    text = "Then I tried to find some way of embracing my mother's ghost."
+    ids = list(rt.tokenize(text).input_ids)
+
+    def edit(layer, z):
+        z = z.clone()
+        if layer == 0:
+            z[:, :, 1] = 0
+        return z
+    handles, got = [], []
+    with torch.no_grad():
+        ref_clean = rt.model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+        for blk in rt.model.transformer.h:
+            handles.append(blk.attn.register_forward_hook(lambda m, a, o: got.append(o[1][0])))
+        try:
+            hf_run(rt.model, [ids], edit)
+        finally:
+            for h in handles:
+                h.remove()
+    want = torch.stack(got).numpy()
+    from attnscope.client.wire import decode_binary_response, decode_tensor
+
+    req = {"text": text, "heads": [[0, 1]], "include_patterns": True}
+    for extra in ({"encoding": "json"}, {"encoding": "base64"}, {"encoding": "base64", "layout": "tril"}):
+        r = client.post("/v1/ablate", json={**req, **extra})
+        assert r.status_code == 200, r.text
+        pat = decode_tensor(r.json()["patterns"])
+        np.testing.assert_allclose(pat, want, atol=1e-6)
+    r = client.post("/v1/ablate", json=req, headers={"accept": "application/x-safetensors"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-safetensors")
+    pat = decode_binary_response(r.content)["patterns"]
+    np.testing.assert_allclose(pat, want, atol=1e-6)
+    assert np.abs(want[0] - ref_clean[0][0].numpy()).max() == 0
+    assert np.abs(want[1] - ref_clean[1][0].numpy()).max() > 1e-3
+
+
+def test_ablate_scan_and_worked_example_endpoint(client, gpt2_runtime):
+    """The README's worked example through the API: the scan's loss grid on copies 2-4 shows
+    L0H1 at a glance, and the four layer-1 heads together do far more than any one."""
+    rt = gpt2_runtime
+    text, _ = induction_text(rt, 0)
+    positions = list(range(25, 100))  # predicting copies 2-4
+    r = client.post("/v1/ablate", json={"text": text, "add_bos": True, "scan": True,
+                                        "scan_metric": "loss", "positions": positions})
+    assert r.status_code == 200, r.text
+    scan = r.json()["scan"]
+    eff = np.array(scan["effect"])
+    assert scan["clean"] < 0.2
+    assert np.unravel_index(eff.argmax(), eff.shape) == (0, 1)  # L0H1
+    assert eff[0, 1] > 5 and eff[1].max() < 0.5
+    assert np.allclose(np.array(scan["grid"]) - scan["clean"], eff, atol=1e-5)
+    r = client.post("/v1/ablate", json={"text": text, "add_bos": True, "positions": positions,
+                                        "heads": [[1, h] for h in range(4)]})
+    b = r.json()
+    assert b["mean_loss_clean"] == pytest.approx(scan["clean"], abs=1e-5)
+    assert b["mean_loss_ablated"] - b["mean_loss_clean"] > 10 * eff[1].max()
+    # KL scan: the clean run has KL 0 everywhere
+    r = client.post("/v1/ablate", json={"text": text, "add_bos": True, "scan": True, "scan_metric": "kl"})
+    k = r.json()["scan"]
+    assert k["clean"] == 0 and min(min(row) for row in k["grid"]) >= 0
+
+
+def test_ablate_methods_mean_and_resample(client, gpt2_runtime):
+    rt = gpt2_runtime
+    text, other = "The cat sat on the mat.", "The dog sat on the rug."
+    assert len(rt.tokenize(text)) == len(rt.tokenize(other))
+    same = client.post("/v1/ablate", json={"text": text, "heads": [[0, 1], [1, 2]], "method": "resample",
+                                           "resample_text": text}).json()
+    assert all(p["kl"] == 0 and p["delta_loss"] in (0, None) for p in same["positions"])
+    res = client.post("/v1/ablate", json={"text": text, "heads": [[0, 1]], "method": "resample",
+                                          "resample_text": other}).json()
+    assert res["mean_kl"] > 0
+    ids, oids = list(rt.tokenize(text).input_ids), list(rt.tokenize(other).input_ids)
+    ref_ids = [list(rt.tokenize(t).input_ids) for t in (other, "A bird flew over it all")]
+    zs_o, zs_refs = [], [[], []]
+    with torch.no_grad():
+        hf_run(rt.model, [oids], watch=zs_o)
+        for j, rid in enumerate(ref_ids):
+            hf_run(rt.model, [rid], watch=zs_refs[j])
+        pooled = torch.cat([zs_refs[0][0][0], zs_refs[1][0][0]], 0)[:, 1].mean(0)  # layer 0, head 1
+
+        def e_res(layer, z):
+            if layer == 0:
+                z = z.clone()
+                z[:, :, 1] = zs_o[0][:, :, 1]
+            return z
+
+        def e_mean(layer, z):
+            if layer == 0:
+                z = z.clone()
+                z[:, :, 1] = pooled
+            return z
+        clean = torch.log_softmax(rt.model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+        for body, e in ((res, e_res), (None, e_mean)):
+            if body is None:
+                body = client.post("/v1/ablate", json={
+                    "text": text, "heads": [[0, 1]], "method": "mean",
+                    "reference_texts": [other, "A bird flew over it all"]}).json()
+            la = torch.log_softmax(hf_run(rt.model, [ids], e)[0].double(), -1)
+            kl = (clean.exp() * (clean - la)).sum(-1)
+            np.testing.assert_allclose([p["kl"] for p in body["positions"]], kl.numpy(), atol=1e-5, rtol=1e-6)
+
+
+def test_ablate_bad_inputs(client, bert_client, gpt2_runtime):
+    t = "The cat sat on the mat."
+    cases = [
+        ({"text": t, "heads": []}, "validation_error", None),
+        ({"text": t}, "validation_error", None),
+        ({"text": t, "heads": [[2, 0]]}, "out_of_range", "heads.0.0"),
+        ({"text": t, "heads": [[0, 4]]}, "out_of_range", "heads.0.1"),
+        ({"text": t, "heads": [[0, 1], [0, 1]]}, "validation_error", "heads.1"),
+        ({"text": t, "heads": [[0, 1, 2]]}, "validation_error", None),
+        ({"text": t, "heads": [[0, 1]], "logit_diff": {"target": " Ceremony", "distractor": " a"}},
+         "validation_error", "logit_diff.target"),
+        ({"text": t, "heads": [[0, 1]], "logit_diff": {"target": " a", "distractor": "xqzwv"}},
+         "validation_error", "logit_diff.distractor"),
+        ({"text": t, "heads": [[0, 1]], "method": "resample", "resample_text": "Short."},
+         "validation_error", "resample_text"),
+        ({"text": t, "heads": [[0, 1]], "method": "resample"}, "validation_error", None),
+        ({"text": t, "heads": [[0, 1]], "positions": [99]}, "out_of_range", "positions.0"),
+        ({"text": t, "scan": True, "heads": [[0, 1]]}, "validation_error", None),
+        ({"text": t, "scan": True, "scan_metric": "logit_diff"}, "validation_error", None),
+    ]
+    for body, type_, param in cases:
+        e = assert_error(client.post("/v1/ablate", json=body), 422, type_, param)
+        assert e["message"]
+    e = assert_error(client.post("/v1/ablate", json={"text": t, "heads": [[0, 1]], "method": "resample",
+                                                     "resample_text": "Short."}), 422)
+    assert "has 4 tokens" in e["message"] and "text has 9" in e["message"]
+    assert_error(bert_client.post("/v1/ablate", json={"text": t, "heads": [[0, 1]]}), 422, "unsupported_model")
+    assert client.post("/v1/ablate", json={"text": t, "heads": [[0, 1]]}).status_code == 200
