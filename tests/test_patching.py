@@ -4,6 +4,7 @@ against a direct autograd computation on Hugging Face's own forward."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from attnscope.service.config import Settings
 from attnscope.service.runtime import Runtime
 from attnscope.service.runtime import interventions as I
 
+from conftest import assert_error
 from interventions_reference import gpt2_small_dir, hf_run, induction_ids, tl_bridge
 
 pytest.importorskip("transformer_lens")
@@ -175,3 +177,101 @@ def test_attribution_equals_direct_autograd_and_ranks_like_exact(gpt2_runtime):
     top_attr = set(att.flatten().topk(2).indices.tolist())
     assert top_exact == top_attr
     assert A.pearson(att, exact) > 0.8
+
+
+# ------------------------------------------------------------------ the endpoint
+CLEAN = "The cat sat on the mat. The cat sat on the"
+CORRUPTED = "The dog sat on the rug. The cat sat on the"
+
+
+def test_patch_endpoint_equals_hf_hook_loop(client, gpt2_runtime):
+    """The grid through HTTP == an independent loop of Hugging Face forwards, each with one
+    head's z replaced by the clean run's (a c_proj pre-hook), normalised by hand."""
+    rt = gpt2_runtime
+    r = client.post("/v1/patch", json={"clean_text": CLEAN, "corrupted_text": CORRUPTED, "add_bos": True,
+                                       "logit_diff": {"target": " m", "distractor": " ru"},
+                                       "residual": True, "per_position": True})
+    assert r.status_code == 200, r.text
+    b = r.json()
+    ids_c = [t["id"] for t in b["clean_tokens"]]
+    ids_k = [t["id"] for t in b["corrupted_tokens"]]
+    tgt, dis = b["logit_diff"]["target"]["id"], b["logit_diff"]["distractor"]["id"]
+    assert b["logit_diff"]["position"] == len(ids_c) - 1
+
+    def ld(logits):
+        return float(logits[0, -1, tgt] - logits[0, -1, dis])
+    zs_c = []
+    with torch.no_grad():
+        c = ld(hf_run(rt.model, [ids_c], watch=zs_c))
+        k = ld(rt.model(input_ids=torch.tensor([ids_k])).logits)
+        assert b["clean_value"] == pytest.approx(c, abs=1e-5)
+        assert b["corrupted_value"] == pytest.approx(k, abs=1e-5)
+        L, H = rt.adapter.n_layers, rt.adapter.n_heads
+        for layer in range(L):
+            for h in range(H):
+                def edit(lyr, z, layer=layer, h=h):
+                    if lyr == layer:
+                        z = z.clone()
+                        z[:, :, h] = zs_c[layer][:, :, h]
+                    return z
+                p = ld(hf_run(rt.model, [ids_k], edit))
+                assert b["heads_raw"][layer][h] == pytest.approx(p, abs=1e-5)
+                assert b["heads"][layer][h] == pytest.approx((p - k) / (c - k), abs=1e-5)
+    T = len(ids_c)
+    assert np.array(b["heads_per_position"]).shape == (L, H, T)
+    assert np.array(b["residual"]).shape == (L, T)
+    # the residual stream entering layer 0 at the differing positions carries the whole change
+    res = np.array(b["residual"])
+    assert res[0].max() > 0.5 and b["approximation"] is None
+
+
+def test_patch_attribution_endpoint(client, gpt2_runtime):
+    base = {"clean_text": CLEAN, "corrupted_text": CORRUPTED, "add_bos": True,
+            "logit_diff": {"target": " m", "distractor": " ru"}}
+    exact = client.post("/v1/patch", json=base).json()
+    r = client.post("/v1/patch", json={**base, "method": "attribution", "per_position": True})
+    assert r.status_code == 200, r.text
+    att = r.json()
+    assert "linear approximation" in att["approximation"]
+    assert att["clean_value"] == exact["clean_value"]
+    a, e = np.array(att["heads"]), np.array(exact["heads"])
+    assert a.shape == e.shape
+    # the per-position estimates sum to the all-position one (the estimate is linear in the patch)
+    per = np.array(att["heads_per_position"])
+    np.testing.assert_allclose(per.sum(-1), a, atol=1e-4)
+    assert np.corrcoef(a.ravel(), e.ravel())[0, 1] > 0.5
+
+
+def test_patch_bad_inputs_and_memory(client, bert_client, make_client, gpt2_runtime):
+    ld = {"target": " m", "distractor": " ru"}
+    e = assert_error(client.post("/v1/patch", json={"clean_text": "The cat sat on the mat.",
+                                                    "corrupted_text": "The man sat on the mat.",
+                                                    "logit_diff": ld}), 422, "validation_error", "corrupted_text")
+    assert "9 tokens" in e["message"] and "has 8" in e["message"]
+    base = {"clean_text": CLEAN, "corrupted_text": CORRUPTED}
+    for body, type_, param in [
+        (dict(base), "validation_error", None),  # logit_diff needed
+        ({**base, "logit_diff": {"target": " mat", "distractor": " ru"}}, "validation_error", "logit_diff.target"),
+        ({**base, "logit_diff": {"target": " m", "distractor": " m"}}, "validation_error", "logit_diff.distractor"),
+        ({**base, "logit_diff": {**ld, "position": 99}}, "out_of_range", "logit_diff.position"),
+        ({**base, "metric": "loss", "positions": [99]}, "out_of_range", "positions.0"),
+        ({**base, "logit_diff": ld, "method": "attribution", "residual": True}, "validation_error", None),
+        ({**base, "logit_diff": ld, "method": "nope"}, "validation_error", None),
+    ]:
+        assert_error(client.post("/v1/patch", json=body), 422, type_, param)
+    assert_error(bert_client.post("/v1/patch", json={**base, "logit_diff": ld}), 422, "unsupported_model")
+
+    # too many patched forwards for the memory limit: refused before any forward runs
+    small = make_client(gpt2_runtime, max_request_bytes=40 << 20)
+    long_c = " ".join(["The cat sat on the mat."] * 8)
+    long_k = " ".join(["The dog sat on the rug."] * 8)
+    before = gpt2_runtime.forward_count
+    e = assert_error(small.post("/v1/patch", json={"clean_text": long_c, "corrupted_text": long_k,
+                                                   "logit_diff": ld, "per_position": True}),
+                     422, "memory_limit_exceeded")
+    assert "patched forwards" in e["message"] and "the limit is" in e["message"]
+    assert gpt2_runtime.forward_count == before
+    ok = small.post("/v1/patch", json={"clean_text": long_c, "corrupted_text": long_k, "logit_diff": ld})
+    assert ok.status_code == 200, ok.text
+    r = client.post("/v1/patch", json={"clean_text": CLEAN, "corrupted_text": CORRUPTED, "metric": "loss"})
+    assert r.status_code == 200 and r.json()["metric"] == "loss"

@@ -30,8 +30,8 @@ from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_distinct, check_index
 
 ATTRIBUTION_NOTE = (
-    "attribution patching (Nanda 2023; Kramár et al. 2024, AtP): a linear (first-order Taylor) "
-    "approximation of activation patching, grad_z(metric) on the corrupted run times (z_clean - "
+    "attribution patching (Nanda 2023; Kramár et al. 2024, AtP): a linear approximation "
+    "(first-order Taylor) of activation patching, grad_z(metric) on the corrupted run times (z_clean - "
     "z_corrupted), from one clean forward, one corrupted forward and one backward; it can be far "
     "off where the metric is not linear in a head's output (e.g. saturated softmax); verify top "
     "heads with method 'exact'"
