@@ -131,3 +131,30 @@ def test_cli_predict_ablate_patch(live_server, tmp_path, capsys, monkeypatch):
     assert rc == 0 and "linear approximation" in json.loads(out)["approximation"]
     rc, out, err = _run(capsys, monkeypatch, url, "patch", CLEAN, CORRUPTED, "--target", " m")
     assert rc == 2
+
+
+def test_readme_worked_example(client, tmp_path, monkeypatch):
+    """README.md's worked example (between the worked-example markers) runs against the real
+    app (in-process: the snippet's ``Client()`` talks to it) and its assertions hold; the
+    figure is written."""
+    import contextlib
+    import functools
+    import io
+    import re
+
+    import attnscope.client
+
+    from conftest import ROOT
+
+    monkeypatch.setattr(attnscope.client, "Client",
+                        functools.partial(Client, "http://testserver", http_client=client))
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("<!-- worked-example: begin -->")[1].split("<!-- worked-example: end -->")[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md worked example", "exec"), {"__name__": "__readme__"})
+    assert "all layer-1 heads" in out.getvalue()
+    assert (tmp_path / "induction_scan.png").read_bytes()[:4] == b"\x89PNG"
