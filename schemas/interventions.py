@@ -163,7 +163,7 @@ class AblatedPosition(LenientModel):
     loss_clean: float | None = Field(description="-log p(next token), clean run, nats.")
     loss_ablated: float | None = Field(description="The same with the heads ablated.")
     delta_loss: float | None = Field(description="loss_ablated - loss_clean, nats.")
-    kl: float = Field(description="KL(clean ‖ ablated) of the next-token distributions, nats (>= 0).")
+    kl: float | None = Field(description="KL(clean ‖ ablated) of the next-token distributions, nats (>= 0); null if not finite.")
     top_clean: list[TopToken]
     top_ablated: list[TopToken]
 
@@ -178,9 +178,9 @@ class LogitDiff(LenientModel):
 
 class AblateScan(LenientModel):
     metric: ScanMetric
-    clean: float = Field(description="The metric on the clean run (KL: 0).")
-    grid: list[list[float]] = Field(description="[layer][head]: the metric with that head ablated alone.")
-    effect: list[list[float]] = Field(
+    clean: float | None = Field(description="The metric on the clean run (KL: 0).")
+    grid: list[list[float | None]] = Field(description="[layer][head]: the metric with that head ablated alone.")
+    effect: list[list[float | None]] = Field(
         description="[layer][head]: grid - clean (loss/logit_diff change; KL itself)."
     )
 
@@ -249,7 +249,7 @@ class PatchResponse(LenientModel):
         description="[layer][head]: normalised metric (patched - corrupted) / (clean - "
         "corrupted) with that head's z patched at every position; null when clean == corrupted."
     )
-    heads_raw: list[list[float]] = Field(description="[layer][head]: the patched metric itself.")
+    heads_raw: list[list[float | None]] = Field(description="[layer][head]: the patched metric itself.")
     heads_per_position: list[list[list[float | None]]] | None = Field(
         None, description="per_position: [layer][head][pos] normalised."
     )

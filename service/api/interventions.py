@@ -6,13 +6,14 @@ from functools import partial
 
 from fastapi import APIRouter, Request
 
+from attnscope.schemas import ErrorResponse
 from attnscope.schemas.interventions import (
     AblateRequest, AblateResponse, PatchRequest, PatchResponse, PredictionsRequest,
     PredictionsResponse,
 )
 from attnscope.service.api.common import error_responses
 from attnscope.service.deps import EngineDep
-from attnscope.service.encoding import wants_binary
+from attnscope.service.encoding import SAFETENSORS, wants_binary
 from attnscope.service.serving import interventions as serving
 
 router = APIRouter(tags=["interventions"])
@@ -31,10 +32,18 @@ async def predictions(req: PredictionsRequest, engine: EngineDep):
     return await engine.serve(req, serving.predictions_plan, check=serving.check_lm)
 
 
+ABLATE_ERRORS = {
+    200: {"content": {SAFETENSORS: {}}, "description": "JSON, or with Accept: "
+          "application/x-safetensors one safetensors file (the patterns as tensors)."},
+    406: {"model": ErrorResponse, "description": "Accept names no media type we produce."},
+    **error_responses("Invalid request: no LM head, heads/positions out of range or repeated, "
+                      "target/distractor not one token, resample_text of another token count, "
+                      "memory."),
+}
+
+
 @router.post("/v1/ablate", response_model=AblateResponse, summary="Ablate attention heads",
-             responses=error_responses("Invalid request: no LM head, heads/positions out of "
-                                       "range or repeated, target/distractor not one token, "
-                                       "resample_text of another token count, memory."))
+             responses=ABLATE_ERRORS)
 async def ablate(req: AblateRequest, engine: EngineDep, request: Request):
     """Ablate ``heads`` ([[layer, head], ...]) together (``method`` zero / mean / resample,
     on each head's z before the output projection, TransformerLens ``hook_z``) and report per

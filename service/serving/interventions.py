@@ -219,6 +219,10 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
     ld = _logit_diff_tokens(rt, req.logit_diff, T, "text") if req.logit_diff is not None else None
     encoding = "binary" if binary else req.encoding
     V = _vocab(rt)
+    if req.scan and req.scan_metric == "loss" and not any(p + 1 < T for p in positions):
+        raise InvalidRequest("scan_metric 'loss' needs a position with a next token (the text has "
+                             f"{T} token{'s' if T != 1 else ''}; the last position has none)",
+                             "positions")
     if req.scan:
         n_pos = 1 if req.scan_metric == "logit_diff" else len(positions)
         est = I.variant_batch_bytes(rt, a.n_heads, T, n_pos) + 4 * V * T * 3
