@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator,
+)
+
+from attnscope.schemas.errors import ERROR_TYPES
 
 
 class StrictModel(BaseModel):
@@ -21,6 +25,25 @@ class LenientModel(BaseModel):
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
+
+def _nested_numbers(depth: int, ints: bool = False) -> dict:
+    """JSON schema of nested lists of numbers (``null`` = a masked entry), ``depth`` levels at
+    most: what a tensor looks like as JSON. Written out (not recursive) so every tool reads it."""
+    leaf: list[dict] = [{"type": "integer"}] if ints else [{"type": "number"}, {"type": "null"}]
+    schema: dict = {"type": "array", "items": {"anyOf": leaf}}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": {"anyOf": [*leaf, schema]}}
+    return schema
+
+
+NestedNumbers = Annotated[list[Any], WithJsonSchema({
+    **_nested_numbers(5),
+    "title": "NestedNumbers",
+    "description": "A tensor as nested JSON lists of numbers, row-major; null = a masked "
+    "entry (-inf, e.g. a future key's pre-softmax score).",
+})]
+"""A tensor as nested JSON lists. Validated as a plain list (no per-number work on big
+tensors); its OpenAPI schema spells the nesting (numbers or null, up to 5 levels)."""
 
 class Base64Tensor(LenientModel):
     """A compact tensor: raw little-endian bytes in base64, with dtype and shape.
@@ -55,7 +78,7 @@ class TrilTensor(LenientModel):
 
     encoding: Literal["tril"] = Field("tril", description="Always 'tril'.")
     shape: list[int] = Field(description="Full tensor shape; the last two axes are equal.")
-    data: list[Any] = Field(description="Nested lists; the innermost row q holds q + 1 values.")
+    data: NestedNumbers = Field(description="Nested lists; the innermost row q holds q + 1 values.")
     fill: Literal["0", "-inf"] = Field(
         "0", description="Value of the entries not sent (above the diagonal): '0' for "
         "patterns, '-inf' for masked scores."
@@ -81,9 +104,19 @@ class SparseTensor(LenientModel):
     nnz: int = Field(description="Number of kept entries.")
     top_k: int | None = Field(None, description="Keys kept per query row at most (null = no cap).")
     threshold: float | None = Field(None, description="Smallest weight kept (null = none).")
-    indices: Any = Field(description="int indices: [nnz] (flat) or [nnz, ndim] (coo).")
-    values: Any = Field(description="Kept weights, [nnz], in the order of indices.")
-    row_mass: Any = Field(description="Kept mass per query row, shape shape[:-1], in [0, 1].")
+    indices: Annotated[Any, WithJsonSchema({"anyOf": [
+        _nested_numbers(2, ints=True), {"$ref": "#/components/schemas/Base64Tensor"},
+        {"$ref": "#/components/schemas/BinaryTensorRef"}]})] = Field(
+        description="int indices: [nnz] (flat) or [nnz, ndim] (coo): JSON lists, a "
+        "Base64Tensor (int32/int64) or a BinaryTensorRef.")
+    values: Annotated[Any, WithJsonSchema({"anyOf": [
+        _nested_numbers(1), {"$ref": "#/components/schemas/Base64Tensor"},
+        {"$ref": "#/components/schemas/BinaryTensorRef"}]})] = Field(
+        description="Kept weights, [nnz], in the order of indices.")
+    row_mass: Annotated[Any, WithJsonSchema({"anyOf": [
+        _nested_numbers(4), {"$ref": "#/components/schemas/Base64Tensor"},
+        {"$ref": "#/components/schemas/BinaryTensorRef"}]})] = Field(
+        description="Kept mass per query row, shape shape[:-1], in [0, 1].")
     min_row_mass: float = Field(description="Smallest row_mass (1.0 = nothing was dropped).")
 
 
@@ -105,7 +138,7 @@ class BinaryTensorRef(LenientModel):
     )
 
 
-TensorField = Union[Base64Tensor, SparseTensor, TrilTensor, BinaryTensorRef, list[Any]]
+TensorField = Union[Base64Tensor, SparseTensor, TrilTensor, BinaryTensorRef, NestedNumbers]
 """A tensor on the wire: nested JSON lists (encoding 'json'), a Base64Tensor (encoding
 'base64'), a TrilTensor (json + layout 'tril'), a SparseTensor (option ``sparse``) or a
 BinaryTensorRef (binary responses negotiated by ``Accept``)."""
@@ -185,10 +218,8 @@ class ModelInfo(LenientModel):
 
 class ErrorBody(LenientModel):
     type: str = Field(
-        description="Machine-readable error type: validation_error, context_length_exceeded, "
-        "out_of_range, batch_too_large, memory_limit_exceeded, payload_too_large, not_acceptable, "
-        "overloaded, not_ready, not_found, "
-        "method_not_allowed, unauthorized, timeout, non_finite_values, internal_error."
+        description="Machine-readable error type (branch on this): "
+        + ", ".join(f"{t} ({s})" for t, s in ERROR_TYPES.items()) + "."
     )
     message: str = Field(description="Human-readable message naming the field, limit and value.")
     param: str | None = Field(None, description="The request field at fault, dotted, if any.")

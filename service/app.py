@@ -172,12 +172,24 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def _install_offline_docs(app: FastAPI) -> None:
-    """Swagger UI at /docs with its assets from the swagger-ui-bundle package (no CDN)."""
+    """Swagger UI 5 at /docs (it reads OpenAPI 3.1; PyPI's swagger-ui-bundle ships Swagger UI 4,
+    which cannot) from files vendored in the package by ``scripts/vendor-swagger-ui``: no CDN.
+    Only the files /docs needs are served."""
     from fastapi.openapi.docs import get_swagger_ui_html
-    from fastapi.staticfiles import StaticFiles
-    from swagger_ui_bundle import swagger_ui_path
+    from fastapi.responses import FileResponse
 
-    app.mount("/static/swagger-ui", StaticFiles(directory=swagger_ui_path), name="swagger-ui")
+    from attnscope.service.web import SWAGGER_UI_DIR, SWAGGER_UI_FILES
+
+    def asset(name: str):
+        path = SWAGGER_UI_DIR / name
+
+        async def serve():
+            return FileResponse(path, headers={"cache-control": "public, max-age=86400"})
+        return serve
+
+    for name in SWAGGER_UI_FILES:
+        app.add_api_route(f"/static/swagger-ui/{name}", asset(name), methods=["GET"],
+                          include_in_schema=False)
 
     @app.get("/docs", include_in_schema=False)
     async def docs():
@@ -187,7 +199,32 @@ def _install_offline_docs(app: FastAPI) -> None:
             swagger_js_url="/static/swagger-ui/swagger-ui-bundle.js",
             swagger_css_url="/static/swagger-ui/swagger-ui.css",
             swagger_favicon_url="/static/swagger-ui/favicon-32x32.png",
+            # no request to validator.swagger.io (offline); operations listed, models folded
+            swagger_ui_parameters={"validatorUrl": None, "defaultModelsExpandDepth": 0},
         )
+
+
+def _install_web(app: FastAPI) -> None:
+    """The explorer (service/web/index.html) at ``/`` and ``/explorer``, its ES modules and
+    stylesheet under ``/static/web/`` (same origin as the API: no CORS needed; no CDN)."""
+    from fastapi.responses import FileResponse
+
+    from attnscope.service.web import WEB_DIR, WEB_FILES
+
+    async def index():
+        return FileResponse(WEB_DIR / "index.html", headers={"cache-control": "no-cache"})
+
+    for path in ("/", "/explorer"):
+        app.add_api_route(path, index, methods=["GET"], include_in_schema=False)
+
+    def asset(name: str):
+        async def serve():
+            return FileResponse(WEB_DIR / name, headers={"cache-control": "no-cache"})
+        return serve
+
+    for name in WEB_FILES:
+        app.add_api_route(f"/static/web/{name}", asset(name), methods=["GET"],
+                          include_in_schema=False)
 
 
 def create_app(settings: Settings | None = None, runtime: Runtime | None = None) -> FastAPI:
@@ -252,6 +289,7 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
     app.state.engine = Engine(app.state)  # reads runtime/slot/metrics from the state
     install_error_handlers(app)
     _install_offline_docs(app)
+    _install_web(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     install_ops(app, settings)  # request id, logs, metrics, keys, CORS, time limit, /metrics
     for r in (health.router, model.router, tokenize.router, attention.router,

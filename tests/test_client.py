@@ -180,13 +180,44 @@ def test_async_client_against_in_process_app(gpt2_runtime):
 
 
 def test_local_validation_before_sending(api):
-    with pytest.raises(Exception) as ei:
-        api.attention("x", layerz=[0])
+    """A request that fails its schema raises the client's own RequestValidationError (an
+    AttnscopeError and a ValueError, never pydantic's), naming the field; nothing is sent."""
     import pydantic
 
-    assert isinstance(ei.value, pydantic.ValidationError)
-    with pytest.raises(TypeError):
-        api.attention(["a"], texts=["b"])
+    sent = []
+    api._http.event_hooks["request"].append(sent.append)
+    try:
+        for call, param in [(lambda: api.attention("x", layerz=[0]), "layerz"),
+                            (lambda: api.attention(""), "text"),
+                            (lambda: api.attention("x", round=99), "round"),
+                            (lambda: api.heads("x", thresholds={"sink": 2}), "thresholds.sink"),
+                            (lambda: api.scratch_attention(q=[[1.0]], variant="sideways"),
+                             "variant"),
+                            (lambda: api.attention(["a"], texts=["b"]), "texts")]:
+            with pytest.raises(ac.AttnscopeError) as ei:
+                call()
+            e = ei.value
+            assert type(e) is ac.RequestValidationError and isinstance(e, ValueError)
+            assert not isinstance(e, pydantic.ValidationError)
+            assert e.param == param and param.split(".")[0] in e.message, (param, e.message)
+    finally:
+        api._http.event_hooks["request"].remove(sent.append)
+    assert sent == []
+
+
+def test_the_422_class_is_not_called_validation_error():
+    import warnings
+
+    import pydantic
+
+    assert ac.UnprocessableEntityError.__name__ == "UnprocessableEntityError"
+    assert "ValidationError" not in ac.__all__
+    with pytest.warns(DeprecationWarning, match="UnprocessableEntityError"):
+        old = ac.ValidationError
+    assert old is ac.UnprocessableEntityError and old is not pydantic.ValidationError
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert issubclass(ac.OutOfRangeError, ac.UnprocessableEntityError)
 
 
 def test_configuration_from_environment(monkeypatch):
@@ -216,7 +247,7 @@ def _raises(exc_type, etype, fn):
 
 
 def test_error_validation_error(api):
-    e = _raises(ac.ValidationError, "validation_error",
+    e = _raises(ac.UnprocessableEntityError, "validation_error",
                 lambda: api.request("POST", "/v1/attention", {"text": "   "}))
     assert e.status_code == 422 and e.param == "text"
 
@@ -224,7 +255,7 @@ def test_error_validation_error(api):
 def test_error_context_length_exceeded(api):
     e = _raises(ac.ContextLengthExceededError, "context_length_exceeded",
                 lambda: api.attention("word " * 400))
-    assert "256" in e.message and isinstance(e, ac.ValidationError)
+    assert "256" in e.message and isinstance(e, ac.UnprocessableEntityError)
 
 
 def test_error_out_of_range(api):
@@ -383,7 +414,7 @@ def test_error_request_timeout_408_retried():
 def test_error_not_acceptable_and_unknown_types_fall_back_by_status():
     with pytest.raises(ac.NotAcceptableError):
         _mock([_env(406, "not_acceptable")]).health()
-    with pytest.raises(ac.ValidationError) as ei:
+    with pytest.raises(ac.UnprocessableEntityError) as ei:
         _mock([_env(422, "brand_new_problem")]).health()
     assert ei.value.type == "brand_new_problem"
     with pytest.raises(ac.BadRequestError):

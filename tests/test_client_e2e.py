@@ -28,7 +28,7 @@ CLI = [sys.executable, "-m", "attnscope.client.cli"]
 def cli(*args, url=None, input=None, timeout=120, env=None):
     full = {**os.environ, **(env or {})}
     if url:
-        full["ATTNSCOPE_URL"] = url
+        full["ATTNSCOPE_BASE_URL"] = url
     return subprocess.run([*CLI, *args], capture_output=True, text=True, input=input,
                           timeout=timeout, env=full)
 
@@ -63,7 +63,7 @@ def run(capsys, monkeypatch, url, *args, stdin=None):
 
     from attnscope.client.cli import main
 
-    monkeypatch.setenv("ATTNSCOPE_URL", url)
+    monkeypatch.setenv("ATTNSCOPE_BASE_URL", url)
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
     capsys.readouterr()
@@ -109,7 +109,7 @@ def test_cli_exit_codes(live_server, capsys, monkeypatch):
     assert rc == 1 and "out_of_range" in err
     rc, _, err = run(capsys, monkeypatch, url, "attention", "   ")  # refused before sending
     assert rc == 2 and "text" in err
-    rc, _, err = run(capsys, monkeypatch, url, "attention", "x", "-o", "nonsense_option=1")
+    rc, _, err = run(capsys, monkeypatch, url, "attention", "x", "--option", "nonsense_option=1")
     assert rc == 2
     rc, _, err = run(capsys, monkeypatch, url, "links")  # missing TEXT
     assert rc == 2

@@ -47,7 +47,7 @@ def test_readme_snippet_runs(index, live_server, tmp_path, monkeypatch):
         for name in re.findall(r'savefig\("([^"]+)"\)', code):
             assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     else:
-        env = {**os.environ, "ATTNSCOPE_URL": live_server.url,
+        env = {**os.environ, "ATTNSCOPE_BASE_URL": live_server.url,
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
         r = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=180)

@@ -269,4 +269,4 @@ def test_pure_function_steps():
     assert torch.isneginf(s[0, 1]) and w[0].tolist() == [1.0, 0.0]
     assert s[1, 1].item() == pytest.approx(2 / math.sqrt(2))
     with pytest.raises(InvalidRequest):
-        scratch_attention(Q, Q[:, :1], Q)
+        scratch_attention(Q, Q[:, :1], Q, max_weights=None)

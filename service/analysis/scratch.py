@@ -17,7 +17,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attnscope.schemas.scratch import MAX_WEIGHTS
 from attnscope.service.errors import InvalidRequest
 
 
@@ -74,14 +73,17 @@ def scratch_attention(
     n_heads: int = 1,
     scale: bool = True,
     names: tuple[str, str, str] = ("q", "k", "v"),
-    max_weights: int | None = MAX_WEIGHTS,
+    *,
+    max_weights: int | None,
 ) -> dict:
     """Run :func:`attention` on raw matrices, with a variant and an optional multi-head split.
 
     ``variant`` 'causal' applies the tril mask (needs query_pos == key_pos); 'self' and
     'cross' apply none. With ``n_heads`` > 1 the widths of q/k and of v are split into equal
     slices, attention runs per head and the outputs are concatenated along the last axis
-    (source: "Multi-head attention" in 000_1c89b6c8c2a32040.txt).
+    (source: "Multi-head attention" in 000_1c89b6c8c2a32040.txt). ``max_weights`` is the
+    caller's limit (the API's is ``schemas.scratch.MAX_WEIGHTS``; None = no limit): keyword-only
+    and required, so no caller loses the limit by forgetting it.
 
     Returns a dict: ``weights`` and ``scores`` ``[head, query_pos, key_pos]``, ``output``
     ``[query_pos, d_v_total]`` (same dtype as the inputs), ``d_k`` and ``d_v`` (per head),
@@ -149,34 +151,16 @@ def scratch_attention(
     }
 
 
-def project_embeddings(
-    emb: torch.Tensor,  # [vocab, d_model]
-    seq_emb: torch.Tensor,  # [n_token, d_model]
-    n_components: int,
-    random_state: int = 0,
-) -> torch.Tensor:
-    """Project token embeddings onto PCA components learnt from the whole embedding matrix.
-
-    As ``project_embeddings`` in 000_1c89b6c8c2a32040.txt: ``PCA(n_components, whiten=True,
-    svd_solver="randomized")`` fitted on ``emb``, then ``transform(seq_emb)``; here with a fixed
-    ``random_state`` so the answer is reproducible. Returns ``[n_token, n_components]`` in
-    ``seq_emb``'s dtype (whitened: unit variance per component over the vocabulary).
-
-    Raises:
-        InvalidRequest: ``n_components`` above min(vocab, d_model) (param ``project``).
-    """
-    pca = fit_embedding_pca(emb, n_components, random_state)
-    projected = pca.transform(seq_emb.detach().cpu().numpy())
-    return torch.tensor(projected, dtype=seq_emb.dtype)
-
-
 _PCA_CACHE: OrderedDict = OrderedDict()
 _PCA_CACHE_SIZE = 8
 _PCA_LOCK = threading.Lock()
 
 
 def fit_embedding_pca(emb: torch.Tensor, n_components: int, random_state: int = 0):
-    """The fitted scikit-learn PCA of :func:`project_embeddings` (fit once, transform many).
+    """The fitted scikit-learn PCA of the source's ``project_embeddings`` (fit once, transform
+    many): ``PCA(n_components, whiten=True, svd_solver="randomized")`` fitted on ``emb``, with a
+    fixed ``random_state`` so the answer is reproducible (whitened: unit variance per component
+    over the vocabulary).
 
     Pass the model's own matrix (its storage is part of the key; the fit runs in float64 as
     the source does). A fit of a large embedding matrix takes seconds (MiniLM's [30522, 384] with 384 components:
@@ -227,8 +211,8 @@ def embedding_qkv(
     seq_emb``, ``Q = emb[query_ids]``, or, without ``query_ids``, uniform random numbers in
     [0, 1) shaped like K drawn from a ``torch.Generator`` seeded with ``seed`` (the source's
     ``torch.rand_like``). With ``project``: Q and K (never V) are replaced by their
-    :func:`project_embeddings` (one PCA fitted on ``emb``; random queries are drawn in the
-    projected width). Returns ``(Q [query_pos, d_k], K [key_pos, d_k], V [key_pos, d_model])``.
+    PCA projection (:func:`fit_embedding_pca`, fitted on ``emb``; random queries are drawn
+    in the projected width). Returns ``(Q [query_pos, d_k], K [key_pos, d_k], V [key_pos, d_model])``.
     """
     emb = emb.detach()  # the model's own matrix: only the rows used are copied to float64
 

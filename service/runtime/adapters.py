@@ -196,4 +196,3 @@ ADAPTERS: dict[str, Callable[[nn.Module], Adapter]] = {
     "bert": BertAdapter,
 }
 CAUSAL_TYPES = {"gpt2"}
-ENCODER_TYPES = {"bert"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from attnscope.schemas import ScratchAttentionRequest
+from attnscope.schemas.scratch import MAX_WEIGHTS
 from attnscope.service.analysis.scratch import as_matrix, embedding_qkv, scratch_attention
 from attnscope.service.encoding import encode_tensor
 from attnscope.service.errors import InvalidRequest
@@ -45,7 +46,8 @@ def plan(rt, req: ScratchAttentionRequest, items) -> Plan:
                       "tokens": None, "query_tokens": None}
         if req.text is None:
             q, k, v = as_matrix(req.q), as_matrix(req.k), as_matrix(req.v)
-            r = scratch_attention(q, k, v, req.variant, req.n_heads, req.scale)
+            r = scratch_attention(q, k, v, req.variant, req.n_heads, req.scale,
+                                  max_weights=MAX_WEIGHTS)
         else:
             body["model"] = rt.model_ref()
             key_tt = rt.tokenize(req.text, req.add_bos, "text")
@@ -63,7 +65,8 @@ def plan(rt, req: ScratchAttentionRequest, items) -> Plan:
                 req.variant, req.project, req.seed,
             )
             names = ("query_text" if query_tt is not None else "text", "text", "text")
-            r = scratch_attention(q, k, v, req.variant, req.n_heads, req.scale, names)
+            r = scratch_attention(q, k, v, req.variant, req.n_heads, req.scale, names,
+                                  max_weights=MAX_WEIGHTS)
         if req.encoding == "base64":
             check_wire_range(r, req.dtype)
         enc = (req.encoding, req.dtype, req.round)

@@ -18,6 +18,7 @@ from attnscope.client._client import (
     BaseClient,
     Client,
     __version__,
+    resolve_base_url,
 )
 from attnscope.client._errors import *  # noqa: F401,F403
 from attnscope.client._errors import ERROR_TYPES, STATUS_ERRORS
@@ -26,6 +27,15 @@ from attnscope.client._tensors import EncodedTensor, JsonTensor, to_numpy
 
 __all__ = [
     "API_KEY_ENV", "BASE_URL_ENV", "DEFAULT_BASE_URL", "AsyncClient", "BaseClient", "Client",
-    "EncodedTensor", "ERROR_TYPES", "JsonTensor", "STATUS_ERRORS", "to_numpy", "__version__",
-    *_errors_all,
+    "EncodedTensor", "ERROR_TYPES", "JsonTensor", "STATUS_ERRORS", "resolve_base_url",
+    "to_numpy", "__version__", *_errors_all,
 ]
+
+
+def __getattr__(name: str):
+    """Deprecated names (``ValidationError`` -> ``UnprocessableEntityError``), with a warning."""
+    from attnscope.client import _errors
+
+    if name in _errors._DEPRECATED:
+        return _errors._deprecated(name, 2)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

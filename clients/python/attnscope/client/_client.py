@@ -2,7 +2,9 @@
 
 Configuration (argument, else environment, else default):
 
-* ``base_url``: ``ATTNSCOPE_BASE_URL``, default ``http://127.0.0.1:8000``;
+* ``base_url``: ``ATTNSCOPE_BASE_URL``, default ``http://127.0.0.1:8000`` (the one variable
+  for the server address, also read by the command line; ``ATTNSCOPE_URL`` is accepted as a
+  deprecated alias, with a warning, when ``ATTNSCOPE_BASE_URL`` is not set);
 * ``api_key``: ``ATTNSCOPE_API_KEY``, sent as ``Authorization: Bearer <key>``; none = no header;
 * ``timeout``: seconds or an ``httpx.Timeout`` (default 60 s, 5 s to connect);
 * ``max_retries``: extra attempts after the first (default 2; every endpoint is a pure read,
@@ -19,8 +21,9 @@ Tensor forms: every method takes the request's own encoding options (``encoding`
 tensor bytes); ``.numpy()`` decodes every form the same way.
 
 Each endpoint method builds the request with the shared schema model (so a typo in an option
-raises ``pydantic.ValidationError`` before anything is sent), posts it, and returns the
-response schema model with ``.numpy()`` on every tensor field. Errors: see ``_errors.py``.
+or an empty text raises :class:`RequestValidationError` before anything is sent), posts it,
+and returns the response schema model with ``.numpy()`` on every tensor field. Errors: see
+``_errors.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import importlib
 import os
 import random
 import time
+import warnings
 from typing import Any, TypeVar
 
 import httpx
@@ -43,10 +47,12 @@ from attnscope.client._errors import (
     APIResponseValidationError,
     APIStatusError,
     APITimeoutError,
+    RequestValidationError,
     status_error,
 )
 from attnscope.client import wire
 from attnscope.client._tensors import attach_numpy
+from attnscope.client.notebook import view_class
 from attnscope.schemas import (
     AttentionRequest,
     AttentionResponse,
@@ -69,6 +75,7 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 DEFAULT_MAX_RETRIES = 2
 BASE_URL_ENV = "ATTNSCOPE_BASE_URL"
+DEPRECATED_URL_ENV = "ATTNSCOPE_URL"  # the command line's variable before 0.2
 API_KEY_ENV = "ATTNSCOPE_API_KEY"
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 NO_RETRY_TYPES = frozenset({"non_finite_values"})
@@ -97,6 +104,30 @@ def parse_retry_after(headers: httpx.Headers) -> float | None:
     return email.utils.mktime_tz(parsed) - time.time()
 
 
+def resolve_base_url(base_url: str | None = None, warn=None) -> str | None:
+    """The server address: ``base_url`` if given, else ``ATTNSCOPE_BASE_URL``, else the
+    deprecated ``ATTNSCOPE_URL`` (with a ``DeprecationWarning``, or ``warn(message)`` when
+    given), else None (the caller's default). When both variables are set and differ,
+    ``ATTNSCOPE_BASE_URL`` wins and the warning says that ``ATTNSCOPE_URL`` was ignored."""
+    if base_url:
+        return base_url
+    new, old = os.environ.get(BASE_URL_ENV) or None, os.environ.get(DEPRECATED_URL_ENV) or None
+    msg = None
+    if old is not None and new is None:
+        msg = (f"{DEPRECATED_URL_ENV} is deprecated: set {BASE_URL_ENV} instead (using "
+               f"{DEPRECATED_URL_ENV}={old})")
+        new = old
+    elif old is not None and old.rstrip("/") != new.rstrip("/"):
+        msg = (f"{DEPRECATED_URL_ENV}={old} is ignored: {BASE_URL_ENV}={new} is the server "
+               f"address ({DEPRECATED_URL_ENV} is deprecated)")
+    if msg is not None:
+        if warn is not None:
+            warn(msg)
+        else:
+            warnings.warn(msg, DeprecationWarning, stacklevel=3)
+    return new
+
+
 class BaseClient:
     """What Client and AsyncClient share: configuration, request building, retry policy,
     error mapping and response parsing. Not used directly."""
@@ -109,7 +140,7 @@ class BaseClient:
                  max_retries: int, http_client: httpx.Client | httpx.AsyncClient | None,
                  default_headers: dict[str, str] | None):
         if base_url is None:
-            base_url = os.environ.get(BASE_URL_ENV)
+            base_url = resolve_base_url()
         if base_url is None and http_client is not None and str(http_client.base_url):
             base_url = str(http_client.base_url)
         self.base_url = (base_url or DEFAULT_BASE_URL).rstrip("/")
@@ -196,7 +227,8 @@ class BaseClient:
         if cast_to is None:
             return data
         try:
-            return attach_numpy(cast_to.model_validate(data), arrays)
+            # notebook.view_class: the same class with _repr_html_ (Jupyter shows the view)
+            return attach_numpy(view_class(cast_to).model_validate(data), arrays)
         except pydantic.ValidationError as exc:
             raise APIResponseValidationError(
                 f"the {response.request.url.path} answer does not fit {cast_to.__name__}: {exc}",
@@ -221,7 +253,7 @@ class _Endpoints:
                     text: str | list[str] | None, texts: list[str] | None, options: dict):
         if isinstance(text, (list, tuple)):
             if texts is not None:
-                raise TypeError("give text or texts, not both")
+                raise RequestValidationError("give text or texts, not both", "texts")
             text, texts = None, list(text)
         fields: dict[str, Any] = dict(options)
         binary = bool(fields.pop("binary", False))
@@ -229,7 +261,10 @@ class _Endpoints:
             fields["text"] = text
         if texts is not None:
             fields["texts"] = texts
-        req = request_model(**fields)
+        try:
+            req = request_model(**fields)
+        except pydantic.ValidationError as exc:
+            raise RequestValidationError.from_pydantic(exc, f"{path} request") from exc
         body = req.model_dump(mode="json", exclude_unset=True)
         return self._call("POST", path, body, response_model, binary)
 
@@ -296,7 +331,11 @@ class _Endpoints:
         for name in ("q", "k", "v"):
             if hasattr(options.get(name), "tolist"):
                 options[name] = options[name].tolist()
-        req = ScratchAttentionRequest(**options)
+        try:
+            req = ScratchAttentionRequest(**options)
+        except pydantic.ValidationError as exc:
+            raise RequestValidationError.from_pydantic(
+                exc, "/v1/scratch-attention request") from exc
         return self._call("POST", "/v1/scratch-attention",
                           req.model_dump(mode="json", exclude_unset=True),
                           ScratchAttentionResponse)

@@ -1,15 +1,20 @@
 """Typed exceptions: one class per error ``type`` of the service's envelope.
 
-Every non-2xx answer of attnscope is ``{"error": {"type", "message", "param"}}`` (see the
-README's error table and ``service/errors.py``). The client raises the class registered for
-``type``; an unknown type falls back to the class for the HTTP status (so a newer server's
-new error types still land in the right family). Transport failures raise
-:class:`APIConnectionError` / :class:`APITimeoutError`. Every exception raised for an HTTP
-answer or a transport failure is raised ``from`` the underlying httpx error.
+Every non-2xx answer of attnscope is ``{"error": {"type", "message", "param"}}``; the types
+and their statuses are listed once, in ``attnscope.schemas.errors.ERROR_TYPES`` (shared with
+the service). The client raises the class registered for ``type`` (:data:`ERROR_TYPES` is
+built from that table: a type without a class of its own gets its status's class), and an
+unknown type falls back to the class for the HTTP status (so a newer server's new error types
+still land in the right family). Transport failures raise :class:`APIConnectionError` /
+:class:`APITimeoutError`. Every exception raised for an HTTP answer or a transport failure is
+raised ``from`` the underlying httpx error. A request that fails its schema on this side, before
+anything is sent, raises :class:`RequestValidationError` (also a ``ValueError``), raised
+``from`` pydantic's error.
 
 Hierarchy (openai-python's shape)::
 
     AttnscopeError
+    ├── RequestValidationError         refused before sending: message, param, errors
     ├── APIError                       message, request, body
     │   ├── APIConnectionError         the server could not be reached
     │   │   └── APITimeoutError        no answer within the timeout
@@ -23,12 +28,12 @@ Hierarchy (openai-python's shape)::
     │       ├── NotAcceptableError (406, not_acceptable)
     │       ├── RequestTimeoutError (408)
     │       ├── PayloadTooLargeError (413, payload_too_large)
-    │       ├── ValidationError (422, validation_error)
+    │       ├── UnprocessableEntityError (422, validation_error; was ValidationError)
     │       │   ├── ContextLengthExceededError (context_length_exceeded)
     │       │   ├── OutOfRangeError (out_of_range)
     │       │   ├── BatchTooLargeError (batch_too_large)
     │       │   └── MemoryLimitExceededError (memory_limit_exceeded)
-    │       ├── OverloadedError (429, overloaded; also rate_limited)
+    │       ├── OverloadedError (429, overloaded)
     │       ├── InternalServerError (5xx, internal_error)
     │       │   └── NonFiniteValuesError (non_finite_values)
     │       ├── NotReadyError (503, not_ready)
@@ -39,10 +44,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import warnings
+
 import httpx
+
+from attnscope.schemas.errors import ERROR_TYPES as _SERVER_ERROR_TYPES
 
 __all__ = [
     "AttnscopeError",
+    "RequestValidationError",
     "APIError",
     "APIConnectionError",
     "APITimeoutError",
@@ -56,7 +66,7 @@ __all__ = [
     "RequestTimeoutError",
     "NotAcceptableError",
     "PayloadTooLargeError",
-    "ValidationError",
+    "UnprocessableEntityError",
     "ContextLengthExceededError",
     "OutOfRangeError",
     "BatchTooLargeError",
@@ -72,6 +82,36 @@ __all__ = [
 
 class AttnscopeError(Exception):
     """Base of every exception the client raises."""
+
+
+class RequestValidationError(AttnscopeError, ValueError):
+    """The request does not fit its schema (unknown option, bad value, empty text ...): refused
+    by the client before anything is sent, so no status and no response.
+
+    Attributes:
+        message: every problem, ``"field: what is wrong"``, joined with ``"; "``.
+        param: the first field at fault, dotted as the server's envelope names it (or None).
+        errors: pydantic's list of errors (``loc``, ``msg``, ``type`` ...).
+    """
+
+    type = "validation_error"
+
+    def __init__(self, message: str, param: str | None = None, errors: list | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.errors = list(errors or [])
+
+    @classmethod
+    def from_pydantic(cls, exc: Any, what: str = "request") -> RequestValidationError:
+        """From a ``pydantic.ValidationError`` of the request model (``what`` names it)."""
+        errs = exc.errors(include_url=False)
+        parts, param = [], None
+        for e in errs:
+            loc = ".".join(str(x) for x in e.get("loc", ()))
+            param = param or loc or None
+            parts.append(f"{loc or what}: {e.get('msg')}")
+        return cls(f"invalid {what}: " + "; ".join(parts), param, errs)
 
 
 class APIError(AttnscopeError):
@@ -169,23 +209,25 @@ class PayloadTooLargeError(APIStatusError):
     pass
 
 
-class ValidationError(APIStatusError):
-    """422: the request is invalid (the message names the field, the limit and the value)."""
+class UnprocessableEntityError(APIStatusError):
+    """422: the server refused the request as invalid (the message names the field, the limit
+    and the value). Called ``ValidationError`` before 0.2 (still importable, deprecated: the
+    name was easy to confuse with ``pydantic.ValidationError``)."""
 
 
-class ContextLengthExceededError(ValidationError):
+class ContextLengthExceededError(UnprocessableEntityError):
     pass
 
 
-class OutOfRangeError(ValidationError):
+class OutOfRangeError(UnprocessableEntityError):
     pass
 
 
-class BatchTooLargeError(ValidationError):
+class BatchTooLargeError(UnprocessableEntityError):
     pass
 
 
-class MemoryLimitExceededError(ValidationError):
+class MemoryLimitExceededError(UnprocessableEntityError):
     """422: the request would need more memory than the server's ``max_request_bytes``."""
 
 
@@ -209,27 +251,6 @@ class GatewayTimeoutError(APIStatusError):
     pass
 
 
-ERROR_TYPES: dict[str, type[APIStatusError]] = {
-    "validation_error": ValidationError,
-    "context_length_exceeded": ContextLengthExceededError,
-    "out_of_range": OutOfRangeError,
-    "batch_too_large": BatchTooLargeError,
-    "memory_limit_exceeded": MemoryLimitExceededError,
-    "not_acceptable": NotAcceptableError,
-    "payload_too_large": PayloadTooLargeError,
-    "overloaded": OverloadedError,
-    "rate_limited": OverloadedError,
-    "not_ready": NotReadyError,
-    "unauthorized": UnauthorizedError,
-    "forbidden": PermissionDeniedError,
-    "not_found": NotFoundError,
-    "method_not_allowed": MethodNotAllowedError,
-    "timeout": GatewayTimeoutError,
-    "non_finite_values": NonFiniteValuesError,
-    "internal_error": InternalServerError,
-}
-"""Envelope ``error.type`` -> exception class."""
-
 STATUS_ERRORS: dict[int, type[APIStatusError]] = {
     400: BadRequestError,
     401: UnauthorizedError,
@@ -239,12 +260,54 @@ STATUS_ERRORS: dict[int, type[APIStatusError]] = {
     406: NotAcceptableError,
     408: RequestTimeoutError,
     413: PayloadTooLargeError,
-    422: ValidationError,
+    422: UnprocessableEntityError,
     429: OverloadedError,
     503: NotReadyError,
     504: GatewayTimeoutError,
 }
 """Fallback by HTTP status when the envelope's type is unknown or missing."""
+
+_TYPE_CLASSES: dict[str, type[APIStatusError]] = {
+    "validation_error": UnprocessableEntityError,
+    "context_length_exceeded": ContextLengthExceededError,
+    "out_of_range": OutOfRangeError,
+    "batch_too_large": BatchTooLargeError,
+    "memory_limit_exceeded": MemoryLimitExceededError,
+    "non_finite_values": NonFiniteValuesError,
+    "internal_error": InternalServerError,
+}
+"""Types with a class of their own (the rest get their status's class)."""
+
+
+def _status_class(status: int) -> type[APIStatusError]:
+    cls = STATUS_ERRORS.get(status)
+    if cls is None:
+        cls = InternalServerError if status >= 500 else APIStatusError
+    return cls
+
+
+ERROR_TYPES: dict[str, type[APIStatusError]] = {
+    t: _TYPE_CLASSES.get(t) or _status_class(status) for t, status in _SERVER_ERROR_TYPES.items()
+}
+"""Envelope ``error.type`` -> exception class, for every type in
+``attnscope.schemas.errors.ERROR_TYPES`` (the service's one list)."""
+
+
+_DEPRECATED = {"ValidationError": ("UnprocessableEntityError", UnprocessableEntityError)}
+
+
+def _deprecated(name: str, stacklevel: int):
+    new, obj = _DEPRECATED[name]
+    warnings.warn(f"attnscope.client.{name} is deprecated: use {new} (the 422 answer; "
+                  "RequestValidationError is the local check)", DeprecationWarning,
+                  stacklevel=stacklevel + 1)
+    return obj
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        return _deprecated(name, 2)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def status_error(response: httpx.Response) -> APIStatusError:
@@ -267,7 +330,5 @@ def status_error(response: httpx.Response) -> APIStatusError:
         message = str(body["detail"])
     cls = ERROR_TYPES.get(etype or "")
     if cls is None:
-        cls = STATUS_ERRORS.get(response.status_code)
-    if cls is None:
-        cls = InternalServerError if response.status_code >= 500 else APIStatusError
+        cls = _status_class(response.status_code)
     return cls(message, response=response, body=body, type=etype, param=param)

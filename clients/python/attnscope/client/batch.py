@@ -9,7 +9,13 @@ moment leaves at worst a torn last line, which the next run removes.
 
 Resume: ids already in the output or the failures file are skipped, so after any number of
 interruptions every id ends up exactly once in one of the two files. ``--retry-failed``
-removes the recorded failures first and runs those ids again.
+removes the recorded failures first and runs those ids again. What a run asks for (the
+analyses and their options, defaults included) is recorded beside the output in
+``OUTPUT.batch.json``; a run that asks for something else refuses to resume into that output
+(exit 2, naming both) unless ``--force`` is given, since skipping "done" ids would otherwise
+leave results of different analyses in one file. (An output from before this record is
+checked by the analyses named in its lines.) Ctrl-C stops the run: the lines written stay,
+the items in flight are not recorded, and the summary ends with the command that resumes.
 
 Concurrency: ``--concurrency`` requests in flight (default 4; the service runs one forward
 at a time, so more mainly hides network latency). Transient errors (429, 5xx, connection)
@@ -65,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--concurrency", type=int, default=4, help="requests in flight (4)")
     p.add_argument("--retry-failed", action="store_true",
                    help="run the ids in the failures file again")
+    p.add_argument("--force", action="store_true",
+                   help="resume into an output made with other analyses or options anyway")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -210,15 +218,81 @@ def _error_record(id_: Any, analysis: str | None, etype: str, message: str,
     return rec
 
 
+def settings_path(output: str) -> str:
+    """Where the run's analyses and options are recorded: ``OUTPUT.batch.json``."""
+    return output + ".batch.json"
+
+
+def _settings(analyses: dict[str, dict]) -> dict:
+    return {"analyses": {n: analyses[n] for n in sorted(analyses)}}
+
+
+def _analyses_in(path: str, limit: int = 1000) -> set[str]:
+    """Analyses named in an output's first ``limit`` lines (``results`` keys)."""
+    names: set[str] = set()
+    if not os.path.exists(path):
+        return names
+    with open(path, "rb") as f:
+        for i, line in enumerate(f):
+            if i >= limit:
+                break
+            try:
+                res = json.loads(line).get("results")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(res, dict):
+                names |= set(res)
+    return names
+
+
+def resume_conflict(output: str, failures: str, analyses: dict[str, dict]) -> str | None:
+    """Why this run may not append to ``output`` (None when it may): the output or the failures
+    file already holds items made with other analyses or options than ``analyses``."""
+    if not (_load_ids(output) or _load_ids(failures)):
+        return None  # nothing to resume: a fresh output
+    want = _settings(analyses)
+    rec = settings_path(output)
+    if os.path.exists(rec):
+        try:
+            with open(rec, encoding="utf-8") as f:
+                have = json.load(f)
+        except (OSError, ValueError) as exc:
+            return f"{rec} cannot be read ({exc}); cannot tell what {output} was made with"
+        if have.get("analyses") != want["analyses"]:
+            return (f"{output} was made with {json.dumps(have.get('analyses'), sort_keys=True)};"
+                    f" this run asks for {json.dumps(want['analyses'], sort_keys=True)}")
+        return None
+    found = _analyses_in(output)
+    if found and found != set(analyses):
+        return (f"{output} holds results of {sorted(found)}; this run asks for "
+                f"{sorted(analyses)}")
+    return None
+
+
+def record_settings(output: str, analyses: dict[str, dict]) -> None:
+    """Write ``OUTPUT.batch.json`` (atomically)."""
+    rec = settings_path(output)
+    tmp = rec + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(_settings(analyses), f, sort_keys=True, indent=1)
+        f.write("\n")
+    os.replace(tmp, rec)
+
+
 async def run_batch(client, lines: list[str], output: str, failures: str,
                     analyses: dict[str, dict], concurrency: int = 4,
-                    retry_failed: bool = False, progress: bool = True) -> Summary:
+                    retry_failed: bool = False, progress: bool = True,
+                    summary: Summary | None = None) -> Summary:
     """Run ``analyses`` (name -> options) over the JSONL ``lines`` with ``client`` (an
-    :class:`attnscope.client.AsyncClient`); see the module docstring for the files written."""
+    :class:`attnscope.client.AsyncClient`); see the module docstring for the files written.
+    ``summary`` (optional) is filled in as the run goes, so a caller still has the counts
+    when the run is interrupted."""
     from attnscope.client._errors import APIConnectionError, APIStatusError, APITimeoutError
 
     t0 = time.monotonic()
-    summary = Summary(output=output, failures=failures)
+    if summary is None:
+        summary = Summary()
+    summary.output, summary.failures = output, failures
     done_ids = _load_ids(output)
     failed_ids = _load_ids(failures)
     if retry_failed:
@@ -318,19 +392,23 @@ async def run_batch(client, lines: list[str], output: str, failures: str,
     finally:
         out.close()
         err.close()
-    summary.seconds = time.monotonic() - t0
-    summary.items_per_second = (summary.done + summary.failed) / max(summary.seconds, 1e-9)
+        summary.seconds = time.monotonic() - t0
+        summary.items_per_second = (summary.done + summary.failed) / max(summary.seconds, 1e-9)
     bar.update(summary, final=True)
     return summary
 
 
 def run_cli(args) -> int:
     """``attnscope batch``: exit 0 all done, 4 some items failed, 3 service unreachable,
-    2 usage error."""
+    2 usage error (a resume into an output made with other analyses or options included),
+    130 interrupted (Ctrl-C)."""
+    import shlex
+
     import httpx
 
     from attnscope.client import AsyncClient
-    from attnscope.client.cli import EXIT_CONNECTION, EXIT_NEGATIVE, EXIT_OK, UsageError, default_url
+    from attnscope.client.cli import (
+        EXIT_CONNECTION, EXIT_INTERRUPTED, EXIT_NEGATIVE, EXIT_OK, UsageError, default_url)
 
     names = args.analysis or ["attention"]
     try:
@@ -356,6 +434,14 @@ def run_cli(args) -> int:
     except OSError as exc:
         raise UsageError(f"cannot read {args.input}: {exc}")
     failures = args.failures or args.output + ".failures.jsonl"
+    conflict = resume_conflict(args.output, failures, analyses)
+    if conflict and not args.force:
+        raise UsageError(f"will not resume: {conflict}. Write to a new --output, or give "
+                         "--force to append anyway")
+    if conflict:
+        print(f"attnscope batch: --force: appending anyway ({conflict})", file=sys.stderr)
+    record_settings(args.output, analyses)
+    summary = Summary()
 
     async def go():
         limits = httpx.Limits(max_connections=args.concurrency)
@@ -364,9 +450,21 @@ def run_cli(args) -> int:
                                  timeout=args.timeout, max_retries=args.max_retries,
                                  http_client=http)
             return await run_batch(client, lines, args.output, failures, analyses,
-                                   args.concurrency, args.retry_failed, not args.no_progress)
+                                   args.concurrency, args.retry_failed, not args.no_progress,
+                                   summary)
 
-    summary = asyncio.run(go())
+    try:
+        asyncio.run(go())
+    except KeyboardInterrupt:
+        summary.stopped = "interrupted (Ctrl-C); the items in flight were not recorded"
+        print("\nattnscope batch: " + summary.line(), file=sys.stderr)
+        argv = getattr(args, "argv", None)
+        again = ("attnscope " + shlex.join(argv)) if argv else "the same command"
+        print(f"attnscope batch: to resume, run {again} again: the ids already in "
+              f"{args.output} or {failures} are skipped", file=sys.stderr)
+        if args.json:
+            print(json.dumps(asdict(summary)))
+        return EXIT_INTERRUPTED
     print("attnscope batch: " + summary.line(), file=sys.stderr)
     if args.json:
         print(json.dumps(asdict(summary)))

@@ -10,10 +10,14 @@
     attnscope batch in.jsonl -o out.jsonl -a attention -a trajectories
     attnscope serve --model bundled --port 8000       # needs the service installed
 
-Server: ``--url`` or ``ATTNSCOPE_URL`` (then ``ATTNSCOPE_BASE_URL``), default
-``http://127.0.0.1:8000``; API key ``--api-key`` or ``ATTNSCOPE_API_KEY``. TEXT ``-`` reads
-standard input. ``--json`` prints the response as JSON; ``-o key=JSON`` passes any request
-option (e.g. ``-o 'layers=[0,1]'``).
+Server: ``--url`` or ``ATTNSCOPE_BASE_URL`` (the client's variable too; ``ATTNSCOPE_URL`` is
+a deprecated alias), default ``http://127.0.0.1:8000``; API key ``--api-key`` or
+``ATTNSCOPE_API_KEY``. TEXT ``-`` reads standard input. ``--json`` prints the response as
+JSON; ``-o``/``--output FILE`` writes it to FILE (in every command, ``batch`` included);
+``--option key=JSON`` passes any request option (e.g. ``--option 'layers=[0,1]'``).
+
+``serve`` runs the service's own command line (``python -m attnscope.service.cli``) in place of
+this process: the client never imports the service, so it installs and runs without torch.
 
 Exit codes: 0 success; 1 the service answered with an error (the envelope's type and
 message are printed); 2 usage error (bad arguments or options, checked before sending);
@@ -26,42 +30,55 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any
 
 import pydantic
 
 EXIT_OK, EXIT_SERVER, EXIT_USAGE, EXIT_CONNECTION, EXIT_NEGATIVE = 0, 1, 2, 3, 4
-URL_ENV = "ATTNSCOPE_URL"
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
+URL_ENV = "ATTNSCOPE_BASE_URL"  # the one variable, shared with the Python client
 
 
 class UsageError(Exception):
     """Bad command-line input (exit 2)."""
 
 
-def default_url() -> str:
-    from attnscope.client._client import BASE_URL_ENV, DEFAULT_BASE_URL
+def _warn(msg: str) -> None:
+    print(f"attnscope: warning: {msg}", file=sys.stderr)
 
-    return os.environ.get(URL_ENV) or os.environ.get(BASE_URL_ENV) or DEFAULT_BASE_URL
+
+def default_url() -> str:
+    """``ATTNSCOPE_BASE_URL`` (``ATTNSCOPE_URL`` accepted with a warning), else the default."""
+    from attnscope.client._client import DEFAULT_BASE_URL, resolve_base_url
+
+    return resolve_base_url(None, warn=_warn) or DEFAULT_BASE_URL
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection")
     g.add_argument("--url", default=None,
-                   help=f"service URL (env {URL_ENV}, then ATTNSCOPE_BASE_URL; default "
-                        "http://127.0.0.1:8000)")
+                   help=f"service URL (env {URL_ENV}; default http://127.0.0.1:8000)")
     g.add_argument("--api-key", default=None, help="API key (env ATTNSCOPE_API_KEY)")
     g.add_argument("--timeout", type=float, default=60.0, help="seconds per request (60)")
     g.add_argument("--max-retries", type=int, default=2, help="retries on transient errors (2)")
     p.add_argument("--json", action="store_true", help="print the response as JSON")
 
 
+def _output_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", metavar="FILE", default=None,
+                   help="also write the response as JSON to FILE")
+
+
 def _text_args(p: argparse.ArgumentParser, plot: bool = True) -> None:
     p.add_argument("text", help="the text to analyse ('-' = standard input)")
     p.add_argument("--add-bos", action="store_true", default=None,
                    help="causal models: prepend the BOS token")
-    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=JSON",
-                   help="any request option, value as JSON (e.g. -o 'layers=[0]'); repeatable")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
+                   help="any request option, value as JSON (e.g. --option 'layers=[0]'); "
+                        "repeatable")
+    _output_arg(p)
     if plot:
         p.add_argument("--plot", metavar="FILE", default=None,
                        help="save the figure to FILE (.png/.svg/.pdf; needs matplotlib)")
@@ -99,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("model", help="the resident model")
     _common(p)
+    _output_arg(p)
 
     p = sub.add_parser("tokenize", help="tokens as the analyses see them")
     _common(p)
@@ -216,7 +234,7 @@ def _options(args, names: dict[str, str]) -> dict[str, Any]:
     for item in getattr(args, "option", []) or []:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise UsageError(f"-o expects KEY=JSON, got {item!r}")
+            raise UsageError(f"--option expects KEY=JSON, got {item!r}")
         try:
             out[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -231,9 +249,61 @@ def _client(args):
                   max_retries=args.max_retries)
 
 
+def _dump(model) -> str:
+    return (model.model_dump_json(indent=None) if hasattr(model, "model_dump_json")
+            else json.dumps(model))
+
+
 def _print_json(model) -> None:
-    print(model.model_dump_json(indent=None) if hasattr(model, "model_dump_json")
-          else json.dumps(model))
+    print(_dump(model))
+
+
+def _write_output(args, model) -> None:
+    """``-o FILE``: the response as JSON in FILE (the same text ``--json`` prints)."""
+    path = getattr(args, "output", None)
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(_dump(model) + "\n")
+    except OSError as exc:
+        raise UsageError(f"cannot write --output {path}: {exc.strerror or exc}")
+    print(f"response saved to {path}", file=sys.stderr)
+
+
+_OLD_OPTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def _check_args(args) -> None:
+    """Usage errors found before anything is sent (exit 2 with a message naming the flags)."""
+    out = getattr(args, "output", None)
+    if args.cmd != "batch" and out and _OLD_OPTION.match(out):
+        raise UsageError(f"-o is --output FILE (the response as JSON); request options are "
+                         f"--option KEY=JSON: use --option {out!r}")
+    if args.cmd == "attention":
+        if args.layer is not None or args.head is not None or args.kind != "heatmap":
+            if not args.plot:
+                raise UsageError("--layer, --head and --kind choose the figure and need "
+                                 "--plot FILE; to choose what is computed use --layers/--heads")
+        if args.layers is not None and args.layer is not None and args.layer not in args.layers:
+            raise UsageError(f"--layer {args.layer} is not among --layers "
+                             f"{','.join(map(str, args.layers))}: the figure can only show a "
+                             "requested layer")
+        if args.heads is not None and args.head is not None and args.head not in args.heads:
+            raise UsageError(f"--head {args.head} is not among --heads "
+                             f"{','.join(map(str, args.heads))}: the figure can only show a "
+                             "requested head")
+        if args.head_mean and (args.head is not None or args.kind == "heads"):
+            raise UsageError("--head-mean averages the heads away: a figure of one head "
+                             "(--head, --kind heads) needs a request without --head-mean")
+    if args.cmd == "trajectories" and args.kind != "paths" and not args.plot:
+        raise UsageError("--kind chooses the figure and needs --plot FILE")
+
+
+def _check_in(value, present: list[int], what: str, flag: str) -> None:
+    if value is not None and value not in present:
+        raise UsageError(f"{flag} {value}: the response holds {what}s "
+                         f"{', '.join(map(str, present))} (the model's, or those requested)")
 
 
 def _save(fig, path: str) -> None:
@@ -266,6 +336,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 def cmd_model(args) -> int:
     with _client(args) as c:
         info = c.model()
+    _write_output(args, info)
     if args.json:
         _print_json(info)
         return EXIT_OK
@@ -278,6 +349,7 @@ def cmd_model(args) -> int:
 def cmd_tokenize(args) -> int:
     with _client(args) as c:
         res = c.tokenize(_read_text(args.text), **_options(args, {}))
+    _write_output(args, res)
     if args.json:
         _print_json(res)
         return EXIT_OK
@@ -305,6 +377,11 @@ def cmd_attention(args) -> int:
     with _client(args) as c:
         res = c.attention(_read_text(args.text), **opts)
     r = res.attention
+    _write_output(args, res)
+    if args.plot:  # the figure's layer/head must be in the response: say so before printing
+        _check_in(args.layer, list(r.layers), "layer", "--layer")
+        if not r.head_mean:
+            _check_in(args.head, list(r.heads), "head", "--head")
     if args.json:
         _print_json(res)
     else:
@@ -340,6 +417,7 @@ def cmd_trajectories(args) -> int:
     with _client(args) as c:
         res = c.trajectories(_read_text(args.text), **opts)
     r = res.trajectories
+    _write_output(args, res)
     if args.json:
         _print_json(res)
     else:
@@ -364,6 +442,7 @@ def cmd_verify(args) -> int:
     with _client(args) as c:
         res = c.verify(_read_text(args.text), **opts)
     v = res.verification
+    _write_output(args, res)
     if args.json:
         _print_json(res)
     else:
@@ -373,8 +452,23 @@ def cmd_verify(args) -> int:
                  "pass" if l.passed else "FAIL"] for l in v.layers]
         print(_table(rows, ["layer", "pattern max|diff|", "output max|diff|",
                             *(["q/k/v max|diff|"] if qkv else []), "result"]))
-        print(f"{'PASSED' if v.passed else 'FAILED'}: {v.message}")
+        print(_verdict(v))
     return EXIT_OK if v.passed else EXIT_NEGATIVE
+
+
+def _verdict(v) -> str:
+    """``PASSED: <the server's message>`` / ``FAILED: ...``, the message's own leading
+    verdict word dropped (no "PASSED: passed"); without a message, the max difference and the
+    tolerance."""
+    word = "PASSED" if v.passed else "FAILED"
+    msg = (getattr(v, "message", "") or "").strip()
+    msg = re.sub(r"^(passed|failed|pass|fail|ok)\b[.:;,]?\s*", "", msg, flags=re.I)
+    if msg:
+        return f"{word}: {msg}"
+    mx, tol = getattr(v, "max_abs_diff", None), getattr(v, "tolerance", None)
+    if tol is None:
+        return word
+    return f"{word}: max |diff| {_fmt(mx)} {'<=' if v.passed else '>'} tolerance {_fmt(tol)}"
 
 
 def cmd_heads(args) -> int:
@@ -383,6 +477,7 @@ def cmd_heads(args) -> int:
         opts["probe"] = {"enabled": False}
     with _client(args) as c:
         res = c.heads(_read_text(args.text), **opts)
+    _write_output(args, res)
     if args.json:
         _print_json(res)
     else:
@@ -406,6 +501,7 @@ def cmd_links(args) -> int:
         opts["exclude_self"] = False
     with _client(args) as c:
         res = c.links(_read_text(args.text), layer=args.layer, **opts)
+    _write_output(args, res)
     if args.json:
         _print_json(res)
         return EXIT_OK
@@ -533,16 +629,37 @@ COMMANDS = {"model": cmd_model, "tokenize": cmd_tokenize, "attention": cmd_atten
             "patch": cmd_patch}
 
 
+SERVICE_CLI = "attnscope.service.cli"
+
+
 def _serve(argv: list[str]) -> int:
+    """``attnscope serve ...``: run the service's command line in place of this process.
+
+    The client never imports the service (the layer rule; the client installs without torch):
+    this looks the module up without importing it, then execs ``python -m
+    attnscope.service.cli serve ...`` in the same environment, so the server is the process
+    that was started (signals such as SIGTERM from a container reach uvicorn directly) and
+    its exit code is the command's. Where exec is not available (Windows) it runs as a child.
+    """
+    import importlib.util
+
     try:
-        from attnscope.service import cli as service_cli
-    except ImportError as exc:
-        print("attnscope serve: the service is not installed in this environment "
-              f"({exc}). Install the service (from the attnscope repository: pip install -e .) to run a "
-              "server; "
+        spec = importlib.util.find_spec(SERVICE_CLI)
+    except ImportError:  # attnscope.service missing altogether
+        spec = None
+    if spec is None:
+        print("attnscope serve: the service is not installed in this environment. Install "
+              "the service (from the attnscope repository: pip install -e .) to run a server; "
               "this client talks to one with --url.", file=sys.stderr)
         return EXIT_USAGE
-    return service_cli.main(argv)
+    cmd = [sys.executable, "-m", SERVICE_CLI, *argv]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.name == "posix":
+        os.execv(sys.executable, cmd)
+    import subprocess
+
+    return subprocess.call(cmd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -551,14 +668,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "serve":
         return _serve(argv)
     from attnscope.client._errors import (
-        APIConnectionError, APIResponseValidationError, APIStatusError)
+        APIConnectionError, APIResponseValidationError, APIStatusError, RequestValidationError)
 
     ap = build_parser()
     try:
         args = ap.parse_args(argv)
     except SystemExit as exc:  # argparse: 2 on usage errors, 0 on --help
         return int(exc.code or 0)
+    args.argv = argv  # batch's resume hint repeats the command
     try:
+        _check_args(args)
         if args.cmd == "batch":
             from attnscope.client import batch as _batch
 
@@ -567,13 +686,13 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"attnscope {args.cmd}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RequestValidationError as exc:  # the request's schema refused it before sending
+        print(f"attnscope {args.cmd}: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
     except pydantic.ValidationError as exc:
         errs = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'request'}: {e['msg']}"
                          for e in exc.errors())
         print(f"attnscope {args.cmd}: invalid request: {errs}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValueError as exc:  # e.g. a figure that does not fit the result (--kind heads of a head mean)
-        print(f"attnscope {args.cmd}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except APIConnectionError as exc:
         print(f"attnscope {args.cmd}: connection failure: {exc.message} (is the service "
@@ -592,6 +711,12 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return EXIT_OK
+    except KeyboardInterrupt:
+        print(f"attnscope {args.cmd}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except ValueError as exc:  # e.g. a figure that does not fit the result
+        print(f"attnscope {args.cmd}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -48,6 +48,15 @@ def _new_figure(figsize) -> Figure:
     return fig
 
 
+PATTERN_LABEL = "attention weight (post-softmax)"
+MASK_HATCH = "#b0b0b0"
+"""Colour of the hatching that marks masked cells (future keys of a causal model)."""
+TICK_FONT = 9.0
+"""Smallest tick-label size in points (readable at 100 % on a printed page or a screen)."""
+MAX_TICK_LABELS = 40
+"""Above this many tokens an axis labels every n-th token only (the rest would overlap)."""
+
+
 def _unwrap(obj: Any, *fields: str) -> Any:
     """A response -> its single result (``attention``/``trajectories``/... or ``results[0]``)."""
     for f in fields:
@@ -58,6 +67,40 @@ def _unwrap(obj: Any, *fields: str) -> Any:
     if results:
         return results[0]
     return obj
+
+
+def _model_id(obj: Any) -> str | None:
+    """The model id a response names (``model.id``), or None for a bare result / array."""
+    m = getattr(obj, "model", None)
+    if m is None and isinstance(obj, dict):
+        m = obj.get("model")
+    if m is None:
+        return None
+    return str(m["id"] if isinstance(m, dict) else getattr(m, "id", m))
+
+
+def _text_of(tokens: Sequence[Any]) -> str:
+    """The analysed text as its non-special tokens spell it (their labels joined)."""
+    parts = []
+    for t in tokens:
+        if isinstance(t, str):
+            parts.append(t)
+            continue
+        get = (lambda k: t.get(k)) if isinstance(t, dict) else (lambda k: getattr(t, k, None))
+        if not get("special"):
+            parts.append(str(get("label")))
+    return "".join(parts).strip()
+
+
+def _short(text: str, n: int = 44) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 1] + "\u2026"
+
+
+def _headline(model: str | None, text: str | None) -> str:
+    """'model · “text”' (what every figure's title starts with), parts that are known."""
+    parts = [p for p in (model, f"\u201c{_short(text)}\u201d" if text else None) if p]
+    return " \u00b7 ".join(parts)
 
 
 def token_labels(tokens: Sequence[Any]) -> list[str]:
@@ -81,8 +124,32 @@ def _is_causal(m: np.ndarray) -> bool:
     return bool(np.all(np.triu(np.nan_to_num(m, neginf=0.0), k=1) == 0.0))
 
 
+def _limits(mats: Sequence[np.ndarray], vmin: float | None, vmax: float | None):
+    """Colour limits shared by every panel: 0..1 for attention patterns (all values in [0, 1]);
+    otherwise the true finite min and max (e.g. pre-softmax scores). Never a percentile clip."""
+    finite = [m[np.isfinite(m)] for m in mats]
+    finite = np.concatenate([f.ravel() for f in finite]) if finite else np.zeros(0)
+    is_pattern = finite.size == 0 or (finite.min() >= 0.0 and finite.max() <= 1.0)
+    lo = vmin if vmin is not None else (0.0 if is_pattern else float(finite.min()))
+    hi = vmax if vmax is not None else (1.0 if is_pattern else float(finite.max()))
+    if hi <= lo:
+        hi = lo + 1e-9
+    return lo, hi, is_pattern
+
+
+def _ticks(ax, labels: list[str] | None, n_q: int, n_k: int, fontsize: float):
+    step = max(1, -(-max(n_q, n_k) // MAX_TICK_LABELS))
+    ax.set_xticks(range(0, n_k, step))
+    ax.set_yticks(range(0, n_q, step))
+    if labels is not None:
+        ax.set_xticklabels(labels[:n_k][::step], rotation=90, fontsize=fontsize)
+        ax.set_yticklabels(labels[:n_q][::step], fontsize=fontsize)
+    else:
+        ax.tick_params(labelsize=fontsize)
+
+
 def _draw(ax, m: np.ndarray, labels: list[str] | None, causal: bool | None, title: str | None,
-          vmax: float | None = None, tick_labels: bool = True, fontsize: float = 8):
+          lo: float, hi: float, fontsize: float = TICK_FONT, ylabel: bool = True):
     m = np.asarray(m, dtype=np.float64)
     if causal is None:
         causal = _is_causal(m)
@@ -90,25 +157,19 @@ def _draw(ax, m: np.ndarray, labels: list[str] | None, causal: bool | None, titl
     if causal:
         mask |= np.triu(np.ones(m.shape, dtype=bool), k=1)
     data = np.ma.masked_array(m, mask=mask)
-    cmap = _blues()
-    finite = m[~mask]
-    hi = vmax if vmax is not None else (float(np.percentile(finite, 98)) if finite.size else 1.0)
-    lo = float(finite.min()) if finite.size and finite.min() < 0 else 0.0
-    im = ax.imshow(data, cmap=cmap, vmin=lo, vmax=max(hi, lo + 1e-9), interpolation="nearest")
+    im = ax.imshow(data, cmap=_blues(), vmin=lo, vmax=hi, interpolation="nearest")
+    if mask.any():  # masked cells are transparent: the hatched background shows, unlike a 0
+        ax.patch.set_facecolor("white")
+        ax.patch.set_hatch("////")
+        ax.patch.set_edgecolor(MASK_HATCH)
     n_q, n_k = m.shape
-    ax.set_xticks(range(n_k))
-    ax.set_yticks(range(n_q))
-    if labels is not None and tick_labels:
-        ax.set_xticklabels(labels[:n_k], rotation=90, fontsize=fontsize)
-        ax.set_yticklabels(labels[:n_q], fontsize=fontsize)
-    else:
-        ax.set_xticklabels([])
-        ax.set_yticklabels([])
+    _ticks(ax, labels, n_q, n_k, fontsize)
     ax.set_xlabel("key")
-    ax.set_ylabel("query")
+    if ylabel:
+        ax.set_ylabel("query")
     if title:
-        ax.set_title(title)
-    return im
+        ax.set_title(title, fontsize=10)
+    return im, bool(mask.any())
 
 
 def _blues():
@@ -117,17 +178,34 @@ def _blues():
     return matplotlib.colormaps["Blues"].with_extremes(bad=(1, 1, 1, 0))  # masked: blank
 
 
-def _pattern(result: Any) -> tuple[np.ndarray, bool, list[int], list[int], list[str]]:
+def _colourbar(fig, im, axes, is_pattern: bool, masked: bool, label: str | None = None):
+    cb = fig.colorbar(im, ax=axes, shrink=0.85)
+    text = label or (PATTERN_LABEL if is_pattern else "value")
+    if masked:
+        text += "\n(hatched = masked: future key)"
+    cb.set_label(text)
+    cb.ax.tick_params(labelsize=TICK_FONT)
+    return cb
+
+
+def _pattern(result: Any):
     res = _unwrap(result, "attention")
     p = _arr(res.pattern)
-    return p, bool(res.head_mean), list(res.layers), list(res.heads), token_labels(res.tokens)
+    return (p, bool(res.head_mean), list(res.layers), list(res.heads), token_labels(res.tokens),
+            _headline(_model_id(result), _text_of(res.tokens)))
 
 
 def attention_heatmap(result: Any, layer: int | None = None, head: int | None = None, *,
                       labels: Sequence[str] | None = None, causal: bool | None = None,
-                      title: str | None = None, figsize=(6, 5.5)) -> Figure:
+                      title: str | None = None, vmin: float | None = None,
+                      vmax: float | None = None, figsize=(6.5, 6)) -> Figure:
     """Heat map of one attention matrix ``[query_pos, key_pos]`` with one labelled tick per
-    token on each axis; for a causal model the masked upper triangle is left blank.
+    token on each axis (every n-th above 40 tokens); for a causal model the masked upper
+    triangle is left blank (said on the colour bar).
+
+    The colour scale is 0..1 for a pattern (weights are fractions of the row's attention
+    mass), the true min..max otherwise (e.g. scores); ``vmin``/``vmax`` override it. Nothing
+    is clipped to a percentile. The title names the model and the text (from a response).
 
     Args:
         result: an ``AttentionResponse``/``AttentionResult``, or a 2-D array (then give
@@ -136,13 +214,16 @@ def attention_heatmap(result: Any, layer: int | None = None, head: int | None = 
         head: a head index in ``result.heads``; None = the mean over the returned heads (or
             the head mean the server computed).
         causal: blank the strict upper triangle; None = infer (it is all zero).
+
+    Raises:
+        ValueError: ``head`` given for a head-mean result; not a 2-D matrix.
     """
     if isinstance(result, (np.ndarray, list)):
         m = np.asarray(result, dtype=np.float64)
         lab = list(labels) if labels is not None else None
-        name = title or "Attention Weights"
+        name = title or "Attention weights"
     else:
-        p, head_mean, layers, heads, lab = _pattern(result)
+        p, head_mean, layers, heads, lab, headline = _pattern(result)
         if labels is not None:
             lab = list(labels)
         li = layers.index(layer) if layer is not None else 0
@@ -156,69 +237,103 @@ def attention_heatmap(result: Any, layer: int | None = None, head: int | None = 
         else:
             m = m[heads.index(head)]
         where = f"layer {layers[li]}" + (f", head {head}" if head is not None else ", head mean")
-        name = title or f"Attention Weights ({where})"
+        name = title or "\n".join(x for x in (headline, f"Attention weights ({where})") if x)
     if m.ndim != 2:
         raise ValueError(f"need a [query_pos, key_pos] matrix, got shape {list(m.shape)}")
     fig = _new_figure(figsize)
     ax = fig.add_subplot()
-    im = _draw(ax, m, lab, causal, name)
-    fig.colorbar(im, ax=ax, shrink=0.8)
+    lo, hi, is_pattern = _limits([m], vmin, vmax)
+    im, masked = _draw(ax, m, lab, causal, name, lo, hi)
+    _colourbar(fig, im, ax, is_pattern, masked)
     return fig
 
 
 def _grid(mats: list[np.ndarray], titles: list[str], labels, causal, suptitle: str,
-          ncols: int) -> Figure:
+          ncols: int, vmin=None, vmax=None) -> Figure:
+    """Panels on ONE colour scale with ONE colour bar; exactly len(mats) panels (no empty
+    ones: the column count is the one <= ncols that leaves the fewest holes, and holes left
+    are removed, not hidden)."""
     n = len(mats)
+    if n == 0:
+        raise ValueError("nothing to plot: the result holds no matrices")
     ncols = max(1, min(ncols, n))
-    nrows = (n + ncols - 1) // ncols
-    fig = _new_figure((3.6 * ncols, 3.6 * nrows))
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for ax, m, t in zip(axes, mats, titles):
-        _draw(ax, m, labels, causal, t, fontsize=6)
-    for ax in axes[n:]:
-        ax.set_visible(False)
+    ncols = min(range(ncols, 0, -1), key=lambda c: (-(-n // c) * c - n, -c))
+    nrows = -(-n // ncols)
+    T = mats[0].shape[-1]
+    side = 3.2 + 0.09 * min(T, MAX_TICK_LABELS)
+    fig = _new_figure((side * ncols + 1.2, side * nrows + 1.6))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    flat = axes.ravel()
+    lo, hi, is_pattern = _limits(mats, vmin, vmax)
+    masked_any = False
+    for i, (ax, m, t) in enumerate(zip(flat, mats, titles)):
+        im, masked = _draw(ax, m, labels, causal, t, lo, hi, ylabel=i % ncols == 0)
+        if i % ncols:
+            ax.set_yticklabels([])
+        if i // ncols != nrows - 1 and i + ncols < n:
+            ax.set_xticklabels([])
+            ax.set_xlabel("")
+        masked_any |= masked
+    for ax in flat[n:]:
+        fig.delaxes(ax)
+    _colourbar(fig, im, list(flat[:n]), is_pattern, masked_any)
     fig.suptitle(suptitle)
     return fig
 
 
 def layer_grid(result: Any, head: int | None = None, *, causal: bool | None = None,
-               ncols: int = 3) -> Figure:
-    """One heat map per returned layer ("Layerwise Attention Weights"): the mean over the
-    returned heads (as the source does) or one ``head``."""
-    p, head_mean, layers, heads, lab = _pattern(result)
+               ncols: int = 3, vmin: float | None = None, vmax: float | None = None) -> Figure:
+    """One heat map per returned layer ("Layerwise attention weights"): the mean over the
+    returned heads (as the source does) or one ``head``. One shared 0..1 scale, one colour bar;
+    the title names the model and the text."""
+    p, head_mean, layers, heads, lab, headline = _pattern(result)
     if head_mean:
         mats = [p[i] for i in range(len(layers))]
     elif head is None:
         mats = [p[i].mean(axis=0) for i in range(len(layers))]
     else:
         mats = [p[i, heads.index(head)] for i in range(len(layers))]
-    sup = "Layerwise Attention Weights" + (f" (head {head})" if head is not None else "")
-    return _grid(mats, [f"Layer {l}" for l in layers], lab, causal, sup, ncols)
+    what = "Layerwise attention weights" + (f" (head {head})" if head is not None
+                                            else " (head mean)")
+    sup = "\n".join(x for x in (headline, what) if x)
+    return _grid(mats, [f"Layer {l}" for l in layers], lab, causal, sup, ncols, vmin, vmax)
 
 
 def head_grid(result: Any, layer: int | None = None, *, causal: bool | None = None,
-              ncols: int = 3) -> Figure:
-    """One heat map per returned head of one layer ("Attention Heads at Layer N")."""
-    p, head_mean, layers, heads, lab = _pattern(result)
+              ncols: int = 4, vmin: float | None = None, vmax: float | None = None) -> Figure:
+    """One heat map per returned head of one layer ("Attention heads at layer N"), on one
+    shared 0..1 scale with one colour bar; the title names the model and the text.
+
+    Raises:
+        ValueError: a head-mean result (no heads to show).
+    """
+    p, head_mean, layers, heads, lab, headline = _pattern(result)
     if head_mean:
         raise ValueError("the result holds the head mean; request without head_mean")
     li = layers.index(layer) if layer is not None else 0
     mats = [p[li, j] for j in range(len(heads))]
-    return _grid(mats, [f"Head {h}" for h in heads], lab, causal,
-                 f"Attention Heads at Layer {layers[li]}", ncols)
+    sup = "\n".join(x for x in (headline, f"Attention heads at layer {layers[li]}") if x)
+    return _grid(mats, [f"Head {h}" for h in heads], lab, causal, sup, ncols, vmin, vmax)
 
 
 def trajectory_plot(result: Any, positions: Sequence[int] | None = None, *,
-                    figsize=(7, 7)) -> Figure:
-    """Per-token paths through the layers in PCA space ("Layer-by-layer Token Representation
-    Trajectories"): one line per token, the first, middle and last states labelled with their
-    hidden-state index, the last point labelled with the token.
+                    figsize=(7.5, 7)) -> Figure:
+    """Per-token paths through the layers in PCA space ("Layer-by-layer token representation
+    trajectories"): one path per token with an arrow on every step (hidden state i -> i+1),
+    the first, middle and last states labelled with their hidden-state index, the last point
+    labelled with the token; each axis says how much of the (standardised) variance its
+    component explains; the title names the model and the text.
 
     Args:
         result: a ``TrajectoriesResponse``/``TrajectoryResult`` (paths ``[token, state,
             component]``, at least 2 components).
         positions: token positions to draw (a subset of ``result.positions``); None = all.
+
+    Raises:
+        ValueError: fewer than 2 components.
     """
+    from matplotlib.patches import FancyArrowPatch
+
     res = _unwrap(result, "trajectories")
     paths = _arr(res.paths)
     if paths.ndim != 3 or paths.shape[2] < 2:
@@ -228,23 +343,35 @@ def trajectory_plot(result: Any, positions: Sequence[int] | None = None, *,
     states = list(res.states)
     chosen = order if positions is None else list(positions)
     n_state = paths.shape[1]
+    evr = list(res.explained_variance_ratio)
     fig = _new_figure(figsize)
     ax = fig.add_subplot()
-    for pos in chosen:
+    colours = [f"C{i % 10}" for i in range(len(chosen))]
+    for pos, col in zip(chosen, colours):
         k = order.index(pos)
         x, y = paths[k, :, 0], paths[k, :, 1]
-        ax.plot(x, y, marker="o", label=lab[pos])
+        ax.plot(x, y, marker="o", markersize=3, color=col, label=lab[pos], linewidth=1)
+        for s in range(n_state - 1):
+            ax.add_patch(FancyArrowPatch((x[s], y[s]), (x[s + 1], y[s + 1]),
+                                         arrowstyle="-|>", mutation_scale=12, color=col,
+                                         linewidth=1.2, shrinkA=0, shrinkB=2))
         for s in sorted({0, n_state // 2, n_state - 1}):
-            ax.text(x[s], y[s], str(states[s]), ha="center", va="center", fontsize=8)
-        ax.text(x[-1], y[-1], lab[pos], ha="left", va="bottom")
-    ax.set(title="Layer-by-layer Token Representation Trajectories", xlabel="PC 1",
-           ylabel="PC 2")
-    ax.legend(fontsize=7, loc="best")
+            ax.text(x[s], y[s], str(states[s]), ha="right", va="bottom", fontsize=8,
+                    color="0.25")
+        ax.text(x[-1], y[-1], lab[pos], ha="left", va="top", fontsize=TICK_FONT, color=col)
+    headline = _headline(_model_id(result), _text_of(res.tokens))
+    ax.set_title("\n".join(x for x in (headline, "Layer-by-layer token representation "
+                                        f"trajectories (states {states[0]}..{states[-1]})") if x))
+    ax.set_xlabel(f"PC 1 ({100 * evr[0]:.1f} % of variance)")
+    ax.set_ylabel(f"PC 2 ({100 * evr[1]:.1f} % of variance)")
+    ax.tick_params(labelsize=TICK_FONT)
+    ax.legend(fontsize=8, loc="best", title="token", title_fontsize=8)
     return fig
 
 
 def distance_bars(result: Any, kind: str = "projected", *, figsize=(8, 4.5)) -> Figure:
-    """Start-to-end distance per token ("How Far Did Each Token Move?").
+    """Start-to-end distance per token ("How far did each token move?"); the title names the
+    model and the text.
 
     Args:
         kind: 'projected' (distance in PCA space, as the source) or 'full' (raw hidden states).
@@ -257,9 +384,13 @@ def distance_bars(result: Any, kind: str = "projected", *, figsize=(8, 4.5)) -> 
     ax = fig.add_subplot()
     ax.bar(range(len(d)), d, color="tab:blue")
     ax.set_xticks(range(len(d)))
-    ax.set_xticklabels(names, rotation=90, fontsize=8)
-    ax.set(title="How Far Did Each Token Move?", xlabel="Token",
-           ylabel="Distance in PCA space" if kind == "projected" else "Distance (model units)")
+    ax.set_xticklabels(names, rotation=90, fontsize=TICK_FONT)
+    ax.tick_params(axis="y", labelsize=TICK_FONT)
+    headline = _headline(_model_id(result), _text_of(res.tokens))
+    ax.set(title="\n".join(x for x in (headline, "How far did each token move?") if x),
+           xlabel="Token",
+           ylabel="Distance in PCA space (standardised)" if kind == "projected"
+           else "Distance (model units)")
     return fig
 
 
@@ -315,14 +446,21 @@ def head_classification_grid(result: Any = None, *, labels: Any = None,
     for l in range(n_l):
         for h in range(len(grid[l])):
             if grid[l][h]:
-                ax.text(h, l, grid[l][h], ha="center", va="center", fontsize=7)
+                ax.text(h, l, grid[l][h], ha="center", va="center", fontsize=8)
     ax.set_xticks(range(n_h))
     ax.set_xticklabels([str(h) for h in range(n_h)])
     ax.set_yticks(range(n_l))
     ax.set_yticklabels([str(l) for l in range(n_l)])
-    ax.set(xlabel="head", ylabel="layer", title="Head classification")
+    what = "Head classification"
+    n_texts = getattr(result, "n_texts", None)
+    if n_texts is not None:
+        n_tok = list(getattr(result, "n_tokens", []) or [])
+        what += f" ({n_texts} text{'s' if n_texts != 1 else ''}, {sum(n_tok)} tokens)"
+    ax.set(xlabel="head", ylabel="layer",
+           title="\n".join(x for x in (_model_id(result), what) if x))
+    ax.tick_params(labelsize=TICK_FONT)
     ax.legend(handles=[Patch(color=colours[i], label=n) for i, n in enumerate(names)],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="label")
     return fig
 
 

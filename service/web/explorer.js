@@ -1,0 +1,366 @@
+// explorer.js — the page at / and /explorer: type a text, see what the model's attention does.
+//
+// State (text, layer, head, add_bos) lives in the URL (?text=...&layer=1&head=0|mean), so a
+// view can be shared. Patterns come as base64 float16 (layout "tril" for causal models), one
+// layer per request, cached per (text, layer, head mean); every number shown is the service's.
+//
+// Extra panels (ablation/patching effect grids, norms, rollout ...) plug in with
+//   import { registerPanel } from "/static/web/explorer.js";
+//   registerPanel({ id: "rollout", title: "Attention rollout", async render(ctx, body) { ... } });
+// render() runs after every analysis with ctx = {client, model, text, addBos, layer, head,
+// tokens, setStatus}; it fills `body` (a <div> in its own <section id="panel-ID">, which gets
+// data-ready="1" once render resolved). `layerAware: true` also re-renders it whenever the
+// layer or head changes.
+
+import { Client, ApiError, decodeTensor } from "./attnscope.js";
+import { colourBar, headColour, headGrid, heatmap, lineView, showLabel, trajectoryPlot, fmt } from "./views.js";
+
+const $ = (s) => document.querySelector(s);
+const client = new Client("");
+const panels = [];
+const state = { text: "", layer: 0, head: "mean", addBos: false };
+let model = null;
+let tokens = [];
+let cache = new Map();  // `${layer}|${mean}` -> Tensor [1, H, T, T] or [1, T, T]
+let heads = null;
+let runId = 0;
+
+/** Register an extra panel (see the header). Panels registered after an analysis render at once. */
+export function registerPanel(p) {
+  panels.push(p);
+  const sec = document.createElement("section");
+  sec.className = "panel";
+  sec.id = `panel-${p.id}`;
+  const h = document.createElement("h2");
+  h.textContent = p.title;
+  const body = document.createElement("div");
+  body.className = "panel-body";
+  sec.append(h, body);
+  $("#extra-panels").append(sec);
+  p.body = body;
+  if (tokens.length) renderPanel(p);
+}
+window.attnscope = { registerPanel, state, client };
+
+function setStatus(msg, kind = "info") {
+  const s = $("#status");
+  s.textContent = msg;
+  s.dataset.kind = kind;
+}
+
+function describeError(e) {
+  if (e instanceof ApiError) return `${e.status} ${e.type}${e.param ? ` (${e.param})` : ""}: ${e.message}`;
+  return String(e && e.message ? e.message : e);
+}
+
+function readUrl() {
+  const u = new URLSearchParams(location.search);
+  state.text = u.get("text") || "";
+  state.layer = Math.max(0, parseInt(u.get("layer") || "0", 10) || 0);
+  const h = u.get("head");
+  state.head = h === null || h === "mean" ? "mean" : Math.max(0, parseInt(h, 10) || 0);
+  state.addBos = u.get("add_bos") === "1";
+}
+
+function writeUrl() {
+  const u = new URLSearchParams();
+  if (state.text) u.set("text", state.text);
+  u.set("layer", String(state.layer));
+  u.set("head", String(state.head));
+  if (state.addBos) u.set("add_bos", "1");
+  history.replaceState(null, "", `${location.pathname}?${u}`);
+}
+
+function ready(id, on = true) {
+  const s = $(`#panel-${id}`);
+  if (s) s.dataset.ready = on ? "1" : "0";
+}
+
+function shortText(t, n = 60) {
+  return t.length > n ? `${t.slice(0, n - 1)}\u2026` : t;
+}
+
+// ---- model card ---------------------------------------------------------------------------
+
+function renderModel() {
+  const m = model;
+  const rows = [
+    ["model", m.id], ["revision", m.revision], ["architecture", m.architecture],
+    ["family", `${m.family} (${m.causal ? "causal" : "encoder"})`],
+    ["layers x heads", `${m.n_layers} x ${m.n_heads}`], ["d_model / d_head", `${m.d_model} / ${m.d_head}`],
+    ["context", `${m.n_ctx} tokens`], ["vocabulary", String(m.vocab_size)], ["device / dtype", `${m.device} / ${m.dtype}`],
+  ];
+  if (m.fallback) rows.push(["fallback", `requested ${m.requested}: ${m.fallback_reason || ""}`]);
+  const dl = document.createElement("dl");
+  for (const [k, v] of rows) {
+    const dt = document.createElement("dt"); dt.textContent = k;
+    const dd = document.createElement("dd"); dd.textContent = v;
+    dl.append(dt, dd);
+  }
+  $("#model-card").replaceChildren(dl);
+  $("#add-bos-row").hidden = !m.causal;
+  const lsel = $("#layer");
+  lsel.replaceChildren(...Array.from({ length: m.n_layers }, (_, l) => new Option(`layer ${l}`, String(l))));
+  const hsel = $("#head");
+  hsel.replaceChildren(new Option("head mean", "mean"),
+    ...Array.from({ length: m.n_heads }, (_, h) => new Option(`head ${h}`, String(h))));
+  ready("model");
+}
+
+// ---- tokens ------------------------------------------------------------------------------
+
+function renderTokens() {
+  const box = $("#tokens");
+  box.replaceChildren(...tokens.map((t) => {
+    const s = document.createElement("span");
+    s.className = "token" + (t.special ? " special" : "");
+    s.textContent = showLabel(t.label);
+    s.title = `position ${t.position}, id ${t.id}` + (t.start === null ? ", inserted" : `, characters ${t.start}..${t.end}`) +
+      (t.special ? ", special" : "");
+    s.dataset.pos = t.position;
+    const i = document.createElement("sub");
+    i.textContent = t.position;
+    s.append(i);
+    return s;
+  }));
+  $("#token-count").textContent = `${tokens.length} tokens`;
+  ready("tokens");
+}
+
+// ---- attention: heat map and line view ------------------------------------------------------
+
+async function layerPattern(layer, mean) {
+  const key = `${layer}|${mean}`;
+  if (!cache.has(key)) {
+    const body = { text: state.text, add_bos: state.addBos, layers: [layer], encoding: "base64", dtype: "float16" };
+    if (model.causal) body.layout = "tril";
+    if (mean) body.head_mean = true;
+    cache.set(key, client.attention(body).then((r) => {
+      tokens = r.attention.tokens;
+      return decodeTensor(r.attention.pattern);
+    }));
+  }
+  return cache.get(key);
+}
+
+const maskedFn = () => (model.causal ? (q, k) => k > q : () => false);
+
+async function renderAttention() {
+  ready("attention", false);
+  const mean = state.head === "mean";
+  const t = await layerPattern(state.layer, mean);
+  const m = mean ? t.at(0) : t.at(0).at(state.head);
+  const labels = tokens.map((x) => x.label);
+  const where = `layer ${state.layer}, ${mean ? "head mean" : `head ${state.head}`}`;
+  heatmap($("#heatmap"), m, {
+    labels, n: labels.length, masked: maskedFn(),
+    title: `${model.id} \u00b7 ${where} \u00b7 \u201c${shortText(state.text)}\u201d`,
+  });
+  colourBar($("#cbar"), { masked: model.causal });
+  $("#layer").value = String(state.layer);
+  $("#head").value = String(state.head);
+  ready("attention");
+}
+
+async function renderLines() {
+  ready("lines", false);
+  const labels = tokens.map((x) => x.label);
+  const t = await layerPattern(state.layer, false);
+  const nH = t.shape[1];
+  const box = $("#line-heads");
+  const key = `${state.text}|${state.layer}|${state.head}|${nH}`;
+  if (box.dataset.key !== key) {
+    box.replaceChildren(...Array.from({ length: nH }, (_, h) => {
+      const lab = document.createElement("label");
+      lab.className = "chk";
+      const c = document.createElement("input");
+      c.type = "checkbox"; c.value = String(h);
+      c.checked = state.head === "mean" ? true : h === state.head;
+      c.addEventListener("change", () => renderLines().catch(fail));
+      const sw = document.createElement("span");
+      sw.className = "swatch"; sw.style.background = headColour(h);
+      lab.append(c, sw, `head ${h}`);
+      return lab;
+    }));
+    box.dataset.key = key;
+  }
+  const chosen = [...box.querySelectorAll("input:checked")].map((c) => +c.value);
+  const views = chosen.map((h) => {
+    const m = t.at(0).at(h);
+    return { head: h, colour: headColour(h), get: (q, k) => m.get(q, k) };
+  });
+  lineView($("#lineview"), views, { labels });
+  ready("lines");
+}
+
+// ---- heads, links, trajectories, verification -------------------------------------------------
+
+async function renderHeads() {
+  ready("heads", false);
+  heads = heads || await client.heads({ text: state.text, add_bos: state.addBos });
+  drawHeadGrid();
+  $("#heads-note").textContent = `scores averaged over ${heads.n_texts} text; induction from the probe ` +
+    (heads.probe ? `(${heads.probe.segment_length} tokens x ${heads.probe.repeats})` : "(off)") + "; hover a cell for every score, click to open its pattern";
+  ready("heads");
+}
+
+function pickHead(l, h) {
+  state.layer = l; state.head = h;
+  writeUrl();
+  refreshLayerViews().then(() => $("#panel-attention").scrollIntoView({ block: "start" })).catch(fail);
+}
+
+function drawHeadGrid() {
+  headGrid($("#headgrid"), heads, pickHead, state.head === "mean" ? null : [state.layer, state.head]);
+}
+
+async function renderLinks() {
+  ready("links", false);
+  const body = { text: state.text, add_bos: state.addBos, layer: state.layer, top_k: 3 };
+  if (state.head !== "mean") body.head = state.head;
+  const r = await client.links(body);
+  const tb = document.createElement("table");
+  tb.className = "links";
+  tb.innerHTML = "<tr><th>query</th><th>strongest earlier keys (weight)</th></tr>";
+  for (const q of r.links.links) {
+    const tr = document.createElement("tr");
+    const a = document.createElement("td");
+    a.textContent = `${q.query_pos} ${showLabel(q.query)}`;
+    const b = document.createElement("td");
+    b.textContent = q.links.map((l) => `${l.key_pos} ${showLabel(l.key)} (${fmt(l.weight)})`).join(",  ");
+    tr.append(a, b);
+    tb.append(tr);
+  }
+  $("#links").replaceChildren(tb);
+  $("#links-note").textContent = `layer ${r.layer}, ${r.head === null ? "head mean" : `head ${r.head}`}; ` +
+    `self excluded; skipped positions: ${r.links.skipped.join(", ") || "none"}`;
+  ready("links");
+}
+
+async function renderTrajectories() {
+  ready("trajectories", false);
+  const r = await client.trajectories({ text: state.text, add_bos: state.addBos, encoding: "base64", dtype: "float32" });
+  const t = r.trajectories;
+  if (t.n_components < 2 || t.tokens.length < 2) {
+    $("#trajectories").textContent = "too few tokens for a 2-component PCA";
+  } else {
+    trajectoryPlot($("#trajectories"), {
+      paths: decodeTensor(t.paths), positions: t.positions, states: t.states,
+      labels: t.tokens.map((x) => x.label), evr: t.explained_variance_ratio,
+    });
+  }
+  $("#traj-note").textContent = `states ${t.states[0]}..${t.states[t.states.length - 1]} (0 = embedding output), ` +
+    `PCA fitted on all states x tokens; explained variance ${t.explained_variance_ratio.map((v) => (100 * v).toFixed(1) + " %").join(", ")}`;
+  ready("trajectories");
+}
+
+async function renderVerify() {
+  ready("verify", false);
+  const r = await client.verify({ text: state.text, add_bos: state.addBos });
+  const v = r.verification;
+  const box = $("#verify");
+  const head = document.createElement("p");
+  head.className = v.passed ? "pass" : "fail";
+  head.textContent = `${v.passed ? "PASSED" : "FAILED"}: ${v.message}`;
+  const tb = document.createElement("table");
+  tb.innerHTML = "<tr><th>layer</th><th>max |\u0394 pattern|</th><th>max |\u0394 output|</th><th>passed</th></tr>";
+  for (const l of v.layers) {
+    const tr = document.createElement("tr");
+    for (const x of [l.layer, l.pattern_max_abs_diff === null ? "NaN" : l.pattern_max_abs_diff.toExponential(2),
+      l.output_max_abs_diff === null ? "NaN" : l.output_max_abs_diff.toExponential(2), l.passed ? "yes" : "NO"]) {
+      const td = document.createElement("td"); td.textContent = String(x); tr.append(td);
+    }
+    tb.append(tr);
+  }
+  const note = document.createElement("p");
+  note.className = "note";
+  note.textContent = `recomputed from scratch in ${v.dtype} from the weights; tolerance ${v.tolerance}`;
+  box.replaceChildren(head, tb, note);
+  ready("verify");
+}
+
+async function renderPanel(p) {
+  const ctx = { client, model, text: state.text, addBos: state.addBos, layer: state.layer, head: state.head, tokens, setStatus };
+  try {
+    await p.render(ctx, p.body);
+    ready(p.id);
+  } catch (e) {
+    p.body.textContent = describeError(e);
+  }
+}
+
+function fail(e) {
+  if (e instanceof ApiError && e.status === 401) $("#key-row").hidden = false;  // api_keys set
+  setStatus(describeError(e), "error");
+  document.body.dataset.state = "error";
+}
+
+async function refreshLayerViews() {
+  await Promise.all([renderAttention(), renderLines(), renderLinks()]);
+  if (heads) drawHeadGrid();
+  for (const p of panels) if (p.layerAware) await renderPanel(p);
+}
+
+async function analyse() {
+  const my = ++runId;
+  document.body.dataset.state = "loading";
+  setStatus("analysing\u2026");
+  cache = new Map();
+  heads = null;
+  state.layer = Math.min(state.layer, model.n_layers - 1);
+  if (state.head !== "mean") state.head = Math.min(state.head, model.n_heads - 1);
+  writeUrl();
+  try {
+    await layerPattern(state.layer, state.head === "mean");
+    if (my !== runId) return;
+    renderTokens();
+    await Promise.all([renderAttention(), renderLines(), renderHeads(), renderLinks(), renderTrajectories(), renderVerify(),
+      ...panels.map(renderPanel)]);
+    if (my !== runId) return;
+    setStatus(`${tokens.length} tokens analysed by ${model.id}`);
+    document.body.dataset.state = "ready";
+  } catch (e) {
+    if (my === runId) fail(e);
+  }
+}
+
+async function main() {
+  readUrl();
+  // with the service's api_keys set: a key typed once, kept for this tab only
+  client.apiKey = sessionStorage.getItem("attnscope-api-key");
+  $("#api-key").addEventListener("change", () => {
+    sessionStorage.setItem("attnscope-api-key", $("#api-key").value.trim());
+    location.reload();
+  });
+  try {
+    model = await client.model();
+  } catch (e) {
+    fail(e);
+    return;
+  }
+  renderModel();
+  $("#text").value = state.text;
+  $("#add-bos").checked = state.addBos;
+  $("#form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    state.text = $("#text").value;
+    state.addBos = $("#add-bos").checked;
+    if (!state.text.trim()) { setStatus("type a text first", "error"); return; }
+    analyse();
+  });
+  $("#text").addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) { ev.preventDefault(); $("#form").requestSubmit(); }
+  });
+  const onPick = () => {
+    state.layer = +$("#layer").value;
+    state.head = $("#head").value === "mean" ? "mean" : +$("#head").value;
+    writeUrl();
+    if (tokens.length) refreshLayerViews().catch(fail);
+  };
+  $("#layer").addEventListener("change", onPick);
+  $("#head").addEventListener("change", onPick);
+  if (state.text.trim()) analyse();
+  else { setStatus("type or paste a text and press Analyse (Ctrl+Enter)"); document.body.dataset.state = "idle"; }
+}
+
+main();

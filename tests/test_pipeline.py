@@ -1,0 +1,138 @@
+"""``attnscope batch`` against a real uvicorn on 127.0.0.1: a resume into an output made with
+other analyses or options is refused (exit 2) unless ``--force``; Ctrl-C ends with the
+summary and the command that resumes, and that command finishes the corpus with every id
+exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from attnscope.client import batch as batch_mod
+from attnscope.client import cli as cli_mod
+
+pytestmark = pytest.mark.e2e
+
+
+def _ids(path: Path) -> list:
+    if not path.exists():
+        return []
+    return [json.loads(l)["id"] for l in path.read_text().splitlines() if l.strip()]
+
+
+@pytest.fixture
+def batch(capsys, monkeypatch, live_server):
+    """``batch(*args)``: ``attnscope batch`` in-process -> (exit code, stderr)."""
+    monkeypatch.setenv("ATTNSCOPE_BASE_URL", live_server.url)
+    monkeypatch.delenv("ATTNSCOPE_URL", raising=False)
+
+    def go(*args):
+        capsys.readouterr()
+        rc = cli_mod.main(["batch", *args, "--no-progress"])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        return rc, err
+
+    return go
+
+
+def test_resume_refuses_other_analyses_or_options(batch, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": f"text number {i}"}) + "\n"
+                           for i in range(4)))
+    out = tmp_path / "out.jsonl"
+    a = [str(src), "-o", str(out), "-a", "tokenize", "-a", "links",
+         "--params", '{"links": {"layer": 1}}']
+    rc, err = batch(*a)
+    assert rc == 0 and "done 4" in err
+    rec = json.loads(Path(batch_mod.settings_path(str(out))).read_text())
+    assert rec == {"analyses": {"links": {"layer": 1}, "tokenize": {}}}
+    before = out.read_bytes()
+    # the same request resumes: everything skipped
+    rc, err = batch(*a)
+    assert rc == 0 and "done 0, skipped 4" in err
+    # other analyses, other options (a default included), fewer analyses: refused, untouched
+    for other in (["-a", "tokenize", "-a", "links", "-a", "heads", "--params",
+                   '{"links": {"layer": 1}}'],
+                  ["-a", "tokenize", "-a", "links", "--params", '{"links": {"layer": 0}}'],
+                  ["-a", "tokenize", "-a", "links"],
+                  ["-a", "tokenize"]):
+        rc, err = batch(str(src), "-o", str(out), *other)
+        assert rc == 2, (other, err)
+        assert "will not resume" in err and "--force" in err and str(out) in err
+        assert out.read_bytes() == before
+    # told to: appends, and the record now names this run's settings
+    rc, err = batch(str(src), "-o", str(out), "-a", "tokenize", "--force")
+    assert rc == 0 and "--force: appending anyway" in err and "skipped 4" in err
+    assert json.loads(Path(batch_mod.settings_path(str(out))).read_text())["analyses"] == \
+        {"tokenize": {}}
+
+
+def test_an_output_without_a_record_is_checked_by_its_lines(batch, tmp_path):
+    """Outputs written before the settings record: their lines name the analyses."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "text": "one two"}) + "\n"
+                   + json.dumps({"id": "b", "text": "three four"}) + "\n")
+    out = tmp_path / "old.jsonl"
+    rc, err = batch(str(src), "-o", str(out), "-a", "tokenize")
+    assert rc == 0
+    os.remove(batch_mod.settings_path(str(out)))
+    rc, err = batch(str(src), "-o", str(out), "-a", "links")
+    assert rc == 2 and "holds results of ['tokenize']" in err
+    rc, err = batch(str(src), "-o", str(out), "-a", "tokenize")
+    assert rc == 0 and "skipped 2" in err
+
+
+def test_a_fresh_output_takes_any_settings(batch, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": 1, "text": "x y"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    out.write_text("")  # exists but holds nothing: nothing to resume
+    Path(batch_mod.settings_path(str(out))).write_text('{"analyses": {"heads": {}}}')
+    rc, err = batch(str(src), "-o", str(out), "-a", "tokenize")
+    assert rc == 0 and "done 1" in err
+
+
+def test_ctrl_c_ends_with_the_summary_and_how_to_resume(live_server, tmp_path):
+    n = 150
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": f"item {i} " + "word " * 60}) + "\n"
+                           for i in range(n)))
+    out = tmp_path / "out.jsonl"
+    fails = Path(str(out) + ".failures.jsonl")
+    cmd = [sys.executable, "-m", "attnscope.client.cli", "batch", str(src), "-o", str(out),
+           "-a", "verify", "-c", "1", "--no-progress"]
+    env = {**os.environ, "ATTNSCOPE_BASE_URL": live_server.url}
+    env.pop("ATTNSCOPE_URL", None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        while len(_ids(out)) < 3:  # wait for the event: some items written
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "STOPPED: interrupted (Ctrl-C)" in err
+    first = _ids(out)
+    assert 3 <= len(first) < n and len(set(first)) == len(first)
+    assert f"done {len(first)}, skipped 0, failed 0 of {n}" in err
+    hint = [l for l in err.splitlines() if "to resume, run" in l]
+    assert len(hint) == 1 and f"attnscope batch {src} -o {out} -a verify -c 1" in hint[0]
+    # the command it names finishes the corpus: every id exactly once
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert f"done {n - len(first)}, skipped {len(first)}, failed 0 of {n}" in r.stderr
+    ids = _ids(out) + _ids(fails)
+    assert sorted(ids) == list(range(n))

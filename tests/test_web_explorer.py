@@ -1,0 +1,395 @@
+"""The explorer (/ and /explorer) in headless Chromium against a real uvicorn serving the bundled
+model: every number the page shows is the API's (hover a heat-map cell, head grid scores, links,
+trajectories' explained variance, verification), masked cells look different from zeros, the
+colour scale is 0..1 and labelled, the URL holds the state, no console errors; screenshots of
+each view land in tests/artifacts/ and are checked not blank."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from decimal import ROUND_HALF_UP, Decimal
+from urllib.parse import parse_qs, quote, urlparse
+
+import httpx
+import numpy as np
+import pytest
+
+from attnscope.client.wire import decode_tensor
+from conftest import ROOT, SENTENCE
+from web_browser import ARTIFACTS, browser, page, screenshot  # noqa: F401  (fixtures)
+
+DIGITS = 3  # views.js DIGITS
+
+
+def shown(v: float) -> str:
+    """JavaScript's Number.prototype.toFixed(3) of a float (exact value, ties away from 0)."""
+    return str(Decimal(float(v)).quantize(Decimal(1).scaleb(-DIGITS), rounding=ROUND_HALF_UP))
+
+
+def api(url, path, body):
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def open_explorer(page, url, text=SENTENCE, layer=0, head="mean", path="/explorer"):
+    page.goto(f"{url}{path}?text={quote(text)}&layer={layer}&head={head}")
+    page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
+
+
+def hover_cell(page, q, k):
+    c = page.locator("#heatmap canvas.heatmap")
+    geo = c.evaluate("c => ({x0: +c.dataset.x0, y0: +c.dataset.y0, cell: +c.dataset.cell, n: +c.dataset.n})")
+    # bring the cell to the middle of the viewport (mouse events need it on screen)
+    c.evaluate("(c, y) => window.scrollBy(0, c.getBoundingClientRect().top + y - innerHeight / 2)",
+               geo["y0"] + (q + 0.5) * geo["cell"])
+    box = c.bounding_box()
+    page.mouse.move(box["x"] + geo["x0"] + (k + 0.5) * geo["cell"],
+                    box["y"] + geo["y0"] + (q + 0.5) * geo["cell"])
+    tip = page.locator("#heatmap .tip")
+    page.wait_for_function(
+        f"(() => {{ const t = document.querySelector('#heatmap .tip'); "
+        f"return t && t.dataset.q === '{q}' && t.dataset.k === '{k}'; }})()")
+    return tip.get_attribute("data-value"), tip.inner_text()
+
+
+def canvas_pixel(page, q, k):
+    """RGB at the centre of cell (q, k), read from the canvas's own pixels."""
+    return page.locator("#heatmap canvas.heatmap").evaluate(
+        """(c, [q, k]) => { const d = window.devicePixelRatio || 1;
+            const x = (+c.dataset.x0 + (k + 0.5) * +c.dataset.cell) * d;
+            const y = (+c.dataset.y0 + (q + 0.5) * +c.dataset.cell) * d;
+            return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data.slice(0, 3)); }""",
+        [q, k])
+
+
+@pytest.fixture(scope="module")
+def patterns(live_server):
+    """The API's own numbers for SENTENCE: float32 JSON and the float16/tril the page asks for."""
+    full = api(live_server.url, "/v1/attention", {"text": SENTENCE})
+    f16 = api(live_server.url, "/v1/attention", {"text": SENTENCE, "encoding": "base64",
+                                                   "dtype": "float16", "layout": "tril"})
+    mean16 = api(live_server.url, "/v1/attention", {"text": SENTENCE, "encoding": "base64",
+                                                      "dtype": "float16", "layout": "tril",
+                                                      "head_mean": True})
+    mean32 = api(live_server.url, "/v1/attention", {"text": SENTENCE, "head_mean": True})
+    return {
+        "tokens": full["attention"]["tokens"],
+        "f32": decode_tensor(full["attention"]["pattern"]),
+        "f16": decode_tensor(f16["attention"]["pattern"]).astype(np.float32),
+        "mean16": decode_tensor(mean16["attention"]["pattern"]).astype(np.float32),
+        "mean32": decode_tensor(mean32["attention"]["pattern"]),
+    }
+
+
+def test_heatmap_hover_equals_the_api_and_masked_cells_are_not_zeros(live_server, page, patterns):
+    requests = []
+    page.on("request", lambda r: requests.append(r) if r.url.endswith("/v1/attention") else None)
+    open_explorer(page, live_server.url, layer=1, head=0)
+    n = len(patterns["tokens"])
+    assert page.locator("#heatmap canvas").get_attribute("data-n") == str(n)
+    title = page.inner_text("#heatmap .view-title")
+    assert "attnscope-tiny-gpt2" in title and "layer 1, head 0" in title and "Then I tried" in title
+    for q, k in [(0, 0), (5, 2), (n - 1, 3), (n - 1, n - 1), (12, 7)]:
+        value, text = hover_cell(page, q, k)
+        assert value == shown(patterns["f16"][1, 0, q, k]), (q, k, text)
+        # and within float16 + display rounding of the float32 JSON number
+        assert abs(float(value) - patterns["f32"][1, 0, q, k]) <= 0.5e-3 + 2 ** -11
+        assert text.startswith(f"query {q} {json.dumps(patterns['tokens'][q]['label'])} \u2192 "
+                               f"key {k} {json.dumps(patterns['tokens'][k]['label'])}: "), text
+    value, text = hover_cell(page, 2, 5)
+    assert value == "masked" and "masked" in text and patterns["f32"][1, 0, 2, 5] == 0.0
+    # masked cells are grey, a weight of (almost) 0 is near-white: distinct colours
+    masked_rgb = canvas_pixel(page, 2, 5)
+    q0, k0 = np.unravel_index(np.argmin(np.where(np.tril(np.ones((n, n))) > 0,
+                                                 patterns["f32"][1, 0], 9)), (n, n))
+    low_rgb = canvas_pixel(page, int(q0), int(k0))
+    assert patterns["f32"][1, 0, q0, k0] < 0.02
+    assert max(low_rgb) > 235 and min(low_rgb) > 225, low_rgb  # near-white (#f7fbff end)
+    assert max(masked_rgb) < 200 and max(masked_rgb) - min(masked_rgb) < 10, masked_rgb  # grey
+    # the colour bar: fixed 0..1, labelled
+    bar = page.locator("#cbar canvas.cbar")
+    assert (bar.get_attribute("data-vmin"), bar.get_attribute("data-vmax")) == ("0", "1")
+    assert page.locator("#cbar .cbar-ticks span").all_inner_texts() == ["0", "0.25", "0.5", "0.75", "1"]
+    assert "attention weight" in page.inner_text("#cbar") and "masked" in page.inner_text("#cbar")
+    # the page asked for float16, lower triangle, base64: compact on the wire
+    bodies = [json.loads(r.post_data) for r in requests]
+    assert bodies and all(b["encoding"] == "base64" and b["dtype"] == "float16"
+                          and b["layout"] == "tril" for b in bodies), bodies
+    # keyboard: focus the map, arrow keys move the cell
+    page.locator("#heatmap canvas").focus()
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("ArrowRight")
+    tip = page.locator("#heatmap .tip")
+    assert (tip.get_attribute("data-q"), tip.get_attribute("data-k")) != (None, None)
+    q, k = int(tip.get_attribute("data-q")), int(tip.get_attribute("data-k"))
+    want = "masked" if k > q else shown(patterns["f16"][1, 0, q, k])
+    assert tip.get_attribute("data-value") == want
+    screenshot(page, "explorer-heatmap", "#panel-attention")
+
+
+def test_head_mean_and_pickers_update_url(live_server, page, patterns):
+    open_explorer(page, live_server.url, path="/", layer=0, head="mean")
+    value, _ = hover_cell(page, 6, 3)
+    assert value == shown(patterns["mean16"][0, 6, 3])
+    assert abs(float(value) - patterns["mean32"][0, 6, 3]) <= 0.5e-3 + 2 ** -11
+    page.select_option("#layer", "1")
+    page.select_option("#head", "2")
+    page.wait_for_function("document.querySelector('#panel-attention').dataset.ready === '1' && "
+                           "document.querySelector('#heatmap .view-title').textContent.includes('head 2')")
+    qs = parse_qs(urlparse(page.url).query)
+    assert qs["layer"] == ["1"] and qs["head"] == ["2"] and qs["text"] == [SENTENCE]
+    value, _ = hover_cell(page, 9, 4)
+    assert value == shown(patterns["f16"][1, 2, 9, 4])
+    # the URL restores the view
+    page.goto(page.url)
+    page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
+    assert page.input_value("#text") == SENTENCE
+    assert page.input_value("#layer") == "1" and page.input_value("#head") == "2"
+    assert hover_cell(page, 9, 4)[0] == value
+
+
+def test_head_grid_scores_and_click_opens_the_head(live_server, page, patterns):
+    heads = api(live_server.url, "/v1/heads", {"text": SENTENCE})
+    open_explorer(page, live_server.url)
+    cells = page.locator("#headgrid button.headcell")
+    assert cells.count() == len(heads["heads"]) == 8
+    for h in heads["heads"]:
+        b = page.locator(f"#headgrid button[data-layer='{h['layer']}'][data-head='{h['head']}']")
+        assert b.get_attribute("data-label") == h["label"]
+        title = b.get_attribute("title")
+        for name, v in h["scores"].items():
+            assert f"{name}: {'n/a' if v is None else f'{v:.3f}'}" in title, (name, title)
+    # same label, same colour
+    colours = {}
+    for b in cells.all():
+        colours.setdefault(b.get_attribute("data-label"), set()).add(
+            b.evaluate("e => getComputedStyle(e).backgroundColor"))
+    assert all(len(v) == 1 for v in colours.values())
+    assert len({next(iter(v)) for v in colours.values()}) == len(colours)
+    screenshot(page, "explorer-heads", "#panel-heads")
+    page.locator("#headgrid button[data-layer='0'][data-head='3']").click()
+    page.wait_for_function("document.querySelector('#heatmap .view-title').textContent.includes('layer 0, head 3')")
+    assert page.input_value("#layer") == "0" and page.input_value("#head") == "3"
+    assert parse_qs(urlparse(page.url).query)["head"] == ["3"]
+    assert hover_cell(page, 10, 10)[0] == shown(patterns["f16"][0, 3, 10, 10])
+    assert page.locator("#headgrid button.selected").get_attribute("data-head") == "3"
+
+
+def test_line_view_links_trajectories_verification(live_server, page, patterns):
+    open_explorer(page, live_server.url, layer=1, head=0)
+    n = len(patterns["tokens"])
+    # line view: one line per weight >= 0.01 of the checked head, opacity = weight
+    lines = page.locator("#lineview line")
+    want = int((patterns["f16"][1, 0] >= 0.01).sum())
+    assert lines.count() == want
+    first = lines.first
+    q, k = int(first.get_attribute("data-q")), int(first.get_attribute("data-k"))
+    assert abs(float(first.get_attribute("data-weight")) - patterns["f16"][1, 0, q, k]) < 1e-6
+    assert all(int(l.get_attribute("data-k")) <= int(l.get_attribute("data-q"))
+               for l in lines.all()[:50])  # causal: no line to a future key
+    page.locator("#line-heads input[value='1']").check()
+    page.wait_for_function(f"document.querySelectorAll('#lineview line').length === "
+                           f"{want + int((patterns['f16'][1, 1] >= 0.01).sum())}")
+    page.hover("#lineview .qtok[data-pos='5']")
+    hidden = page.locator("#lineview line").evaluate_all(
+        "ls => ls.filter(l => l.style.display !== 'none').map(l => +l.dataset.q)")
+    assert hidden and set(hidden) == {5}
+    screenshot(page, "explorer-lines", "#panel-lines")
+    # links: the API's table
+    links = api(live_server.url, "/v1/links", {"text": SENTENCE, "layer": 1, "head": 0, "top_k": 3})
+    rows = page.locator("#links tr").all_inner_texts()[1:]
+    assert len(rows) == len(links["links"]["links"])
+    for row, ql in zip(rows, links["links"]["links"]):
+        assert row.split("\t")[0].startswith(str(ql["query_pos"]))
+        assert f"({ql['links'][0]['weight']:.3f})" in row
+    # trajectories: one arrow per step and token, explained variance on both axes
+    tr = api(live_server.url, "/v1/trajectories", {"text": SENTENCE})["trajectories"]
+    steps = page.locator("#trajectories line.step")
+    assert steps.count() == n * (len(tr["states"]) - 1)
+    assert all(s.get_attribute("marker-end", timeout=1000).startswith("url(#arrow-")
+               for s in steps.all()[:5])
+    evr = tr["explained_variance_ratio"]
+    assert page.text_content("#trajectories .xlabel") == f"PC 1 ({100 * evr[0]:.1f} % of variance)"
+    assert page.text_content("#trajectories .ylabel") == f"PC 2 ({100 * evr[1]:.1f} % of variance)"
+    screenshot(page, "explorer-trajectories", "#panel-trajectories")
+    # verification: the API's verdict and per-layer rows
+    v = api(live_server.url, "/v1/verify", {"text": SENTENCE})["verification"]
+    assert v["passed"]
+    assert page.inner_text("#verify p.pass") == f"PASSED: {v['message']}"
+    assert page.locator("#verify tr").count() == 1 + len(v["layers"])
+    screenshot(page, "explorer-verify", "#panel-verify")
+    # model card and tokens
+    m = httpx.get(live_server.url + "/v1/model").json()
+    card = page.inner_text("#model-card")
+    assert m["id"] in card and m["revision"] in card and f"{m['n_layers']} x {m['n_heads']}" in card
+    chips = page.locator("#tokens .token")
+    assert chips.count() == n
+    t5 = patterns["tokens"][5]
+    assert chips.nth(5).get_attribute("title") == (
+        f"position 5, id {t5['id']}, characters {t5['start']}..{t5['end']}")
+    path = screenshot(page, "explorer", full_page=True)
+    page.evaluate("window.scrollTo(0, 0)")
+    screenshot(page, "explorer-top")
+    if os.environ.get("ATTNSCOPE_UPDATE_SCREENSHOT") == "1":  # the README's picture
+        shutil.copy(ARTIFACTS / "explorer-top.png", ROOT / "docs" / "explorer.png")
+
+
+def test_errors_are_shown_and_the_page_recovers(live_server, page):
+    page.goto(f"{live_server.url}/explorer")
+    page.wait_for_function("document.body.dataset.state === 'idle'")
+    page.fill("#text", "word " * 400)  # over the bundled model's 256-token context
+    page.click("#run")
+    page.wait_for_function("document.body.dataset.state === 'error'", timeout=60_000)
+    status = page.inner_text("#status")
+    assert "422 context_length_exceeded (text)" in status and "256" in status
+    # the browser itself logs the failed fetch; nothing else went wrong
+    page.errors[:] = [e for e in page.errors if "status of 422" not in e]
+    page.fill("#text", "A short text again.")
+    page.keyboard.press("Control+Enter")
+    page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
+    assert page.locator("#tokens .token").count() >= 4
+
+
+def test_long_text_uses_compact_wire_forms_and_caps_the_line_view(live_server, page):
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)  # ~200 tokens
+    n = len(api(live_server.url, "/v1/tokenize", {"text": text})["tokens"]["tokens"])
+    assert 150 < n <= 256
+    sizes = []
+    page.on("response", lambda r: sizes.append((r.url, len(r.body())))
+            if r.url.endswith("/v1/attention") else None)
+    open_explorer(page, live_server.url, text=text, layer=1, head="mean")
+    assert page.locator("#heatmap canvas").get_attribute("data-n") == str(n)
+    # float16 lower triangle of one layer's 4 heads: 2 bytes x 4 x n(n+1)/2, base64 (4/3)
+    tril = 2 * 4 * n * (n + 1) // 2 * 4 // 3
+    assert sizes and max(s for _, s in sizes) < tril + 40_000
+    lines = page.locator("#lineview line").count()
+    assert 0 < lines <= 4000 and "strongest 4000 of" in page.inner_text("#lineview .legend")
+    value, _ = hover_cell(page, n - 1, n - 2)
+    assert value != "masked"
+
+
+def _thread_server(runtime, **settings):
+    """A real uvicorn on 127.0.0.1 in a thread, serving an app on an already loaded runtime."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from attnscope.service.app import create_app
+    from attnscope.service.config import Settings
+    from conftest import free_port
+
+    port = free_port()
+    app = create_app(Settings(**{"model": "bundled", **settings}), runtime=runtime)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    return server, t, url
+
+
+@pytest.fixture(scope="module")
+def keyed_server(gpt2_runtime):
+    """The bundled model behind api_keys."""
+    server, t, url = _thread_server(gpt2_runtime, api_keys=["s3cret"])
+    yield url
+    server.should_exit = True
+    t.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def encoder_server(bert_runtime):
+    """MiniLM (a BERT-family encoder: no causal mask)."""
+    server, t, url = _thread_server(bert_runtime, model=str(bert_runtime.settings.model))
+    yield url
+    server.should_exit = True
+    t.join(timeout=10)
+
+
+def test_encoder_page_has_no_masked_cells_and_full_layout(encoder_server, page):
+    requests = []
+    page.on("request", lambda r: requests.append(json.loads(r.post_data))
+            if r.url.endswith("/v1/attention") else None)
+    text = "The cat sat on the mat."
+    open_explorer(page, encoder_server, text=text, layer=2, head=5)
+    ref = api(encoder_server, "/v1/attention", {"text": text, "layers": [2]})
+    p = decode_tensor(ref["attention"]["pattern"])
+    n = p.shape[-1]
+    assert page.locator("#heatmap canvas").get_attribute("data-n") == str(n)
+    for q, k in [(0, n - 1), (2, 4), (n - 1, 0)]:  # above the diagonal too: an encoder
+        value, _ = hover_cell(page, q, k)
+        assert abs(float(value) - p[0, 5, q, k]) <= 0.5e-3 + 2 ** -11
+    assert requests and all(b.get("layout", "full") == "full" for b in requests)
+    assert not page.is_visible("#add-bos")  # causal models only
+    assert "masked" not in page.inner_text("#cbar")
+    assert page.locator("#tokens .token.special").count() == 2  # [CLS] ... [SEP]
+    screenshot(page, "explorer-encoder", "#panel-attention")
+
+
+def test_with_api_keys_the_page_asks_for_a_key(keyed_server, page):
+    page.goto(f"{keyed_server}/?text={quote('The cat sat.')}")
+    page.wait_for_function("document.body.dataset.state === 'error'", timeout=60_000)
+    assert "401 unauthorized" in page.inner_text("#status")
+    assert page.is_visible("#api-key")
+    page.errors[:] = [e for e in page.errors if "status of 401" not in e]
+    page.fill("#api-key", "s3cret")
+    page.press("#api-key", "Enter")
+    page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
+    assert page.locator("#tokens .token").count() >= 3 and not page.is_visible("#api-key")
+
+
+def test_verification_panel_shows_a_planted_fault(page):
+    """Planted fault: the output projection of layer 1 changes after the text's forward was
+    recorded (cached); the service's verification fails at layer 1 and the page says so."""
+    import torch
+
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+
+    rt = Runtime.load(Settings(model="bundled"))  # its own copy: its weights change here
+    server, t, url = _thread_server(rt)
+    try:
+        assert api(url, "/v1/verify", {"text": SENTENCE})["verification"]["passed"]  # cached
+        w = rt.adapter.base().h[1].attn.c_proj.weight
+        with torch.no_grad():
+            w[:, 7].add_(0.05)
+        open_explorer(page, url, layer=1, head=0)
+        v = api(url, "/v1/verify", {"text": SENTENCE})["verification"]
+        assert not v["passed"] and v["failed_layers"] == [1]
+        assert page.inner_text("#verify p.fail") == f"FAILED: {v['message']}"
+        rows = page.locator("#verify tr").all_inner_texts()
+        assert rows[1].split("\t")[-1] == "yes" and rows[2].split("\t")[-1] == "NO"
+    finally:
+        server.should_exit = True
+        t.join(timeout=10)
+
+
+def test_extra_panels_plug_in_with_register_panel(live_server, page):
+    """The hook later panels (ablation/patching, norms, rollout) use: a registered panel
+    renders with the page's context and, if layerAware, again when the layer/head changes."""
+    open_explorer(page, live_server.url, layer=0, head=1)
+    page.evaluate("""async () => {
+      const { registerPanel } = await import('/static/web/explorer.js');
+      registerPanel({ id: 'probe', title: 'Probe panel', layerAware: true,
+        async render(ctx, body) {
+          const r = await ctx.client.tokenize({ text: ctx.text, add_bos: ctx.addBos });
+          body.textContent = `${ctx.model.id} layer ${ctx.layer} head ${ctx.head}: ` +
+            `${r.tokens.n_tokens} tokens`;
+        } });
+    }""")
+    page.wait_for_selector("#panel-probe[data-ready='1']")
+    n = len(api(live_server.url, "/v1/tokenize", {"text": SENTENCE})["tokens"]["tokens"])
+    assert page.inner_text("#panel-probe h2") == "Probe panel"
+    assert page.inner_text("#panel-probe .panel-body") == f"attnscope-tiny-gpt2 layer 0 head 1: {n} tokens"
+    page.select_option("#head", "3")
+    page.wait_for_function("document.querySelector('#panel-probe .panel-body').textContent.includes('head 3')")
