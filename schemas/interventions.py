@@ -157,15 +157,15 @@ class AblateRequest(TensorOptions):
 
 
 class AblatedPosition(LenientModel):
-    position: int
+    position: int = Field(description="Position p (its logits predict token p + 1).")
     token: str = Field(description="Label of the token at the position.")
     next_token: TokenRef | None = Field(description="The actual next token (null at the end).")
     loss_clean: float | None = Field(description="-log p(next token), clean run, nats.")
     loss_ablated: float | None = Field(description="The same with the heads ablated.")
     delta_loss: float | None = Field(description="loss_ablated - loss_clean, nats.")
     kl: float | None = Field(description="KL(clean ‖ ablated) of the next-token distributions, nats (>= 0); null if not finite.")
-    top_clean: list[TopToken]
-    top_ablated: list[TopToken]
+    top_clean: list[TopToken] = Field(description="The top_k next tokens of the clean run.")
+    top_ablated: list[TopToken] = Field(description="The top_k next tokens with the heads ablated.")
 
 
 class LogitDiff(LenientModel):
@@ -177,7 +177,7 @@ class LogitDiff(LenientModel):
 
 
 class AblateScan(LenientModel):
-    metric: ScanMetric
+    metric: ScanMetric = Field(description="The scan metric, as requested.")
     clean: float | None = Field(description="The metric on the clean run (KL: 0).")
     grid: list[list[float | None]] = Field(description="[layer][head]: the metric with that head ablated alone.")
     effect: list[list[float | None]] = Field(
@@ -187,14 +187,14 @@ class AblateScan(LenientModel):
 
 class AblateResponse(LenientModel):
     model: ModelRef
-    tokens: list[Token]
-    method: AblationMethod
+    tokens: list[Token] = Field(description="The analysed tokens of text.")
+    method: AblationMethod = Field(description="The ablation method, as requested.")
     heads: list[list[int]] | None = Field(description="The heads ablated together (null in a scan).")
     positions: list[AblatedPosition] | None = Field(None, description="Single ablation: per reported position.")
     mean_loss_clean: float | None = Field(None, description="Mean loss over the reported positions with a next token.")
-    mean_loss_ablated: float | None = None
+    mean_loss_ablated: float | None = Field(None, description="The same with the heads ablated.")
     mean_kl: float | None = Field(None, description="Mean KL over the reported positions.")
-    logit_diff: LogitDiff | None = None
+    logit_diff: LogitDiff | None = Field(None, description="The logit difference before/after (if asked).")
     patterns: TensorField | None = Field(
         None, description="include_patterns: patterns after the ablation [layer, head, query_pos, key_pos]."
     )
@@ -238,10 +238,10 @@ class PatchRequest(StrictModel):
 
 class PatchResponse(LenientModel):
     model: ModelRef
-    clean_tokens: list[Token]
-    corrupted_tokens: list[Token]
-    metric: Literal["logit_diff", "loss"]
-    method: Literal["exact", "attribution"]
+    clean_tokens: list[Token] = Field(description="The clean text's tokens.")
+    corrupted_tokens: list[Token] = Field(description="The corrupted text's tokens (same count).")
+    metric: Literal["logit_diff", "loss"] = Field(description="The metric, as requested.")
+    method: Literal["exact", "attribution"] = Field(description="The method, as requested.")
     logit_diff: LogitDiff | None = Field(None, description="The metric's tokens and position.")
     clean_value: float = Field(description="The metric on the clean run.")
     corrupted_value: float = Field(description="The metric on the corrupted run.")

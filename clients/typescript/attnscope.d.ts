@@ -453,13 +453,17 @@ export interface components {
              * @description The heads ablated together (null in a scan).
              */
             heads: number[][] | null;
+            /** @description The logit difference before/after (if asked). */
             logit_diff?: components["schemas"]["LogitDiff"] | null;
             /**
              * Mean Kl
              * @description Mean KL over the reported positions.
              */
             mean_kl?: number | null;
-            /** Mean Loss Ablated */
+            /**
+             * Mean Loss Ablated
+             * @description The same with the heads ablated.
+             */
             mean_loss_ablated?: number | null;
             /**
              * Mean Loss Clean
@@ -468,6 +472,7 @@ export interface components {
             mean_loss_clean?: number | null;
             /**
              * Method
+             * @description The ablation method, as requested.
              * @enum {string}
              */
             method: "zero" | "mean" | "resample";
@@ -484,7 +489,10 @@ export interface components {
             positions?: components["schemas"]["AblatedPosition"][] | null;
             /** @description scan: the effect grid. */
             scan?: components["schemas"]["AblateScan"] | null;
-            /** Tokens */
+            /**
+             * Tokens
+             * @description The analysed tokens of text.
+             */
             tokens: components["schemas"]["Token"][];
         } & {
             [key: string]: unknown;
@@ -508,6 +516,7 @@ export interface components {
             grid: (number | null)[][];
             /**
              * Metric
+             * @description The scan metric, as requested.
              * @enum {string}
              */
             metric: "loss" | "kl" | "logit_diff";
@@ -538,16 +547,25 @@ export interface components {
             loss_clean: number | null;
             /** @description The actual next token (null at the end). */
             next_token: components["schemas"]["TokenRef"] | null;
-            /** Position */
+            /**
+             * Position
+             * @description Position p (its logits predict token p + 1).
+             */
             position: number;
             /**
              * Token
              * @description Label of the token at the position.
              */
             token: string;
-            /** Top Ablated */
+            /**
+             * Top Ablated
+             * @description The top_k next tokens with the heads ablated.
+             */
             top_ablated: components["schemas"]["TopToken"][];
-            /** Top Clean */
+            /**
+             * Top Clean
+             * @description The top_k next tokens of the clean run.
+             */
             top_clean: components["schemas"]["TopToken"][];
         } & {
             [key: string]: unknown;
@@ -1452,14 +1470,20 @@ export interface components {
              * @description method 'attribution': what the numbers are (a linear approximation).
              */
             approximation?: string | null;
-            /** Clean Tokens */
+            /**
+             * Clean Tokens
+             * @description The clean text's tokens.
+             */
             clean_tokens: components["schemas"]["Token"][];
             /**
              * Clean Value
              * @description The metric on the clean run.
              */
             clean_value: number;
-            /** Corrupted Tokens */
+            /**
+             * Corrupted Tokens
+             * @description The corrupted text's tokens (same count).
+             */
             corrupted_tokens: components["schemas"]["Token"][];
             /**
              * Corrupted Value
@@ -1485,11 +1509,13 @@ export interface components {
             logit_diff?: components["schemas"]["LogitDiff"] | null;
             /**
              * Method
+             * @description The method, as requested.
              * @enum {string}
              */
             method: "exact" | "attribution";
             /**
              * Metric
+             * @description The metric, as requested.
              * @enum {string}
              */
             metric: "logit_diff" | "loss";
