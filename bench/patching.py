@@ -107,7 +107,7 @@ def main() -> int:
             for T in args.lengths:
                 row: dict = {"T": T}
                 ex, at, fw, tl, diffs, corrs = [], [], [], [], [], []
-                cex, cat, cfw, ctl = [], [], [], []
+                cex, cat, cfw, ctl, raw_diffs = [], [], [], [], []
                 for run in range(args.runs + 1):  # run 0: warm-up, not counted
                     def request(method):
                         clean, corrupted, tgt, dis = pair(texts, T)  # fresh: cold forwards
@@ -162,6 +162,7 @@ def main() -> int:
                         tl.append(time.perf_counter() - t0)
                         ctl.append(time.process_time() - c0)
                         diffs.append(float(np.abs(ref.numpy() - e_grid).max()))
+                        raw_diffs.append(float(np.abs(ref.numpy() - e_grid).max() * abs(c - k)))
                 row.update(exact_http_s=median(ex), attribution_http_s=median(at),
                            forward_s=median(fw),
                            attribution_forwards=median(at) / median(fw),
@@ -172,7 +173,9 @@ def main() -> int:
                 if tl:
                     row.update(tl_s=tl[0], exact_vs_tl=median(ex) / tl[0], tl_cpu_s=ctl[0],
                                exact_vs_tl_cpu=median(cex) / ctl[0],
-                               max_abs_diff_vs_tl=max(diffs))
+                               max_abs_diff_vs_tl=max(diffs),
+                               max_abs_diff_vs_tl_raw_logit_diff=max(raw_diffs),
+                               clean_minus_corrupted=exact["clean_value"] - exact["corrupted_value"])
                 results["lengths"][str(T)] = row
                 print(json.dumps(row), flush=True)
     finally:

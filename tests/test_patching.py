@@ -147,6 +147,8 @@ def test_attribution_equals_direct_autograd_and_ranks_like_exact(gpt2_runtime):
     def raw(lg):
         return A.logit_diff(lg[:, 0], tgt, dis)
 
+    # the endpoint starts the corrupted run from its embeddings (no recorded forward)
+    assert torch.equal(I.embedding_output(rt, corrupted), fk.hidden_states[0])
     m, grads = I.attribution_grads(rt, fk.hidden_states[0], lambda lg: raw(lg)[0], [pos])
     z_c, z_k = I.head_z(fc.pattern, fc.v), I.head_z(fk.pattern, fk.v)
     att = A.attribution(torch.stack(grads), z_c, z_k)  # [layer, head]

@@ -216,13 +216,25 @@ def recorded_logits(rt, ft, positions: Sequence[int] | None = None) -> torch.Ten
         return logits_of(rt, final[None], positions)[0]
 
 
+def embedding_output(rt, input_ids: Sequence[int]) -> torch.Tensor:
+    """The residual stream entering layer 0 ``[pos, d_model]`` (GPT-2: token plus position
+    embeddings, ``hidden_states[0]`` of a recorded forward) without running any block."""
+    base = rt.adapter.base()
+    ids = torch.tensor(list(input_ids), dtype=torch.long, device=rt.device)
+    with torch.inference_mode():
+        return base.wte(ids) + base.wpe(torch.arange(len(ids), device=rt.device))
+
+
 def attribution_grads(
-    rt, resid0: torch.Tensor, metric_fn, positions: Sequence[int] | None = None
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    rt, resid0: torch.Tensor, metric_fn, positions: Sequence[int] | None = None,
+    with_z: bool = False,
+):
     """One forward and one backward of a text from its embedding output ``resid0`` ``[pos,
     d_model]``: returns ``(metric, grads)``, the scalar ``metric_fn(logits)`` (logits ``[1, P,
     vocab]`` at ``positions``) and its gradient with respect to every layer's z, each
-    ``[pos, head, d_head]`` (the total derivative: paths through all later layers included).
+    ``[pos, head, d_head]`` (the total derivative: paths through all later layers included);
+    with ``with_z`` also the z themselves ``[layer, pos, head, d_head]`` (so the corrupted run
+    needs no recorded forward of its own).
 
     Used by attribution patching (Nanda 2023; Kramár et al. 2024, AtP): the gradient on the
     corrupted run times the clean-minus-corrupted z is the first-order estimate of each
@@ -233,7 +245,10 @@ def attribution_grads(
         out = run_from_layer(rt, x, 0, positions=positions, capture_z=True)
         metric = metric_fn(out.logits)
         grads = torch.autograd.grad(metric, out.z)
-    return metric.detach(), [g[0].detach() for g in grads]
+    grads = [g[0].detach() for g in grads]
+    if with_z:
+        return metric.detach(), grads, torch.stack([z[0].detach() for z in out.z])
+    return metric.detach(), grads
 
 
 # ------------------------------------------------------------------ memory estimates

@@ -367,8 +367,10 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
         detail = (f", plus {n_fwd} patched forwards in batches of up to {widest} variants "
                   f"(est. {est} bytes for the widest batch)")
 
+    attribution = req.method == "attribution"
+
     def job(forwards) -> dict:
-        fc, fk = forwards[0].tensors, forwards[1].tensors
+        fc = forwards[0].tensors
         if ld is not None:
             tgt, dis, _ = ld
 
@@ -380,7 +382,15 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
             def raw(lg):
                 return A.token_loss(A.log_softmax(lg), nxt).mean(-1)
         c_val = float(raw(I.recorded_logits(rt, fc, P)[None])[0])
-        k_val = float(raw(I.recorded_logits(rt, fk, P)[None])[0])
+        if attribution:
+            # the corrupted run is the attribution forward itself (metric, z, gradients): one
+            # recorded forward (clean), one forward and one backward (corrupted)
+            m, grads, zk = I.attribution_grads(
+                rt, I.embedding_output(rt, corr_t.input_ids), lambda lg: raw(lg)[0], P, with_z=True)
+            k_val = float(m)
+        else:
+            fk = forwards[1].tensors
+            k_val = float(raw(I.recorded_logits(rt, fk, P)[None])[0])
         body: dict = {
             "model": rt.model_ref(),
             "clean_tokens": [t.as_dict() for t in clean_t.tokens],
@@ -395,12 +405,11 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
 
         def norm(x):
             return A.normalized(x, c_val, k_val)
-        if req.method == "attribution":
-            _, grads = I.attribution_grads(rt, fk.hidden_states[0], lambda lg: raw(lg)[0], P)
+        if attribution:
             g = torch.stack(grads).cpu()
-            zc, zk = I.head_z(fc.pattern, fc.v), I.head_z(fk.pattern, fk.v)
-            delta = A.attribution(g, zc, zk)
-            heads_raw = k_val + delta
+            zc = I.head_z(fc.pattern, fc.v)
+            zk = zk.cpu()
+            heads_raw = k_val + A.attribution(g, zc, zk)
             if req.per_position:
                 body["heads_per_position"] = _grid(norm(k_val + A.attribution(g, zc, zk, True)))
             body["approximation"] = ATTRIBUTION_NOTE
@@ -414,4 +423,4 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
         body["heads_raw"] = _grid(heads_raw)
         return body
 
-    return Plan([clean_t, corr_t], job, est, detail=detail)
+    return Plan([clean_t] if attribution else [clean_t, corr_t], job, est, detail=detail)
