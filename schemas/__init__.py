@@ -39,6 +39,8 @@ from attnscope.schemas.interventions import (
     AblateRequest, AblateResponse, PatchRequest, PatchResponse, PredictionsRequest,
     PredictionsResponse,
 )
+from attnscope.schemas.norms import NormsRequest, NormsResponse, NormsResult
+from attnscope.schemas.rollout import RolloutRequest, RolloutResponse, RolloutResult
 from attnscope.schemas.verify import HeadDiff, LayerDiff, VerifyRequest, VerifyResponse, VerifyResult
 
 __all__ = [
@@ -84,4 +86,10 @@ __all__ = [
     "VerifyResult",
     "HeadDiff",
     "LayerDiff",
+    "NormsRequest",
+    "NormsResponse",
+    "NormsResult",
+    "RolloutRequest",
+    "RolloutResponse",
+    "RolloutResult",
 ]

@@ -69,6 +69,10 @@ class HeadsRequest(TextOrTexts):
     round: int | None = Field(
         None, ge=0, le=10, description="Decimal places for the scores; null = full precision."
     )
+    norm_scores: bool = Field(
+        True, description="Also report each head's norm-based scores (HeadResult.norm_scores: "
+        "the 'no-op attention' on the sink, Kobayashi et al. 2020)."
+    )
 
 
 class HeadScoreSet(LenientModel):
@@ -123,6 +127,9 @@ class HeadResult(LenientModel):
     head: int = Field(description="Head index within the layer, from 0.")
     label: HeadLabel = Field(description="The first label whose score passes its threshold.")
     scores: HeadScoreSet = Field(description="Every score of this head.")
+    norm_scores: "HeadNormScores | None" = Field(
+        None, description="Norm-based scores (request norm_scores); null when not asked."
+    )
 
 
 class ProbeInfo(LenientModel):
@@ -143,3 +150,22 @@ class HeadsResponse(LenientModel):
     label_order: list[HeadLabel] = Field(description="The order in which labels are tried.")
     probe: ProbeInfo | None = Field(None, description="The probe run; null when disabled.")
     heads: list[HeadResult] = Field(description="Every head, layer-major.")
+
+
+class HeadNormScores(LenientModel):
+    """Scores from the contribution norms ||alpha^h_ij f_h(x_j)|| (Kobayashi et al. 2020;
+    /v1/attention-norms), averaged over texts. Sink = key position 0 (BOS / [CLS] / first
+    token); per query row, weight share = alpha[q, 0], norm share = n[q, 0] / sum_k n[q, k]."""
+
+    noop: float | None = Field(
+        None, description="'No-op attention': mean over query rows of the weight on the sink, "
+        "counted where the sink's norm share is below its weight share, in [0, 1]. High = the "
+        "head parks attention on the sink, which contributes little (small value vector)."
+    )
+    sink_norm_share: float | None = Field(
+        None, description="Mean over query rows of the sink's share of the row's contribution "
+        "norm, in [0, 1] (compare with scores.sink, its weight share)."
+    )
+
+
+HeadResult.model_rebuild()

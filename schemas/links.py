@@ -30,12 +30,22 @@ class LinksRequest(TextOrTexts):
     round: int | None = Field(
         None, ge=0, le=10, description="Decimal places for the weights; null = full precision."
     )
+    by: Literal["weight", "norm"] = Field(
+        "weight", description="Rank keys by attention 'weight', or by contribution 'norm' "
+        "(Kobayashi et al. 2020, as /v1/attention-norms computes it with its default biases): "
+        "||alpha^h_ij f_h(x_j)|| for one head, ||sum_h alpha^h_ij f_h(x_j)|| over every head "
+        "for the layer (head null)."
+    )
 
 
 class LinkTarget(LenientModel):
     key_pos: int = Field(description="Position of the key token.")
     key: str = Field(description="The key token's label.")
     weight: float = Field(description="Attention weight query -> key, in [0, 1].")
+    norm: float | None = Field(
+        None, description="With by 'norm': the contribution norm the link was ranked by "
+        "(residual stream units, >= 0); null otherwise."
+    )
 
 
 class QueryLinks(LenientModel):
@@ -60,5 +70,6 @@ class LinksResponse(LenientModel):
     layer: int = Field(description="Layer analysed.")
     head: int | None = Field(description="Head analysed; null = the layer's head mean.")
     direction: Literal["earlier", "any"] = Field(description="As requested.")
+    by: Literal["weight", "norm"] = Field("weight", description="As requested.")
     links: LinksResult | None = Field(None, description="For a 'text' request.")
     results: list[LinksResult] | None = Field(None, description="For a 'texts' request, in order.")

@@ -22,6 +22,7 @@ from attnscope.service.api import heads as heads_api, links as links_api
 from attnscope.service.api import scratch as scratch_api, trajectories as trajectories_api
 from attnscope.service.api import verify as verify_api
 from attnscope.service.api import interventions as interventions_api
+from attnscope.service.api import norms as norms_api, rollout as rollout_api
 from attnscope.service.config import Settings
 from attnscope.service.encoding import ORJSONResponse
 from attnscope.service.errors import AttnscopeError, envelope
@@ -296,6 +297,8 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
               heads_api.router, links_api.router,
               trajectories_api.router, verify_api.router, scratch_api.router,
               interventions_api.router):
+        app.include_router(r)
+    for r in (norms_api.router, rollout_api.router):
         app.include_router(r)
     return app
 

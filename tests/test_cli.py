@@ -127,6 +127,10 @@ def test_request_options_are_dash_dash_option(run):
     (["links", "x y", "--layer", "9"], 1, ["out_of_range"]),
     (["heads", "x", "--option", "thresholds={\"sink\": 3}"], 2, ["thresholds.sink"]),
     (["attention", "x", "--layers", "a"], 2, ["comma-separated integers"]),
+    (["attention", "x", "--layers", "0", "--plot", "no/such/dir/f.png"], 2,
+     ["cannot use", "no/such/dir/f.png", "No such file"]),
+    (["links", "x y", "-o", "no/such/dir/out.json"], 2, ["cannot write --output"]),
+    (["batch", "no-such-input.jsonl", "-o", "out.jsonl"], 2, ["cannot read no-such-input"]),
 ])
 def test_usage_and_server_errors_are_clean(run, tmp_path, monkeypatch, args, code, words):
     monkeypatch.chdir(tmp_path)

@@ -101,9 +101,9 @@ def test_a_fresh_output_takes_any_settings(batch, tmp_path):
 
 
 def test_ctrl_c_ends_with_the_summary_and_how_to_resume(live_server, tmp_path):
-    n = 150
+    n = 80
     src = tmp_path / "corpus.jsonl"
-    src.write_text("".join(json.dumps({"id": i, "text": f"item {i} " + "word " * 60}) + "\n"
+    src.write_text("".join(json.dumps({"id": i, "text": f"item {i} " + "word " * 40}) + "\n"
                            for i in range(n)))
     out = tmp_path / "out.jsonl"
     fails = Path(str(out) + ".failures.jsonl")

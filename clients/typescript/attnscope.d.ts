@@ -105,6 +105,43 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/attention-norms": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Value-weighted contribution norms ||alpha f(x)|| per layer and head (Kobayashi et al. 2020)
+         * @description What each key position contributes to each query, beyond its attention weight
+         *     (Kobayashi et al. 2020, "Attention is Not Only a Weight"; S004): with ``f_h(x) = (x W_V^h
+         *     + b_V^h) W_O^h`` and ``x`` the attention input (the LayerNorm output entering attention),
+         *
+         *     * ``norms``: ``||alpha^h_ij f_h(x_j)||`` float32 ``[layer, head, query_pos, key_pos]``;
+         *     * ``summed``: ``||sum_h alpha^h_ij f_h(x_j)||`` ``[layer, query_pos, key_pos]`` (over the
+         *       selected heads);
+         *     * ``value_norms``: ``||f_h(x_j)||`` ``[layer, head, key_pos]``.
+         *
+         *     Norms are Euclidean, in the residual stream's units, >= 0. Biases: by default (the
+         *     paper's) b_V is inside f and the output projection's bias b_O is in no key's contribution
+         *     (the contributions sum to the attention output minus b_O); ``value_bias`` /
+         *     ``output_bias`` change that. Every wire form of /v1/attention: json, base64, 'tril'
+         *     (causal), sparse, and ``Accept: application/x-safetensors``.
+         *
+         *     Errors: 422 blank text / too many tokens / layer or head out of range or repeated / empty
+         *     heads or layers / nothing asked for / 'tril' on an encoder / memory estimate over
+         *     ``max_request_bytes``; 406 Accept; 413; 429; 503.
+         */
+        post: operations["attention_norms_v1_attention_norms_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/heads": {
         parameters: {
             query?: never;
@@ -225,6 +262,38 @@ export interface paths {
          *     and loss. Causal LMs only: an encoder answers 422 ``unsupported_model``.
          */
         post: operations["predictions_v1_predictions_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/rollout": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Attention rollout per layer and attention flow (Abnar & Zuidema 2020)
+         * @description Attention rollout (Abnar and Zuidema 2020, "Quantifying Attention Flow in
+         *     Transformers"; S004): per layer ``Â_l = rownorm((1 - residual) F_l + residual I)`` with
+         *     ``F_l`` the heads fused by ``fusion`` (after dropping the first-token sink on request and
+         *     discarding the lowest ``discard`` fraction), and ``R_l = Â_l ... Â_1``: ``rollout``
+         *     float32 ``[layer, query_pos, key_pos]``, rows sum to 1, causal models never put weight on a
+         *     later token. ``flow``: networkx maximum flow from each (layer output, query) node to each
+         *     input token over the layered graph with capacities Â, rows divided by their sums
+         *     ``[flow_layer, query_pos, key_pos]``; inputs up to ``flow_max_tokens`` (16) tokens.
+         *
+         *     Errors: 422 blank text / too many tokens / flow over 16 tokens (the limit named) /
+         *     unknown fusion or sink / residual outside [0, 1] / discard outside [0, 1) / layer out of
+         *     range / 'tril' on an encoder / memory estimate over ``max_request_bytes``; 406; 413;
+         *     429; 503.
+         */
+        post: operations["rollout_v1_rollout_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -839,6 +908,26 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /**
+         * HeadNormScores
+         * @description Scores from the contribution norms ||alpha^h_ij f_h(x_j)|| (Kobayashi et al. 2020;
+         *     /v1/attention-norms), averaged over texts. Sink = key position 0 (BOS / [CLS] / first
+         *     token); per query row, weight share = alpha[q, 0], norm share = n[q, 0] / sum_k n[q, k].
+         */
+        HeadNormScores: {
+            /**
+             * Noop
+             * @description 'No-op attention': mean over query rows of the weight on the sink, counted where the sink's norm share is below its weight share, in [0, 1]. High = the head parks attention on the sink, which contributes little (small value vector).
+             */
+            noop?: number | null;
+            /**
+             * Sink Norm Share
+             * @description Mean over query rows of the sink's share of the row's contribution norm, in [0, 1] (compare with scores.sink, its weight share).
+             */
+            sink_norm_share?: number | null;
+        } & {
+            [key: string]: unknown;
+        };
         /** HeadResult */
         HeadResult: {
             /**
@@ -857,6 +946,8 @@ export interface components {
              * @description Layer index, from 0.
              */
             layer: number;
+            /** @description Norm-based scores (request norm_scores); null when not asked. */
+            norm_scores?: components["schemas"]["HeadNormScores"] | null;
             /** @description Every score of this head. */
             scores: components["schemas"]["HeadScoreSet"];
         } & {
@@ -995,6 +1086,12 @@ export interface components {
              * @default false
              */
             exclude_current_token?: boolean;
+            /**
+             * Norm Scores
+             * @description Also report each head's norm-based scores (HeadResult.norm_scores: the 'no-op attention' on the sink, Kobayashi et al. 2020).
+             * @default true
+             */
+            norm_scores?: boolean;
             /** @description The induction probe (on by default). */
             probe?: components["schemas"]["InductionProbe"];
             /**
@@ -1134,6 +1231,11 @@ export interface components {
              */
             key_pos: number;
             /**
+             * Norm
+             * @description With by 'norm': the contribution norm the link was ranked by (residual stream units, >= 0); null otherwise.
+             */
+            norm?: number | null;
+            /**
              * Weight
              * @description Attention weight query -> key, in [0, 1].
              */
@@ -1153,6 +1255,13 @@ export interface components {
              * @default false
              */
             add_bos?: boolean;
+            /**
+             * By
+             * @description Rank keys by attention 'weight', or by contribution 'norm' (Kobayashi et al. 2020, as /v1/attention-norms computes it with its default biases): ||alpha^h_ij f_h(x_j)|| for one head, ||sum_h alpha^h_ij f_h(x_j)|| over every head for the layer (head null).
+             * @default weight
+             * @enum {string}
+             */
+            by?: "weight" | "norm";
             /**
              * Direction
              * @description 'earlier': keys at or before the query only (future keys never count, the document's rule); 'any': every key (encoders only).
@@ -1205,6 +1314,13 @@ export interface components {
         };
         /** LinksResponse */
         LinksResponse: {
+            /**
+             * By
+             * @description As requested.
+             * @default weight
+             * @enum {string}
+             */
+            by?: "weight" | "norm";
             /**
              * Direction
              * @description As requested.
@@ -1404,6 +1520,159 @@ export interface components {
              * @description Hub commit hash, or 'sha256:<12 hex>' of the weights file.
              */
             revision: string;
+        } & {
+            [key: string]: unknown;
+        };
+        /**
+         * NormsRequest
+         * @description Contribution norms ``||alpha^h_ij f_h(x_j)||`` of the resident model for one text or a
+         *     batch, with ``f_h(x) = (x W_V^h + b_V^h) W_O^h`` (Kobayashi et al. 2020, eq. 5-7).
+         */
+        NormsRequest: {
+            /**
+             * Add Bos
+             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
+             * @default false
+             */
+            add_bos?: boolean;
+            /**
+             * Dtype
+             * @description Element type for encoding 'base64' (ignored for 'json').
+             * @default float32
+             * @enum {string}
+             */
+            dtype?: "float32" | "float16";
+            /**
+             * Encoding
+             * @description 'json': nested lists of numbers (optionally rounded); 'base64': {dtype, shape, data} with little-endian bytes, far smaller and faster.
+             * @default json
+             * @enum {string}
+             */
+            encoding?: "json" | "base64";
+            /**
+             * Heads
+             * @description Head indices (0-based, each < n_heads, each at most once); null = all heads. 'summed' is the sum over these heads.
+             */
+            heads?: number[] | null;
+            /**
+             * Layers
+             * @description Layer indices to return (0-based, each < n_layers), in the order given, each at most once; null = all layers.
+             */
+            layers?: number[] | null;
+            /**
+             * Layout
+             * @description 'tril' (causal models only): send only the lower triangle of 'norms' and 'summed' (value_norms are per key: always full).
+             * @default full
+             * @enum {string}
+             */
+            layout?: "full" | "tril";
+            /**
+             * Output Bias
+             * @description 'exclude' (default, the paper): the output projection's bias b_O is added once to the layer's output and is in no key's contribution (the contributions sum, over keys and heads, to the attention output minus b_O); 'distribute': head h's key j also carries alpha^h_ij b_O / n_heads (they then sum to the attention output). value_norms never include b_O.
+             * @default exclude
+             * @enum {string}
+             */
+            output_bias?: "exclude" | "distribute";
+            /**
+             * Per Head
+             * @description Return 'norms': ||alpha^h_ij f_h(x_j)|| [layer, head, query_pos, key_pos].
+             * @default true
+             */
+            per_head?: boolean;
+            /**
+             * Round
+             * @description Decimal places for encoding 'json' (numpy round-half-even); null = full float32 precision (shortest repr that round-trips).
+             */
+            round?: number | null;
+            /** @description Send 'norms' and 'summed' sparse (top_k per query row and/or a threshold on the norm). row_mass is then the sum of the kept norms of each row (not a fraction: norms do not sum to 1). */
+            sparse?: components["schemas"]["SparseOptions"] | null;
+            /**
+             * Summed
+             * @description Return 'summed': ||sum_h alpha^h_ij f_h(x_j)|| [layer, query_pos, key_pos] (the layer's whole attention contribution of key j to query i).
+             * @default true
+             */
+            summed?: boolean;
+            /**
+             * Text
+             * @description One text. Always treated as text: strings that spell special tokens are tokenized as plain text.
+             */
+            text?: string | null;
+            /**
+             * Texts
+             * @description Several texts (a batch), analysed independently; results in order.
+             */
+            texts?: string[] | null;
+            /**
+             * Value Bias
+             * @description 'include' (default, the paper's f): the value bias b_V is part of every key's f_h(x_j); 'exclude': f_h(x) = x W_V^h W_O^h.
+             * @default include
+             * @enum {string}
+             */
+            value_bias?: "include" | "exclude";
+            /**
+             * Value Norms
+             * @description Return 'value_norms': ||f_h(x_j)|| [layer, head, key_pos].
+             * @default true
+             */
+            value_norms?: boolean;
+        };
+        /** NormsResponse */
+        NormsResponse: {
+            model: components["schemas"]["ModelRef"];
+            /** @description For a 'text' request. */
+            norms?: components["schemas"]["NormsResult"] | null;
+            /**
+             * Output Bias
+             * @description As requested.
+             * @enum {string}
+             */
+            output_bias: "exclude" | "distribute";
+            /**
+             * Results
+             * @description For a 'texts' request, in order.
+             */
+            results?: components["schemas"]["NormsResult"][] | null;
+            /**
+             * Value Bias
+             * @description As requested.
+             * @enum {string}
+             */
+            value_bias: "include" | "exclude";
+        } & {
+            [key: string]: unknown;
+        };
+        /** NormsResult */
+        NormsResult: {
+            /**
+             * Heads
+             * @description Head index of each entry along the head axis.
+             */
+            heads: number[];
+            /**
+             * Layers
+             * @description Layer index of each entry along the first axis.
+             */
+            layers: number[];
+            /**
+             * Norms
+             * @description ||alpha^h_ij f_h(x_j)|| float32 [layer, head, query_pos, key_pos], >= 0, in the residual stream's units (0 for masked keys).
+             */
+            norms?: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[] | null;
+            /**
+             * Summed
+             * @description ||sum_h alpha^h_ij f_h(x_j)|| over the selected heads, float32 [layer, query_pos, key_pos], >= 0.
+             */
+            summed?: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[] | null;
+            /**
+             * Tokens
+             * @description The analysed tokens (query_pos/key_pos index these).
+             */
+            tokens: components["schemas"]["Token"][];
+            /**
+             * Value Norms
+             * @description ||f_h(x_j)|| float32 [layer, head, key_pos], >= 0 (the transformed value vector's norm, b_O never included).
+             */
+            value_norms?: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[] | null;
         } & {
             [key: string]: unknown;
         };
@@ -1688,6 +1957,170 @@ export interface components {
              * @description Position of the query token.
              */
             query_pos: number;
+        } & {
+            [key: string]: unknown;
+        };
+        /**
+         * RolloutRequest
+         * @description Rollout ``R_l = Â_l ... Â_1`` with ``Â_l = rownorm((1 - residual) F_l + residual I)``,
+         *     ``F_l`` the fused heads of layer l (after the sink and discard steps), and optionally the
+         *     attention flow (max-flow over the layered graph with capacities Â).
+         */
+        RolloutRequest: {
+            /**
+             * Add Bos
+             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
+             * @default false
+             */
+            add_bos?: boolean;
+            /**
+             * Discard
+             * @description Fraction of each layer's fused weights to zero, the smallest first (among the visible entries), in [0, 1); default 0.
+             * @default 0
+             */
+            discard?: number;
+            /**
+             * Dtype
+             * @description Element type for encoding 'base64' (ignored for 'json').
+             * @default float32
+             * @enum {string}
+             */
+            dtype?: "float32" | "float16";
+            /**
+             * Encoding
+             * @description 'json': nested lists of numbers (optionally rounded); 'base64': {dtype, shape, data} with little-endian bytes, far smaller and faster.
+             * @default json
+             * @enum {string}
+             */
+            encoding?: "json" | "base64";
+            /**
+             * Flow
+             * @description Also compute attention flow (networkx maximum flow); inputs of at most 16 tokens (the response's flow_max_tokens); longer inputs get a 422.
+             * @default false
+             */
+            flow?: boolean;
+            /**
+             * Flow Layers
+             * @description Layers whose flow to compute (0-based, each at most once); null = the last layer. The cost grows with each layer's depth.
+             */
+            flow_layers?: number[] | null;
+            /**
+             * Fusion
+             * @description Head fusion per layer: 'mean' (the paper), or the elementwise 'max' / 'min' over heads.
+             * @default mean
+             * @enum {string}
+             */
+            fusion?: "mean" | "max" | "min";
+            /**
+             * Layers
+             * @description Layers l whose rollout R_l to return (0-based: R at layer l's output), each at most once; null = all. R_l always multiplies every layer <= l.
+             */
+            layers?: number[] | null;
+            /**
+             * Layout
+             * @description 'tril' (causal models only): the lower triangle of rollout and flow.
+             * @default full
+             * @enum {string}
+             */
+            layout?: "full" | "tril";
+            /**
+             * Residual
+             * @description Weight of the identity (residual connection) in Â, in [0, 1]; default 0.5 as in the paper.
+             * @default 0.5
+             */
+            residual?: number;
+            /**
+             * Round
+             * @description Decimal places for encoding 'json' (numpy round-half-even); null = full float32 precision (shortest repr that round-trips).
+             */
+            round?: number | null;
+            /**
+             * Sink
+             * @description 'keep' the first token (BOS / [CLS] / first token) as a key, or 'drop' its weight from every query after it before the residual is added.
+             * @default keep
+             * @enum {string}
+             */
+            sink?: "keep" | "drop";
+            /** @description Send rollout (and flow) sparse: top_k per query row and/or a threshold, with the kept mass per row (rows sum to 1). */
+            sparse?: components["schemas"]["SparseOptions"] | null;
+            /**
+             * Text
+             * @description One text. Always treated as text: strings that spell special tokens are tokenized as plain text.
+             */
+            text?: string | null;
+            /**
+             * Texts
+             * @description Several texts (a batch), analysed independently; results in order.
+             */
+            texts?: string[] | null;
+        };
+        /** RolloutResponse */
+        RolloutResponse: {
+            /**
+             * Discard
+             * @description As requested.
+             */
+            discard: number;
+            /**
+             * Flow Max Tokens
+             * @description Longest input attention flow is computed for.
+             */
+            flow_max_tokens: number;
+            /**
+             * Fusion
+             * @description As requested.
+             * @enum {string}
+             */
+            fusion: "mean" | "max" | "min";
+            model: components["schemas"]["ModelRef"];
+            /**
+             * Residual
+             * @description As requested.
+             */
+            residual: number;
+            /**
+             * Results
+             * @description For a 'texts' request, in order.
+             */
+            results?: components["schemas"]["RolloutResult"][] | null;
+            /** @description For a 'text' request. */
+            rollout?: components["schemas"]["RolloutResult"] | null;
+            /**
+             * Sink
+             * @description As requested.
+             * @enum {string}
+             */
+            sink: "keep" | "drop";
+        } & {
+            [key: string]: unknown;
+        };
+        /** RolloutResult */
+        RolloutResult: {
+            /**
+             * Flow
+             * @description Attention flow float32 [flow_layer, query_pos, key_pos]: maximum flow from (layer output, query) to each input token, each row divided by its sum.
+             */
+            flow?: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[] | null;
+            /**
+             * Flow Layers
+             * @description Layer of each flow matrix.
+             */
+            flow_layers?: number[] | null;
+            /**
+             * Layers
+             * @description Layer of each rollout matrix along the first axis.
+             */
+            layers: number[];
+            /**
+             * Rollout
+             * @description R_l float32 [layer, query_pos, key_pos]: share of token query_pos's representation after layer l that traces back to input token key_pos; rows sum to 1; causal models never put weight on a later token.
+             */
+            rollout: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
+            /**
+             * Tokens
+             * @description The analysed tokens (query_pos/key_pos index these).
+             */
+            tokens: components["schemas"]["Token"][];
         } & {
             [key: string]: unknown;
         };
@@ -2569,6 +3002,85 @@ export interface operations {
             };
         };
     };
+    attention_norms_v1_attention_norms_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["NormsRequest"];
+            };
+        };
+        responses: {
+            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (README, 'Binary responses'). */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["NormsResponse"];
+                    "application/x-safetensors": unknown;
+                };
+            };
+            /** @description Accept names no media type we produce. */
+            406: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Request body too large. */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Invalid request (field, limit and value named). */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Overloaded: the device queue is full. */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The model is not loaded yet. */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The request took longer than request_timeout_s (120 s). */
+            504: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
     heads_v1_heads_post: {
         parameters: {
             query?: never;
@@ -2900,6 +3412,85 @@ export interface operations {
                 };
             };
             /** @description The request ran past request_timeout_s. */
+            504: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    rollout_v1_rollout_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["RolloutRequest"];
+            };
+        };
+        responses: {
+            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (README, 'Binary responses'). */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["RolloutResponse"];
+                    "application/x-safetensors": unknown;
+                };
+            };
+            /** @description Accept names no media type we produce. */
+            406: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Request body too large. */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Invalid request (field, limit and value named). */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Overloaded: the device queue is full. */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The model is not loaded yet. */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The request took longer than request_timeout_s (120 s). */
             504: {
                 headers: {
                     [name: string]: unknown;

@@ -86,6 +86,8 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
             for head in range(NH):
                 s = {n: _num(lists[n][layer][head], req.round) for n in H.SCORE_NAMES}
                 out.append({"layer": layer, "head": head, "label": H.classify(s, th), "scores": s})
+        if req.norm_scores:
+            _add_norm_scores(rt, out, forwards[: len(items)], req.round)
         return {
             "model": rt.model_ref(),
             "n_texts": len(items),
@@ -104,3 +106,31 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
 
     return Plan(items + ([probe] if probe else []), job,
                 detail=", one of them the induction probe" if probe else "")
+
+
+def _add_norm_scores(rt: Runtime, out: list[dict], forwards, nd: int | None) -> None:
+    """Each head's ``norm_scores`` (service.analysis.norms.noop_scores), mean over texts."""
+    from attnscope.service.analysis.norms import noop_scores, value_gram, value_norms
+
+    L, NH = rt.adapter.n_layers, rt.adapter.n_heads
+    acc = {"noop": torch.zeros(L, NH, dtype=torch.float64),
+           "sink_norm_share": torch.zeros(L, NH, dtype=torch.float64)}
+    for layer in range(L):
+        p = rt.adapter.attention_params(layer)
+        # W_O^h W_O^h^T depends on the weights only: kept in rt.memo per layer, keyed by the
+        # tensor's storage and version counter (an in-place weight change makes a new key)
+        key = ("value_gram", layer, p.W_o.data_ptr(), p.W_o._version)
+        gram = rt.memo.get(key)
+        if gram is None:
+            gram = value_gram(p.W_o, NH)
+            with _PROBE_MEMO_LOCK:
+                for old in [k for k in rt.memo if k[:2] == ("value_gram", layer)]:
+                    rt.memo.pop(old, None)
+                rt.memo[key] = gram
+        for fw in forwards:
+            vn = value_norms(fw.tensors.v[layer], p.W_o, gram=gram)  # ||f_h(x_j)|| [head, key]
+            for k, v in noop_scores(fw.pattern[layer], vn).items():
+                acc[k][layer] += v / len(forwards)
+    lists = {k: v.tolist() for k, v in acc.items()}
+    for r in out:
+        r["norm_scores"] = {k: _num(lists[k][r["layer"]][r["head"]], nd) for k in lists}

@@ -36,9 +36,9 @@ def plan(rt, req: LinksRequest, items) -> Plan:
                                  f"tokens (valid positions 0..{len(it) - 1})", f"ignore.{j}")
 
     def job(forwards) -> dict:
-        out = _build(req, forwards)
+        out = _build(req, forwards, rt)
         body = {"model": rt.model_ref(), "layer": req.layer, "head": req.head,
-                "direction": req.direction}
+                "direction": req.direction, "by": req.by}
         if req.text is not None:
             body["links"] = out[0]
         else:
@@ -48,14 +48,21 @@ def plan(rt, req: LinksRequest, items) -> Plan:
     return Plan(items, job)
 
 
-def _build(req: LinksRequest, forwards) -> list[dict]:
+def _build(req: LinksRequest, forwards, rt=None) -> list[dict]:
     out = []
     for fw in forwards:
         pattern = fw.pattern[req.layer]  # [head, query_pos, key_pos]
         weights = pattern.mean(0) if req.head is None else pattern[req.head]
         if not torch.isfinite(weights).all():
             raise NonFiniteValues(f"layer {req.layer}'s attention holds NaN/inf; refusing to rank it")
-        found = strongest_links(weights, req.top_k, req.exclude_self, req.ignore, req.direction)
+        rank = weights
+        if req.by == "norm":  # Kobayashi et al. 2020: rank by ||alpha f(x)||
+            rank = _norms(rt, fw, req.layer, req.head)
+            if not torch.isfinite(rank).all():
+                raise NonFiniteValues(f"layer {req.layer}'s value vectors hold NaN/inf; "
+                                      "refusing to rank by norm")
+        found = strongest_links(rank, req.top_k, req.exclude_self, req.ignore, req.direction)
+        w = weights.tolist() if req.by == "norm" else None  # the weights of norm-ranked links
         labels = [t.label for t in fw.tokens.tokens]
         # float32 weights as their shortest round-tripping decimal (as orjson writes float32)
         rnd = ((lambda w: round(w, req.round)) if req.round is not None
@@ -63,9 +70,29 @@ def _build(req: LinksRequest, forwards) -> list[dict]:
         out.append({
             "tokens": [t.as_dict() for t in fw.tokens.tokens],
             "links": [{"query_pos": ql.query_pos, "query": labels[ql.query_pos],
-                       "links": [{"key_pos": k.key_pos, "key": labels[k.key_pos],
-                                  "weight": rnd(k.weight)} for k in ql.links]}
+                       "links": [_target(ql.query_pos, k, labels, rnd, w) for k in ql.links]}
                       for ql in found],
             "skipped": skipped_queries(fw.n_tokens, found),
         })
     return out
+
+
+def _target(q: int, link, labels, rnd, weights) -> dict:
+    """One link. Ranked by weight (``weights`` None): ``link.weight`` is the attention weight;
+    ranked by norm: ``link.weight`` is the norm and ``weights[q][key]`` the attention weight."""
+    k = link.key_pos
+    if weights is None:
+        return {"key_pos": k, "key": labels[k], "weight": rnd(link.weight)}
+    return {"key_pos": k, "key": labels[k], "weight": rnd(weights[q][k]), "norm": rnd(link.weight)}
+
+
+def _norms(rt, fw, layer: int, head: int | None) -> torch.Tensor:
+    """Contribution norms of one layer ``[query_pos, key_pos]`` (default biases): one head's
+    ||alpha f|| or the layer's ||sum_h alpha f|| (head None)."""
+    from attnscope.service.analysis.norms import layer_norms
+
+    p = rt.adapter.attention_params(layer)
+    res = layer_norms(fw.pattern[layer], fw.tensors.v[layer], p.W_o, p.b_v, p.b_o,
+                      heads=None if head is None else [head], per_head=head is not None,
+                      summed=head is None)
+    return res.summed if head is None else res.head[0]

@@ -18,7 +18,7 @@ import { colourBar, headColour, headGrid, heatmap, lineView, showLabel, trajecto
 const $ = (s) => document.querySelector(s);
 const client = new Client("");
 const panels = [];
-const state = { text: "", layer: 0, head: "mean", addBos: false };
+const state = { text: "", layer: 0, head: "mean", addBos: false, view: "weight" };
 let model = null;
 let tokens = [];
 let cache = new Map();  // `${layer}|${mean}` -> Tensor [1, H, T, T] or [1, T, T]
@@ -60,6 +60,7 @@ function readUrl() {
   const h = u.get("head");
   state.head = h === null || h === "mean" ? "mean" : Math.max(0, parseInt(h, 10) || 0);
   state.addBos = u.get("add_bos") === "1";
+  state.view = ["norm", "rollout"].includes(u.get("view")) ? u.get("view") : "weight";
 }
 
 function writeUrl() {
@@ -68,6 +69,7 @@ function writeUrl() {
   u.set("layer", String(state.layer));
   u.set("head", String(state.head));
   if (state.addBos) u.set("add_bos", "1");
+  if (state.view !== "weight") u.set("view", state.view);
   history.replaceState(null, "", `${location.pathname}?${u}`);
 }
 
@@ -145,20 +147,55 @@ async function layerPattern(layer, mean) {
 
 const maskedFn = () => (model.causal ? (q, k) => k > q : () => false);
 
+// the heat map's view switch: contribution norms (Kobayashi et al. 2020: /v1/attention-norms,
+// ||sum_h alpha f(x)|| for the head mean, ||alpha f(x)|| for one head) or the rollout R_l
+// (Abnar & Zuidema 2020: /v1/rollout, heads fused by their mean), float32, cached like patterns
+async function viewMatrix(view, layer, head) {
+  const key = `${view}|${layer}|${head}`;
+  if (!cache.has(key)) {
+    const base = { text: state.text, add_bos: state.addBos, layers: [layer], encoding: "base64", dtype: "float32" };
+    const req = view === "rollout"
+      ? client.post("/v1/rollout", base).then((r) => decodeTensor(r.rollout.rollout).at(0))
+      : client.post("/v1/attention-norms", head === "mean"
+        ? { ...base, per_head: false, value_norms: false }
+        : { ...base, heads: [head], summed: false, value_norms: false })
+        .then((r) => (head === "mean" ? decodeTensor(r.norms.summed).at(0) : decodeTensor(r.norms.norms).at(0).at(0)));
+    cache.set(key, req);
+  }
+  return cache.get(key);
+}
+
 async function renderAttention() {
   ready("attention", false);
   const mean = state.head === "mean";
-  const t = await layerPattern(state.layer, mean);
-  const m = mean ? t.at(0) : t.at(0).at(state.head);
   const labels = tokens.map((x) => x.label);
-  const where = `layer ${state.layer}, ${mean ? "head mean" : `head ${state.head}`}`;
+  const n = labels.length;
+  let m, vmax = 1, what = "attention weight (post-softmax)", where;
+  if (state.view === "weight") {
+    const t = await layerPattern(state.layer, mean);
+    m = mean ? t.at(0) : t.at(0).at(state.head);
+    where = `layer ${state.layer}, ${mean ? "head mean" : `head ${state.head}`}`;
+  } else {
+    m = await viewMatrix(state.view, state.layer, state.head);
+    if (state.view === "norm") {
+      vmax = 0;
+      for (let q = 0; q < n; q++) for (let k = 0; k < n; k++) vmax = Math.max(vmax, m.get(q, k));
+      vmax = vmax || 1;
+      what = mean ? "contribution norm \u2016\u03a3\u2095 \u03b1 f(x)\u2016 (0 .. max)" : "contribution norm \u2016\u03b1 f(x)\u2016 (0 .. max)";
+      where = `layer ${state.layer}, ${mean ? "all heads, norm of the sum" : `head ${state.head}`}, norms`;
+    } else {
+      what = "rollout R (share of the input token; rows sum to 1)";
+      where = `rollout to layer ${state.layer} (heads fused by their mean)`;
+    }
+  }
   heatmap($("#heatmap"), m, {
-    labels, n: labels.length, masked: maskedFn(),
+    labels, n, masked: maskedFn(), vmax,
     title: `${model.id} \u00b7 ${where} \u00b7 \u201c${shortText(state.text)}\u201d`,
   });
-  colourBar($("#cbar"), { masked: model.causal });
+  colourBar($("#cbar"), { masked: model.causal, title: what, vmax });
   $("#layer").value = String(state.layer);
   $("#head").value = String(state.head);
+  $("#view").value = state.view;
   ready("attention");
 }
 
@@ -357,6 +394,12 @@ async function main() {
     writeUrl();
     if (tokens.length) refreshLayerViews().catch(fail);
   };
+  $("#view").value = state.view;
+  $("#view").addEventListener("change", () => {
+    state.view = $("#view").value;
+    writeUrl();
+    if (tokens.length) renderAttention().catch(fail);
+  });
   $("#layer").addEventListener("change", onPick);
   $("#head").addEventListener("change", onPick);
   if (state.text.trim()) analyse();

@@ -54,10 +54,10 @@ export function showLabel(s) {
 }
 
 /** The labelled colour scale: a 0..1 gradient with ticks, its title, and the masked swatch. */
-export function colourBar(container, { masked = true, title = "attention weight (post-softmax)" } = {}) {
+export function colourBar(container, { masked = true, title = "attention weight (post-softmax)", vmax = 1 } = {}) {
   container.replaceChildren();
   const w = 220, h = 12;
-  const c = el("canvas", { width: w, height: h, class: "cbar", "data-vmin": "0", "data-vmax": "1" });
+  const c = el("canvas", { width: w, height: h, class: "cbar", "data-vmin": "0", "data-vmax": String(vmax) });
   const g = c.getContext("2d");
   for (let x = 0; x < w; x++) {
     const [r, gg, b] = colour(x / (w - 1));
@@ -65,7 +65,7 @@ export function colourBar(container, { masked = true, title = "attention weight 
     g.fillRect(x, 0, 1, h);
   }
   const ticks = el("div", { class: "cbar-ticks" });
-  for (const t of [0, 0.25, 0.5, 0.75, 1]) ticks.append(el("span", { text: String(t) }));
+  for (const t of [0, 0.25, 0.5, 0.75, 1]) ticks.append(el("span", { text: vmax === 1 ? String(t) : fmt(t * vmax) }));
   const box = el("div", { class: "cbar-box" }, el("div", { class: "cbar-title", text: title }), c, ticks);
   container.append(box);
   if (masked) {
@@ -124,7 +124,7 @@ export function heatmap(container, m, opts = {}) {
       const o = 4 * (q * n + k);
       let rgb;
       if (masked(q, k) || v === -Infinity) { mask[q * n + k] = 1; rgb = [158, 158, 158]; }
-      else rgb = colour(v);
+      else rgb = colour(v / (opts.vmax || 1));  // opts.vmax: the scale's top (norms), default 1
       img.data[o] = rgb[0]; img.data[o + 1] = rgb[1]; img.data[o + 2] = rgb[2]; img.data[o + 3] = 255;
     }
   }

@@ -69,6 +69,8 @@ from attnscope.schemas.links import LinksRequest, LinksResponse
 from attnscope.schemas.scratch import ScratchAttentionRequest, ScratchAttentionResponse
 from attnscope.schemas.trajectories import TrajectoriesRequest, TrajectoriesResponse
 from attnscope.schemas.verify import VerifyRequest, VerifyResponse
+from attnscope.schemas.norms import NormsRequest, NormsResponse
+from attnscope.schemas.rollout import RolloutRequest, RolloutResponse
 
 __version__ = "0.1.0"
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -358,6 +360,31 @@ class _Endpoints:
         ``projections`` (also recompute q/k/v from the attention input with the current
         weights: ~3x the cost)."""
         return self._post_model("/v1/verify", VerifyRequest, VerifyResponse, text, texts,
+                                options)
+
+    def attention_norms(self, text: str | list[str] | None = None, *,
+                        texts: list[str] | None = None, **options) -> NormsResponse:
+        """``POST /v1/attention-norms``: value-weighted contribution norms (Kobayashi et al.
+        2020) for one text (``.norms``) or a list (``.results``): ``norms``
+        ``||alpha^h_ij f_h(x_j)||`` ``[layer, head, query_pos, key_pos]``, ``summed``
+        ``||sum_h alpha^h_ij f_h(x_j)||`` ``[layer, query_pos, key_pos]``, ``value_norms``
+        ``||f_h(x_j)||`` ``[layer, head, key_pos]``, each with ``.numpy()``. Options
+        (``NormsRequest``): ``layers``, ``heads``, ``per_head``, ``summed``, ``value_norms``,
+        ``value_bias`` ('include'|'exclude'), ``output_bias`` ('exclude'|'distribute'),
+        ``encoding``, ``dtype``, ``round``, ``layout``, ``sparse``, ``binary``."""
+        return self._post_model("/v1/attention-norms", NormsRequest, NormsResponse, text, texts,
+                                options)
+
+    def rollout(self, text: str | list[str] | None = None, *, texts: list[str] | None = None,
+                **options) -> RolloutResponse:
+        """``POST /v1/rollout``: attention rollout per layer (Abnar & Zuidema 2020) for one
+        text (``.rollout``) or a list (``.results``): ``rollout`` ``[layer, query_pos,
+        key_pos]`` (rows sum to 1) and, with ``flow=True`` (texts up to 16 tokens), ``flow``
+        ``[flow_layer, query_pos, key_pos]``. Options (``RolloutRequest``): ``fusion``
+        ('mean'|'max'|'min'), ``residual`` (0.5), ``discard`` ([0, 1)), ``sink``
+        ('keep'|'drop'), ``layers``, ``flow``, ``flow_layers``, ``encoding``, ``dtype``,
+        ``round``, ``layout``, ``sparse``, ``binary``."""
+        return self._post_model("/v1/rollout", RolloutRequest, RolloutResponse, text, texts,
                                 options)
 
 

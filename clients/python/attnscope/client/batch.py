@@ -20,8 +20,11 @@ the items in flight are not recorded, and the summary ends with the command that
 Concurrency: ``--concurrency`` requests in flight (default 4; the service runs one forward
 at a time, so more mainly hides network latency). Transient errors (429, 5xx, connection)
 are retried by the client; an item that still times out is recorded as failed
-('client_timeout'); when the service stays unreachable the run stops with exit 3 (the items
-in flight are not recorded, so the next run does them).
+('client_timeout'), one answered with a body that is not the service's JSON (e.g. a proxy's
+page) as 'invalid_response'; when the service stays unreachable the run stops with exit 3
+(the items in flight are not recorded, so the next run does them). Behind a load balancer
+the client's retries of 502/503/504 are what carry an item over a replica that died with it
+in flight (docs/scaling.md).
 
 A progress bar goes to stderr (``--no-progress`` turns it off); the summary at the end says
 done, skipped, failed and throughput (``--json`` prints it as JSON on stdout too).
@@ -287,7 +290,12 @@ async def run_batch(client, lines: list[str], output: str, failures: str,
     :class:`attnscope.client.AsyncClient`); see the module docstring for the files written.
     ``summary`` (optional) is filled in as the run goes, so a caller still has the counts
     when the run is interrupted."""
-    from attnscope.client._errors import APIConnectionError, APIStatusError, APITimeoutError
+    from attnscope.client._errors import (
+        APIConnectionError,
+        APIResponseValidationError,
+        APIStatusError,
+        APITimeoutError,
+    )
 
     t0 = time.monotonic()
     if summary is None:
@@ -370,6 +378,9 @@ async def run_batch(client, lines: list[str], output: str, failures: str,
                 fail(_error_record(id_, name, "client_timeout",
                                    f"{exc.message} (--timeout {client.timeout})"))
                 return
+            except APIResponseValidationError as exc:  # e.g. a proxy's HTML page with 200
+                fail(_error_record(id_, name, "invalid_response", exc.message, exc.status_code))
+                return
         out.write({"id": id_, "results": results})
         summary.done += 1
 
@@ -385,15 +396,24 @@ async def run_batch(client, lines: list[str], output: str, failures: str,
                 summary.stopped = f"connection failure: {exc.message}"
                 stop.set()
                 return
+            except BaseException:  # a bug: no new items; the others in flight still finish
+                stop.set()
+                raise
             bar.update(summary)
 
+    # return_exceptions: one worker's unexpected error must not leave the others running
+    # (their items unrecorded, then cancelled) while the files are closed under them.
     try:
-        await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+        outcomes = await asyncio.gather(*(worker() for _ in range(max(1, concurrency))),
+                                        return_exceptions=True)
     finally:
         out.close()
         err.close()
         summary.seconds = time.monotonic() - t0
         summary.items_per_second = (summary.done + summary.failed) / max(summary.seconds, 1e-9)
+    for o in outcomes:
+        if isinstance(o, BaseException):
+            raise o
     bar.update(summary, final=True)
     return summary
 

@@ -205,6 +205,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=JSON",
                    help="any request option, value as JSON; repeatable")
     p.add_argument("--plot", metavar="FILE", default=None, help="save the effect grid figure")
+    p = sub.add_parser("norms", help="contribution norms ||alpha f(x)|| (Kobayashi et al. 2020)")
+    _common(p)
+    _text_args(p)
+    p.add_argument("--layers", type=_ints, help="layer indices (default all)")
+    p.add_argument("--heads", type=_ints, help="head indices (default all)")
+    p.add_argument("--round", type=int, default=None, help="decimals in JSON")
+    p.add_argument("--layer", type=int, default=None, help="layer printed / plotted (default: first)")
+    p.add_argument("--head", type=int, default=None,
+                   help="head printed / plotted (default: the sum over heads)")
+
+    p = sub.add_parser("rollout", help="attention rollout / flow over layers (Abnar & Zuidema 2020)")
+    _common(p)
+    _text_args(p)
+    p.add_argument("--fusion", choices=["mean", "max", "min"], default=None, help="head fusion (mean)")
+    p.add_argument("--residual", type=float, default=None, help="residual weight (0.5)")
+    p.add_argument("--discard", type=float, default=None, help="fraction of weights to drop, [0, 1)")
+    p.add_argument("--drop-sink", action="store_true", help="drop the first token as a key")
+    p.add_argument("--flow", action="store_true", help="also compute attention flow (<= 16 tokens)")
+    p.add_argument("--round", type=int, default=None, help="decimals in JSON")
 
     from attnscope.client import batch as _batch
 
@@ -617,6 +636,68 @@ def cmd_patch(args) -> int:
     return EXIT_OK
 
 
+def cmd_norms(args) -> int:
+    opts = _options(args, {"layers": "layers", "heads": "heads", "round": "round"})
+    opts.setdefault("value_norms", False)
+    with _client(args) as c:
+        res = c.attention_norms(_read_text(args.text), **opts)
+    if args.json:
+        _print_json(res)
+        return EXIT_OK
+    r = res.norms
+    layers, heads = list(r.layers), list(r.heads)
+    layer = args.layer if args.layer is not None else layers[0]
+    if layer not in layers:
+        raise UsageError(f"--layer {layer} is not among the returned layers {layers}")
+    li = layers.index(layer)
+    labels = [f"{t.position}:{_label(t)}" for t in r.tokens]
+    if args.head is None:
+        m, what = r.summed.numpy()[li], f"||sum_h alpha f(x)|| over heads {heads}"
+    else:
+        if args.head not in heads:
+            raise UsageError(f"--head {args.head} is not among the returned heads {heads}")
+        m, what = r.norms.numpy()[li, heads.index(args.head)], f"head {args.head}: ||alpha f(x)||"
+    import numpy as np
+
+    causal = bool(m.shape[-1] > 1 and np.all(np.triu(m, 1) == 0))
+    print(f"model {res.model.id}  tokens {len(r.tokens)}  layer {layer}, {what} "
+          f"(value_bias {res.value_bias}, output_bias {res.output_bias})")
+    print(_matrix(m, labels, causal))
+    if args.plot:
+        with _client(args) as c:
+            att = c.attention(_read_text(args.text), layers=[layer],
+                              **({"add_bos": True} if opts.get("add_bos") else {}))
+        _save(_plots().norm_heatmap(res, att, layer=layer, head=args.head), args.plot)
+    return EXIT_OK
+
+
+def cmd_rollout(args) -> int:
+    opts = _options(args, {"fusion": "fusion", "residual": "residual", "discard": "discard",
+                           "flow": "flow", "round": "round"})
+    if args.drop_sink:
+        opts["sink"] = "drop"
+    with _client(args) as c:
+        res = c.rollout(_read_text(args.text), **opts)
+    if args.json:
+        _print_json(res)
+        return EXIT_OK
+    r = res.rollout
+    labels = [f"{t.position}:{_label(t)}" for t in r.tokens]
+    R = r.rollout.numpy()
+    import numpy as np
+
+    causal = bool(R.shape[-1] > 1 and np.all(np.triu(R[-1], 1) == 0))
+    print(f"model {res.model.id}  tokens {len(r.tokens)}  rollout at layer {r.layers[-1]} "
+          f"(fusion {res.fusion}, residual {res.residual}, discard {res.discard}, sink {res.sink})")
+    print(_matrix(R[-1], labels, causal))
+    if r.flow is not None:
+        print(f"\nattention flow at layer {r.flow_layers[-1]}")
+        print(_matrix(r.flow.numpy()[-1], labels, causal))
+    if args.plot:
+        _save(_plots().rollout_heatmap(res), args.plot)
+    return EXIT_OK
+
+
 def _fmt(x, blank: bool = False) -> str:
     if x is None and blank:
         return ""
@@ -625,8 +706,8 @@ def _fmt(x, blank: bool = False) -> str:
 
 COMMANDS = {"model": cmd_model, "tokenize": cmd_tokenize, "attention": cmd_attention,
             "trajectories": cmd_trajectories, "verify": cmd_verify, "heads": cmd_heads,
-            "links": cmd_links, "predict": cmd_predict, "ablate": cmd_ablate,
-            "patch": cmd_patch}
+            "links": cmd_links, "norms": cmd_norms, "rollout": cmd_rollout,
+            "predict": cmd_predict, "ablate": cmd_ablate, "patch": cmd_patch}
 
 
 SERVICE_CLI = "attnscope.service.cli"
@@ -711,6 +792,10 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return EXIT_OK
+    except OSError as exc:  # a file that cannot be read or written (--plot, --output, input)
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"attnscope {args.cmd}: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"attnscope {args.cmd}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

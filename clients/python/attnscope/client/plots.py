@@ -519,3 +519,101 @@ def effect_grid(grid: Any, *, title: str | None = None, label: str = "effect",
     ax.set_title("\n".join(parts) or "effect grid", fontsize=9)
     return fig
 __all__.append("effect_grid")
+
+
+# -- contribution norms and rollout (Kobayashi et al. 2020; Abnar & Zuidema 2020) -----------
+# (kept out of __all__ above so the list merges cleanly; add them there when merging)
+__all__ += ["norm_heatmap", "rollout_heatmap"]
+
+def norm_heatmap(norms: Any, attention: Any = None, layer: int | None = None,
+                 head: int | None = None, *, title: str | None = None,
+                 figsize=(11, 5.2)) -> Figure:
+    """The contribution-norm heat map ``[query_pos, key_pos]`` of one layer, beside the
+    attention-weight heat map of the same layer when ``attention`` is given (Kobayashi et al.
+    2020, Fig. 1: weight vs ``||alpha f(x)||``).
+
+    Args:
+        norms: a ``NormsResponse`` / ``NormsResult`` (``/v1/attention-norms``).
+        attention: an ``AttentionResponse`` / ``AttentionResult`` of the same text containing
+            ``layer`` (optional): drawn on the left, the head's weights (or the head mean).
+        layer: a layer in the norms' ``layers`` (default: the first returned).
+        head: a head in the norms' ``heads``: its ``||alpha f(x)||``; None = ``summed``
+            (``||sum_h alpha f(x)||``), beside the head mean of the weights.
+
+    Each panel has its own colour scale (weights 0..1, norms 0..their max, in residual-stream
+    units), labelled on its colour bar.
+
+    Raises:
+        ValueError: ``layer`` / ``head`` not in the result, or the needed field not returned.
+    """
+    res = _unwrap(norms, "norms")
+    layers, heads = list(res.layers), list(res.heads)
+    layer = layers[0] if layer is None else layer
+    if layer not in layers:
+        raise ValueError(f"layer {layer} not in the norms' layers {layers}")
+    li = layers.index(layer)
+    if head is None:
+        if res.summed is None:
+            raise ValueError("the norms response has no 'summed' (request summed=true)")
+        m = _arr(res.summed)[li]
+        what = "||Σ_h α f(x)||"
+    else:
+        if head not in heads or res.norms is None:
+            raise ValueError(f"head {head} not in the norms' heads {heads} (or per_head was false)")
+        m = _arr(res.norms)[li, heads.index(head)]
+        what = f"head {head}: ||α f(x)||"
+    labels = token_labels(res.tokens)
+    panels = []
+    if attention is not None:
+        att = _unwrap(attention, "attention")
+        p = _arr(att.pattern)
+        a_layers = list(att.layers)
+        if layer not in a_layers:
+            raise ValueError(f"layer {layer} not in the attention's layers {a_layers}")
+        w = p[a_layers.index(layer)]
+        if not att.head_mean:
+            a_heads = list(att.heads)
+            w = w.mean(0) if head is None else w[a_heads.index(head)]
+        panels.append((w, "attention weight α" + ("" if head is not None else " (head mean)"), 1.0))
+    panels.append((m, what, float(np.nanmax(m)) if m.size else 1.0))
+    fig = _new_figure(figsize if attention is not None else (6, 5.5))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (mat, name, vmax) in zip(axes, panels):
+        im, masked = _draw(ax, mat, labels, None, f"layer {layer}, {name}", 0.0, vmax or 1.0)
+        _colourbar(fig, im, ax, vmax == 1.0, masked,
+                   label=name + ("" if vmax == 1.0 else " (0 .. max, residual-stream units)"))
+    headline = _headline(_model_id(norms), _text_of(res.tokens))
+    fig.suptitle(title or "\n".join(x for x in (
+        headline, "Attention weight vs contribution norm (Kobayashi et al. 2020)") if x))
+    return fig
+
+
+def rollout_heatmap(result: Any, layer: int | None = None, *, flow: bool = False,
+                    title: str | None = None, figsize=(6, 5.5)) -> Figure:
+    """Token-by-token map of the rollout ``R_l`` (default: the last layer returned; rows =
+    the token at layer l's output, columns = input tokens, colour 0..1, rows sum to 1), or of
+    the attention flow with ``flow=True`` (Abnar & Zuidema 2020). A causal model's upper
+    triangle is left blank.
+
+    Raises:
+        ValueError: ``layer`` not returned, or ``flow=True`` without flow in the result.
+    """
+    res = _unwrap(result, "rollout")
+    if flow:
+        if res.flow is None:
+            raise ValueError("the rollout response has no flow (request flow=true)")
+        layers, m = list(res.flow_layers), _arr(res.flow)
+    else:
+        layers, m = list(res.layers), _arr(res.rollout)
+    layer = layers[-1] if layer is None else layer
+    if layer not in layers:
+        raise ValueError(f"layer {layer} not in the returned layers {layers}")
+    fig = _new_figure(figsize)
+    ax = fig.subplots()
+    name = "attention flow" if flow else "attention rollout"
+    headline = _headline(_model_id(result), _text_of(res.tokens))
+    im, masked = _draw(ax, m[layers.index(layer)], token_labels(res.tokens), None,
+                       title or "\n".join(x for x in (headline, f"{name} at layer {layer}") if x),
+                       0.0, 1.0)
+    _colourbar(fig, im, ax, True, masked, label="share of the input token (rows sum to 1)")
+    return fig

@@ -1,0 +1,89 @@
+"""POST /v1/attention-norms: value-weighted contribution norms (Kobayashi et al. 2020)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from attnscope.schemas.attention import SparseOptions
+from attnscope.schemas.common import (
+    LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
+)
+
+
+class NormsRequest(TextOrTexts, TensorOptions):
+    """Contribution norms ``||alpha^h_ij f_h(x_j)||`` of the resident model for one text or a
+    batch, with ``f_h(x) = (x W_V^h + b_V^h) W_O^h`` (Kobayashi et al. 2020, eq. 5-7)."""
+
+    layers: list[int] | None = Field(
+        None, description="Layer indices to return (0-based, each < n_layers), in the order "
+        "given, each at most once; null = all layers."
+    )
+    heads: list[int] | None = Field(
+        None, description="Head indices (0-based, each < n_heads, each at most once); null = "
+        "all heads. 'summed' is the sum over these heads."
+    )
+    per_head: bool = Field(
+        True, description="Return 'norms': ||alpha^h_ij f_h(x_j)|| [layer, head, query_pos, "
+        "key_pos]."
+    )
+    summed: bool = Field(
+        True, description="Return 'summed': ||sum_h alpha^h_ij f_h(x_j)|| [layer, query_pos, "
+        "key_pos] (the layer's whole attention contribution of key j to query i)."
+    )
+    value_norms: bool = Field(
+        True, description="Return 'value_norms': ||f_h(x_j)|| [layer, head, key_pos]."
+    )
+    value_bias: Literal["include", "exclude"] = Field(
+        "include", description="'include' (default, the paper's f): the value bias b_V is part "
+        "of every key's f_h(x_j); 'exclude': f_h(x) = x W_V^h W_O^h."
+    )
+    output_bias: Literal["exclude", "distribute"] = Field(
+        "exclude", description="'exclude' (default, the paper): the output projection's bias "
+        "b_O is added once to the layer's output and is in no key's contribution (the "
+        "contributions sum, over keys and heads, to the attention output minus b_O); "
+        "'distribute': head h's key j also carries alpha^h_ij b_O / n_heads (they then sum to "
+        "the attention output). value_norms never include b_O."
+    )
+    layout: Literal["full", "tril"] = Field(
+        "full", description="'tril' (causal models only): send only the lower triangle of "
+        "'norms' and 'summed' (value_norms are per key: always full)."
+    )
+    sparse: SparseOptions | None = Field(
+        None, description="Send 'norms' and 'summed' sparse (top_k per query row and/or a "
+        "threshold on the norm). row_mass is then the sum of the kept norms of each row (not a "
+        "fraction: norms do not sum to 1)."
+    )
+
+    @model_validator(mode="after")
+    def _something(self):
+        if not (self.per_head or self.summed or self.value_norms):
+            raise ValueError("per_head, summed and value_norms are all false: nothing to return")
+        return self
+
+
+class NormsResult(LenientModel):
+    tokens: list[Token] = Field(description="The analysed tokens (query_pos/key_pos index these).")
+    layers: list[int] = Field(description="Layer index of each entry along the first axis.")
+    heads: list[int] = Field(description="Head index of each entry along the head axis.")
+    norms: TensorField | None = Field(
+        None, description="||alpha^h_ij f_h(x_j)|| float32 [layer, head, query_pos, key_pos], "
+        ">= 0, in the residual stream's units (0 for masked keys)."
+    )
+    summed: TensorField | None = Field(
+        None, description="||sum_h alpha^h_ij f_h(x_j)|| over the selected heads, float32 "
+        "[layer, query_pos, key_pos], >= 0."
+    )
+    value_norms: TensorField | None = Field(
+        None, description="||f_h(x_j)|| float32 [layer, head, key_pos], >= 0 (the transformed "
+        "value vector's norm, b_O never included)."
+    )
+
+
+class NormsResponse(LenientModel):
+    model: ModelRef
+    value_bias: Literal["include", "exclude"] = Field(description="As requested.")
+    output_bias: Literal["exclude", "distribute"] = Field(description="As requested.")
+    norms: NormsResult | None = Field(None, description="For a 'text' request.")
+    results: list[NormsResult] | None = Field(None, description="For a 'texts' request, in order.")

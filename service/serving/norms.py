@@ -1,0 +1,103 @@
+"""POST /v1/attention-norms: checks, memory estimate and the job (runs on the device thread).
+
+Turns recorded forwards into the response body by calling service.analysis.norms layer by layer
+with the adapter's output projection (``Runtime.adapter.attention_params``)."""
+
+from __future__ import annotations
+
+import torch
+
+from attnscope.service.analysis import norms as N
+from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
+from attnscope.service.errors import InvalidRequest, NonFiniteValues
+from attnscope.service.runtime.engine import Plan
+from attnscope.service.serving.checks import check_indices
+
+
+def check(rt, req) -> tuple[list[int], list[int]]:
+    """Token-independent checks (422, before tokenizing): layer/head indices in range and
+    distinct, 'tril' on an encoder. Returns the layers and heads analysed."""
+    check_indices(req.layers, rt.adapter.n_layers, "layers", "layer")
+    check_indices(req.heads, rt.adapter.n_heads, "heads", "head")
+    if req.layout == "tril" and not rt.adapter.causal:
+        raise InvalidRequest("layout 'tril' needs a causal model; this one is an encoder "
+                             "(the norms are not triangular)", "layout")
+    layers = req.layers if req.layers is not None else list(range(rt.adapter.n_layers))
+    heads = req.heads if req.heads is not None else list(range(rt.adapter.n_heads))
+    return layers, heads
+
+
+def estimate(rt, req, lengths: list[int], encoding: str) -> int:
+    """Bytes the job allocates beyond the recorded forwards, for texts of ``lengths`` tokens:
+    the results (float32 ``norms`` L*h*T^2, ``summed`` L*T^2, ``value_norms`` L*h*T), their
+    encoded forms (:func:`estimate_encoded_bytes`), and one layer's work arrays at a time
+    (float32/float64 copies of the pattern and coefficients ~20*H*T^2, f and its norms
+    ~12*H*T*D, the Gram matrices and the query chunk of :func:`norms.summed_norms`)."""
+    a = rt.adapter
+    L = len(req.layers) if req.layers is not None else a.n_layers
+    h = len(req.heads) if req.heads is not None else a.n_heads
+    H, D = a.n_heads, a.d_model
+    total = 0
+    for T in lengths:
+        n_head, n_sum, n_val = L * h * T * T, L * T * T, L * h * T
+        if req.per_head:
+            total += 4 * n_head + estimate_encoded_bytes(n_head, encoding, req.dtype, req.round,
+                                                         req.layout, req.sparse, T)
+        if req.summed:
+            total += 4 * n_sum + estimate_encoded_bytes(n_sum, encoding, req.dtype, req.round,
+                                                        req.layout, req.sparse, T)
+        if req.value_norms:
+            total += 4 * n_val + estimate_encoded_bytes(n_val, encoding, req.dtype, req.round,
+                                                        "full", None, T)
+        work = 20 * (H + 1) * T * T + 12 * H * T * D + 8 * T * (H + 1) ** 2 + 24 * T * T
+        total += work + 3 * 8 * min(N.CHUNK_ELEMENTS, T * T * (H + 1))
+    return total
+
+
+def plan(rt, req, items, *, binary: bool = False) -> Plan:
+    """The memory estimate of the new tensors (:func:`estimate`, counted with the forwards
+    before any runs) and the job (:func:`build`), on the device thread."""
+    encoding = "binary" if binary else req.encoding
+    est = estimate(rt, req, [len(it) for it in items], encoding)
+    return Plan(items, lambda forwards: build(rt, req, forwards, encoding), est)
+
+
+def build(rt, req, forwards, encoding: str) -> dict:
+    """The response body (tensors through encode_tensor)."""
+    layers, heads = check(rt, req)
+    sel = None if req.heads is None else heads
+    params = {lyr: rt.adapter.attention_params(lyr) for lyr in layers}
+    out = []
+    for i, fw in enumerate(forwards):
+        pfx = "norms" if req.text is not None else f"results.{i}"
+        per_head, summed, value = [], [], []
+        for lyr in layers:
+            p = params[lyr]
+            res = N.layer_norms(fw.pattern[lyr], fw.tensors.v[lyr], p.W_o, p.b_v, p.b_o,
+                                req.value_bias, req.output_bias, sel, req.per_head, req.summed)
+            if not torch.isfinite(res.value).all():
+                raise NonFiniteValues(f"layer {lyr}'s value vectors hold NaN/inf; refusing "
+                                      "to send their norms")
+            per_head.append(res.head)
+            summed.append(res.summed)
+            value.append(res.value)
+
+        def enc(ts, name, layout, sparse):
+            return encode_tensor(torch.stack(ts), encoding, req.dtype, req.round,
+                                 f"{pfx}.{name}", layout=layout, sparse=sparse)
+
+        out.append({
+            "tokens": [t.as_dict() for t in fw.tokens.tokens],
+            "layers": layers,
+            "heads": heads,
+            "norms": enc(per_head, "norms", req.layout, req.sparse) if req.per_head else None,
+            "summed": enc(summed, "summed", req.layout, req.sparse) if req.summed else None,
+            "value_norms": enc(value, "value_norms", "full", None) if req.value_norms else None,
+        })
+    body: dict = {"model": rt.model_ref(), "value_bias": req.value_bias,
+                  "output_bias": req.output_bias}
+    if req.text is not None:
+        body["norms"] = out[0]
+    else:
+        body["results"] = out
+    return body

@@ -1,0 +1,104 @@
+"""POST /v1/rollout: checks, memory estimate and the job (runs on the device thread)."""
+
+from __future__ import annotations
+
+import torch
+
+from attnscope.service.analysis import rollout as RO
+from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
+from attnscope.service.errors import InvalidRequest, NonFiniteValues
+from attnscope.service.runtime.engine import Plan
+from attnscope.service.serving.checks import check_indices
+
+
+def check(rt, req, lengths: list[int] | None = None) -> tuple[list[int], list[int] | None]:
+    """Model-aware checks (422): layer indices, 'tril' on an encoder, flow over
+    :data:`rollout.FLOW_MAX_TOKENS` tokens (the message names the limit). Returns the rollout
+    layers and the flow layers (None without flow)."""
+    L = rt.adapter.n_layers
+    check_indices(req.layers, L, "layers", "layer")
+    check_indices(req.flow_layers, L, "flow_layers", "layer")
+    if req.flow_layers is not None and not req.flow:
+        raise InvalidRequest("flow_layers is given but flow is false; set flow to true",
+                             "flow_layers")
+    if req.layout == "tril" and not rt.adapter.causal:
+        raise InvalidRequest("layout 'tril' needs a causal model; this one is an encoder "
+                             "(rollout is not triangular)", "layout")
+    if req.flow and lengths is not None:
+        for i, n in enumerate(lengths):
+            if n > RO.FLOW_MAX_TOKENS:
+                where = "text" if req.text is not None else f"texts.{i}"
+                raise InvalidRequest(
+                    f"attention flow is limited to {RO.FLOW_MAX_TOKENS} tokens (flow_max_tokens:"
+                    f" one max-flow per query and input token, its cost grows as T^4 x layers);"
+                    f" {where} has {n} tokens. Send a shorter text or set flow to false "
+                    "(rollout has no such limit)", "flow",
+                )
+    layers = req.layers if req.layers is not None else list(range(L))
+    flow_layers = None
+    if req.flow:
+        flow_layers = req.flow_layers if req.flow_layers is not None else [L - 1]
+    return layers, flow_layers
+
+
+def estimate(rt, req, lengths: list[int], encoding: str) -> int:
+    """Bytes the job allocates beyond the recorded forwards, for texts of ``lengths`` tokens:
+    float64 F, Â and R (3 * 8 * L*T^2) plus one layer's float64 pattern copy (8*H*T^2), the
+    float32 results and their encoded forms (rollout over the selected layers, flow)."""
+    a = rt.adapter
+    L, H = a.n_layers, a.n_heads
+    n_sel = len(req.layers) if req.layers is not None else L
+    n_flow = (len(req.flow_layers) if req.flow_layers is not None else 1) if req.flow else 0
+    total = 0
+    for T in lengths:
+        total += 4 * 8 * L * T * T + 8 * H * T * T
+        for n in (n_sel, n_flow):
+            if n:
+                total += 4 * n * T * T + estimate_encoded_bytes(
+                    n * T * T, encoding, req.dtype, req.round, req.layout, req.sparse, T)
+    return total
+
+
+def plan(rt, req, items, *, binary: bool = False) -> Plan:
+    """The flow length check (422 naming the limit), the memory estimate of the new tensors
+    (:func:`estimate`, counted with the forwards before any runs) and the job (:func:`build`)."""
+    encoding = "binary" if binary else req.encoding
+    lengths = [len(it) for it in items]
+    check(rt, req, lengths)
+    return Plan(items, lambda forwards: build(rt, req, forwards, encoding),
+                estimate(rt, req, lengths, encoding))
+
+
+def build(rt, req, forwards, encoding: str) -> dict:
+    """The response body (tensors through encode_tensor)."""
+    layers, flow_layers = check(rt, req, [fw.n_tokens for fw in forwards])
+    causal = rt.adapter.causal
+    out = []
+    for i, fw in enumerate(forwards):
+        pfx = "rollout" if req.text is not None else f"results.{i}"
+        if not torch.isfinite(fw.pattern.sum()):
+            raise NonFiniteValues("the model's attention pattern holds NaN/inf; refusing to "
+                                  "roll it out")
+        aug = RO.augmented_matrices(fw.pattern, causal, req.fusion, req.residual, req.discard,
+                                    req.sink)
+        R = RO.rollout(aug)
+        res = {
+            "tokens": [t.as_dict() for t in fw.tokens.tokens],
+            "layers": layers,
+            "rollout": encode_tensor(R[layers].float(), encoding, req.dtype, req.round,
+                                     f"{pfx}.rollout", layout=req.layout, sparse=req.sparse),
+            "flow_layers": flow_layers,
+            "flow": None,
+        }
+        if flow_layers is not None:
+            flow = RO.attention_flow(aug, flow_layers)
+            res["flow"] = encode_tensor(flow.float(), encoding, req.dtype, req.round,
+                                        f"{pfx}.flow", layout=req.layout, sparse=req.sparse)
+        out.append(res)
+    body: dict = {"model": rt.model_ref(), "fusion": req.fusion, "residual": req.residual,
+                  "discard": req.discard, "sink": req.sink, "flow_max_tokens": RO.FLOW_MAX_TOKENS}
+    if req.text is not None:
+        body["rollout"] = out[0]
+    else:
+        body["results"] = out
+    return body
