@@ -188,14 +188,14 @@ class ModelRef(LenientModel):
     """Which model produced a response."""
 
     id: str = Field(description="Model id: hub id or local directory name.")
-    revision: str = Field(description="Hub commit hash, or 'sha256:<12 hex>' of the weights file.")
+    revision: str = Field(description="Hub commit hash, or 'sha256:<12 hex>' of a local checkpoint's weights, config and tokenizer files (every file that changes the numbers).")
 
 
 class ModelInfo(LenientModel):
     """GET /v1/model: the resident model."""
 
     id: str = Field(description="Model id (hub id or local directory) as loaded.")
-    revision: str = Field(description="Hub commit hash, or 'sha256:<12 hex>' of the weights.")
+    revision: str = Field(description="Hub commit hash, or 'sha256:<12 hex>' of a local checkpoint's weights, config and tokenizer files (every file that changes the numbers).")
     requested: str = Field(description="The model the settings asked for.")
     fallback: bool = Field(
         description="True when the requested model could not be had and the bundled checkpoint "
@@ -212,7 +212,12 @@ class ModelInfo(LenientModel):
     n_ctx: int = Field(description="Maximum tokens per text (context length), framing included.")
     vocab_size: int = Field(description="Vocabulary size.")
     device: str = Field(description="Torch device, e.g. 'cpu' or 'cuda:0'.")
-    dtype: str = Field(description="Torch dtype of the weights, e.g. 'float32'.")
+    dtype: str = Field(description="Torch dtype of the weights, e.g. 'float32'. Every served "
+                       "number is computed in it; float16/bfloat16 drift from float32 (README "
+                       "'Numerical precision': patterns up to ~1e-2 / ~7e-2 at T ~ 250).")
+    attn_implementation: str = Field(
+        "eager", description="Hugging Face attention implementation the model runs with "
+        "('eager': the only one that returns attention patterns).")
     bos_token: str | None = Field(None, description="BOS token string (causal models), if any.")
 
 

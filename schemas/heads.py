@@ -25,11 +25,12 @@ class HeadThresholds(StrictModel):
     induction: float = _th(
         0.3, "Compared with scores.induction_probe when the probe ran, else scores.induction."
     )
-    previous_token: float = _th(0.5, "Compared with scores.previous_token (S004: > 0.5).")
+    previous_token: float = _th(0.5, "Compared with scores.previous_s004 (S004's own formula "
+                                "and threshold: mean of M[i, i-1] over rows i >= 1, > 0.5).")
     duplicate_token: float = _th(0.3, "Compared with scores.duplicate_token.")
     next_token: float = _th(0.5, "Compared with scores.next_token (encoders only).")
     self: float = _th(0.5, "Compared with scores.self.")
-    sink: float = _th(0.6, "Compared with scores.sink (S004: > 0.6).")
+    sink: float = _th(0.6, "Compared with scores.sink_s004 (S004: M[:, 0].mean() > 0.6).")
     broad: float = _th(0.8, "Compared with scores.entropy_normalized.")
 
 
@@ -50,6 +51,14 @@ class InductionProbe(StrictModel):
 
 class HeadsRequest(TextOrTexts):
     """Scores and a label for every head, from one text or several (scores averaged over texts)."""
+
+    add_bos: bool | None = Field(
+        None, description="Prepend the BOS token (causal models). null (default) = true where "
+        "the model has a BOS token (GPT-2: <|endoftext|>), as TransformerLens' detect_head "
+        "(to_tokens) and S004's snippet tokenize; false = the text's own tokens only. "
+        "Encoders always get [CLS] ... [SEP] (true is refused there). The value used is "
+        "echoed as 'add_bos'.",
+    )
 
     thresholds: HeadThresholds = Field(
         default_factory=HeadThresholds, description="Label thresholds (defaults documented per field)."
@@ -102,7 +111,17 @@ class HeadScoreSet(LenientModel):
     )
     sink: float | None = Field(
         None, description="Mean over query rows of the attention to position 0 (BOS / [CLS] / "
-        "first token), [0, 1] (S004: M[:, 0].mean())."
+        "first token; see the response's sink_position), [0, 1] (S004: M[:, 0].mean())."
+    )
+    previous_s004: float | None = Field(
+        None, description="S004's previous-token score: mean of M[i, i-1] over rows i >= 1 "
+        "(no exclusions), in [0, 1]; the previous_token threshold is compared with it. "
+        "(previous_token above is TransformerLens' sum(A*P)/sum(A), which is this times "
+        "(T-1)/T without exclusions.)"
+    )
+    sink_s004: float | None = Field(
+        None, description="S004's sink score M[:, 0].mean() (equal to sink), in [0, 1]; the "
+        "sink threshold is compared with it."
     )
     entropy: float | None = Field(
         None, description="Mean over query rows of the row entropy -sum A ln A, in nats (>= 0)."
@@ -116,16 +135,27 @@ class HeadScoreSet(LenientModel):
         "distance in tokens, in [0, T-1]."
     )
     induction_probe: float | None = Field(
-        None, description="Induction probe score: mean over the tokens of repeats 2..R of the "
-        "attention to the token right after the same token's occurrence in the previous "
-        "repeat (Olsson et al. 2022), in [0, 1]; null when the probe is off."
+        None, description="Induction probe score (Olsson et al. 2022): mean over the tokens of "
+        "repeats 2..R of the attention mass on the tokens that followed the same token in ALL "
+        "earlier repeats, in [0, 1]; null when the probe is off."
     )
 
 
 class HeadResult(LenientModel):
     layer: int = Field(description="Layer index, from 0.")
     head: int = Field(description="Head index within the layer, from 0.")
-    label: HeadLabel = Field(description="The first label whose score passes its threshold.")
+    label: HeadLabel = Field(description="The primary label: the first of 'labels' (in "
+                             "label_order), else 'none'.")
+    labels: list[HeadLabel] = Field(
+        default_factory=list, description="Every label whose score passes its threshold, in "
+        "label_order (a head can be an induction head and a sink); [] = none.")
+    margin: float | None = Field(
+        None, description="The primary label's score minus its threshold (> 0); for 'none' the "
+        "largest margin over the labels (<= 0: how far the nearest label is). A small "
+        "|margin| means the label could flip with the text, the dtype or the rounding.")
+    margins: dict[str, float | None] = Field(
+        default_factory=dict, description="Per label: its score (response's label_scores) "
+        "minus its threshold; null where the score is undefined.")
     scores: HeadScoreSet = Field(description="Every score of this head.")
     norm_scores: "HeadNormScores | None" = Field(
         None, description="Norm-based scores (request norm_scores); null when not asked."
@@ -137,6 +167,11 @@ class ProbeInfo(LenientModel):
     repeats: int = Field(description="Copies of the segment.")
     seed: int = Field(description="Generator seed.")
     start: int = Field(description="Position of the segment's first token (after the start token).")
+    method: str = Field(
+        "olsson_all_earlier_repeats", description="How the probe is scored: for each query of "
+        "repeats 2..R, the attention mass on the successors of its token in ALL earlier repeats "
+        "(Olsson et al. 2022), averaged over the (R-1) x segment_length queries.")
+    n_queries: int | None = Field(None, description="Queries averaged: (repeats-1) x segment_length.")
     tokens: list[Token] = Field(description="The probe's tokens (ids and labels; no offsets).")
 
 
@@ -144,6 +179,18 @@ class HeadsResponse(LenientModel):
     model: ModelRef
     n_texts: int = Field(description="Texts the scores are averaged over.")
     n_tokens: list[int] = Field(description="Token count of each text, in order.")
+    add_bos: bool = Field(
+        False, description="Whether BOS was prepended to every text (the request's add_bos, or "
+        "its default: true where the model has a BOS). Encoders: false ([CLS] frames them).")
+    sink_position: int = Field(
+        0, description="The key position the sink scores measure: 0 (BOS with add_bos, [CLS] "
+        "for encoders, else the text's first token).")
+    sink_tokens: list[str] = Field(
+        default_factory=list, description="Per text, the token at sink_position.")
+    dtype: str = Field("float32", description="The dtype the patterns were computed in (the "
+                       "model's; scores are then computed in float64).")
+    label_scores: dict[str, str] = Field(
+        default_factory=dict, description="Per label, the score its threshold is compared with.")
     exclude_bos: bool = Field(description="As requested.")
     exclude_current_token: bool = Field(description="As requested.")
     thresholds: HeadThresholds = Field(description="The thresholds used (defaults + overrides).")

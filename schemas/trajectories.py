@@ -17,8 +17,12 @@ class TrajectoriesRequest(TextOrTexts, TensorOptions):
 
     include_final: bool = Field(
         False,
-        description="Keep the final hidden state. Default off, as the source does: GPT-2's last "
-        "entry has the final LayerNorm applied, which shifts it sharply in PCA space.",
+        description="Append the final LayerNorm's output (GPT-2 ln_f; Hugging Face's last "
+        "hidden_states entry) as one more state, L+1. Default off: the default states are the "
+        "L+1 residual-stream states (embeddings, then each block's output, the last one BEFORE "
+        "ln_f), so every layer is in the path and none is LayerNorm-shifted (the source drops "
+        "Hugging Face's last entry for that reason). 422 for models without a final LayerNorm "
+        "(BERT: its last block's output is already state L).",
     )
     n_components: int = Field(
         2, ge=1, le=1024,
@@ -37,9 +41,16 @@ class TrajectoryResult(LenientModel):
     tokens: list[Token] = Field(description="All analysed tokens (positions index these).")
     positions: list[int] = Field(description="The selected token positions, in response order.")
     states: list[int] = Field(
-        description="Hidden-state indices used, in order (0 = embedding output, i = output of "
-        "block i); the final state is absent unless include_final."
+        description="State indices used, in order: 0 = embedding output, i = output of block "
+        "i-1 (i = 1..L, the last before any final LayerNorm), L+1 = the final LayerNorm's "
+        "output (only with include_final)."
     )
+    state_names: list[str] = Field(
+        default_factory=list, description="The same states by name: 'embeddings', 'block i "
+        "output', 'final LayerNorm output'.")
+    add_bos: bool = Field(False, description="Whether BOS was prepended (the request's add_bos).")
+    dtype: str = Field("float32", description="The dtype the hidden states were computed in "
+                       "(the model's); the PCA runs in float64.")
     n_components: int = Field(description="Number of PCA components.")
     explained_variance_ratio: list[float] = Field(
         description="Fraction of the standardised variance each component explains, in [0, 1], "

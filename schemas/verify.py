@@ -1,38 +1,72 @@
-"""POST /v1/verify: the model's attention against a from-scratch recomputation.
+"""POST /v1/verify: the served forward against a from-scratch recomputation.
 
-Source: the scaled dot-product ``attention(Q, K, V, mask)`` of 000_1c89b6c8c2a32040.txt and
-the multi-head attention of 001_92e9928af52718c3.txt, applied to the model's own q/k/v and
-output projection (DESIGN.md, "verification").
+Mode ``from_scratch`` (default): the whole forward recomputed in float64 from the token ids,
+the model's weight tensors and its config, with the project's own blocks (embeddings and
+positions, LayerNorm, q/k/v, the scale the config implies, the mask, softmax, the output
+projection, MLP, residuals), compared layer by layer with the served attention patterns,
+q/k/v, attention outputs and hidden states (DESIGN.md, "verification"; S000's
+``attention(Q, K, V, mask)``, S001's multi-head split). Mode ``recorded_qkv``: the cheaper
+consistency check of the attention step alone, from the q/k/v the forward recorded.
 """
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, field_validator
 
 from attnscope.schemas.common import LenientModel, ModelRef, TextOrTexts, Token
 
+VerifyMode = Literal["from_scratch", "recorded_qkv"]
 
 class VerifyRequest(TextOrTexts):
-    """Recompute every layer's attention from scratch from the model's own q/k/v and compare
-    with the model's."""
+    """Recompute the forward from scratch (float64, from the weights) and compare it, layer by
+    layer, with what the service serves for the text."""
+
+    mode: VerifyMode = Field(
+        "from_scratch",
+        description="'from_scratch' (default): the whole forward recomputed in float64 from "
+        "the token ids, the model's weight tensors and its config, compared with the served "
+        "patterns, q/k/v, attention outputs and hidden states; it can disagree with the model "
+        "(a wrong weight, position, scale, mask, LayerNorm or MLP shows at its layer). "
+        "Implements GPT-2 and BERT; a config switch it does not implement is a 422 "
+        "unsupported_model_config naming the switch. Cost: a few forwards (README). "
+        "'recorded_qkv': only the attention step re-run from the q/k/v the forward recorded, "
+        "in the model's dtype with the same torch operations (differences are usually exactly 0; "
+        "it cannot see anything upstream of q/k/v).",
+    )
 
     layers: list[int] | None = Field(
-        None, description="Layer indices to check (0-based, each < n_layers, each at most once); "
-        "null = all."
+        None, description="Layer indices to report (0-based, each < n_layers, each at most "
+        "once); null = all. from_scratch recomputes every layer regardless and always checks "
+        "every hidden state (a fault upstream of a reported layer is still named)."
     )
     tolerance: float | None = Field(
         None, gt=0, le=1,
-        description="Largest absolute difference that passes. null = 1e-5 for float32 models, "
-        "1e-2 for float16/bfloat16.",
+        description="Override of the tolerance. from_scratch: null = per the served dtype, "
+        "pattern (absolute, probability units) / states (q, k, v, attention output, hidden "
+        "states: max |diff| <= tol * max(1, max |recomputed|)): float32 1e-4 / 1e-4, float16 "
+        "5e-2 / 2e-2, bfloat16 2e-1 / 1e-1 (measured drift: README 'Numerical precision'); a "
+        "value given here sets both. recorded_qkv: null = 1e-5 for float32 models, 1e-2 for "
+        "float16/bfloat16 (absolute).",
     )
     projections: bool = Field(
-        False, description="Also recompute q, k and v from the recorded attention input with "
+        False, description="Mode 'recorded_qkv' only (422 with from_scratch, which always "
+        "recomputes q/k/v from the weights). Also recompute q, k and v from the recorded attention input with "
         "the model's CURRENT q/k/v weights and compare them with the model's own (per layer "
         "'qkv_max_abs_diff', counts toward 'passed'). The default starts from the model's "
         "recorded q/k/v, so it does not see a q/k/v weight change made after the forward. "
         "Cost: three more d_model x d_model matmuls per layer, about 3x the default's time "
         "(GPT-2 small, 128 tokens, 2 CPU cores: ~20 ms default, ~60 ms with projections).",
     )
+
+    @field_validator("projections")
+    @classmethod
+    def _projections_need_recorded_qkv(cls, v, info):
+        if v and info.data.get("mode", "from_scratch") != "recorded_qkv":
+            raise ValueError("projections applies to mode 'recorded_qkv' only; mode "
+                             "'from_scratch' recomputes q, k and v from the weights anyway")
+        return v
 
 
 class HeadDiff(LenientModel):
@@ -43,8 +77,32 @@ class HeadDiff(LenientModel):
     )
 
 
+class StateDiff(LenientModel):
+    max_abs_diff: float | None = Field(
+        description="max |served - recomputed| over [pos, d_model], model units; null = NaN.")
+    scale: float = Field(description="max |recomputed| of the state (model units); the state "
+                         "passes when max_abs_diff <= state_tolerance * max(1, scale).")
+    passed: bool = Field(description="Within the state tolerance.")
+
+
 class LayerDiff(LenientModel):
     layer: int = Field(description="Layer index.")
+    scale: float | None = Field(
+        None, description="from_scratch: the q.k multiplier used for this layer, derived from "
+        "the config (GPT-2: 1/sqrt(d_head) if scale_attn_weights else 1, divided by layer+1 "
+        "if scale_attn_by_inverse_layer_idx; BERT: 1/sqrt(d_head)).")
+    q_max_abs_diff: float | None = Field(
+        None, description="from_scratch: max |served - recomputed| of the layer's queries "
+        "[head, pos, d_head], model units; null = NaN or recorded_qkv.")
+    k_max_abs_diff: float | None = Field(None, description="As q_max_abs_diff, for the keys.")
+    v_max_abs_diff: float | None = Field(None, description="As q_max_abs_diff, for the values.")
+    hidden_max_abs_diff: float | None = Field(
+        None, description="from_scratch: max |served - recomputed| of this block's output, the "
+        "residual-stream hidden state layer+1 [pos, d_model] (pre-ln_f for the last block); "
+        "model units; null = NaN or recorded_qkv.")
+    hidden_scale: float | None = Field(
+        None, description="from_scratch: max |recomputed| of that hidden state (the state "
+        "tolerance is relative to max(1, hidden_scale)).")
     pattern_max_abs_diff: float | None = Field(
         description="Max over the layer's heads of the pattern difference; null = NaN."
     )
@@ -63,16 +121,42 @@ class LayerDiff(LenientModel):
 
 class VerifyResult(LenientModel):
     tokens: list[Token] = Field(description="The analysed tokens.")
+    add_bos: bool = Field(False, description="Whether BOS was prepended (the request's add_bos).")
+    mode: VerifyMode = Field("recorded_qkv", description="The mode that produced this result.")
+    mask: Literal["causal", "bidirectional"] | None = Field(
+        None, description="The attention mask of the recomputation: causal (GPT-2: -inf on "
+        "keys after the query) or bidirectional (BERT: every key visible).")
+    compute_dtype: str | None = Field(
+        None, description="The dtype the recomputation ran in: float64 for from_scratch; the "
+        "model's for recorded_qkv.")
+    max_rel_diff: float | None = Field(
+        None, description="from_scratch: the largest state difference divided by max(1, scale) "
+        "over the embeddings, q/k/v, attention outputs, hidden states and final state; null = "
+        "NaN somewhere or recorded_qkv.")
+    state_tolerance: float | None = Field(
+        None, description="from_scratch: the relative tolerance of the states used.")
+    failing_layer: int | None = Field(
+        None, description="The first layer (in forward order) where a difference exceeds its "
+        "tolerance (0 when the embeddings differ); null when passed, or when only the final "
+        "LayerNorm's output differs.")
+    embeddings: StateDiff | None = Field(
+        None, description="from_scratch: hidden state 0 (the embeddings, with positions; BERT: "
+        "after the embedding LayerNorm).")
+    final: StateDiff | None = Field(
+        None, description="from_scratch: the final LayerNorm's output (GPT-2 ln_f, = Hugging "
+        "Face's last hidden_states entry); null for models without one (BERT).")
     passed: bool = Field(
         description="True when every checked difference is finite and <= tolerance. A NaN "
         "anywhere fails the check."
     )
     max_abs_diff: float | None = Field(
-        description="Largest difference over all checked layers, heads, patterns and outputs "
-        "(and q/k/v with 'projections'); null = NaN somewhere."
+        description="from_scratch: the largest pattern difference over the reported layers and "
+        "heads (probability units). recorded_qkv: the largest difference over all checked "
+        "layers, heads, patterns and outputs (and q/k/v with 'projections'). null = NaN."
     )
-    tolerance: float = Field(description="The tolerance used.")
-    dtype: str = Field(description="The dtype the recomputation ran in (the model's).")
+    tolerance: float = Field(description="The tolerance used (from_scratch: of the patterns).")
+    dtype: str = Field(description="The dtype the model served its numbers in (recorded_qkv "
+                       "also recomputes in it).")
     projections: bool = Field(
         False, description="Whether the q/k/v projections were checked too (the request's "
         "'projections')."

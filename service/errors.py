@@ -46,6 +46,14 @@ class MemoryLimitExceeded(InvalidRequest):
     type = "memory_limit_exceeded"
 
 
+class UnsupportedModelConfig(InvalidRequest):
+    """The resident model's config sets a switch an analysis does not implement (e.g. the
+    from-scratch verification and an activation it has no formula for): refused, never
+    answered as if the switch were absent. The message names the config key and its value."""
+
+    type = "unsupported_model_config"
+
+
 class NotAcceptable(AttnscopeError):
     """The ``Accept`` header names no media type the endpoint can produce."""
 

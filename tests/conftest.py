@@ -55,6 +55,26 @@ def minilm_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gpt2_small_random_dir(tmp_path_factory) -> Path:
+    """A randomly initialised GPT-2-small-shaped model (``GPT2Config()``: 12 layers, 12 heads,
+    d_model 768, n_ctx 1024; vocab 2048 to match the bundled tokenizer, which it is saved
+    with), seeded, saved to a temp dir (safetensors): a real checkpoint of GPT-2 small's cost."""
+    import shutil
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    d = tmp_path_factory.mktemp("gpt2-small-random")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, bos_token_id=0, eos_token_id=0))
+    model.save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_MODEL_DIR / f, d / f)
+    del model
+    return d
+
+
+@pytest.fixture(scope="session")
 def gpt2_runtime():
     from attnscope.service.runtime import Runtime
 

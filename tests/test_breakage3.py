@@ -154,14 +154,14 @@ def test_recorded_tensors_read_concurrently_are_one_object_and_equal_a_batch_cop
             assert torch.equal(g[n], getattr(fresh2, n))
     nb = fresh.nbytes
     assert nb == sum(t.numel() * t.element_size() for t in
-                     [fresh.pattern] + [getattr(fresh, n) for n in fresh._NAMES])
+                     [fresh.pattern, fresh.final_state] + [getattr(fresh, n) for n in fresh._NAMES])
     assert all(torch.equal(serial[n][:, :0], getattr(ref, n)[:, :0]) for n in ref._NAMES)
 
 
 def test_concurrent_endpoints_on_a_fresh_text_equal_serial(make_client, gpt2_runtime):
     c = make_client(gpt2_runtime)
     text = "Concurrent stacking check: violet otters juggle seven brass lanterns."
-    reqs = [("/v1/verify", {"text": text, "projections": True}),
+    reqs = [("/v1/verify", {"text": text, "projections": True, "mode": "recorded_qkv"}),
             ("/v1/trajectories", {"text": text, "encoding": "base64"}),
             ("/v1/attention", {"text": text, "include_scores": True, "encoding": "base64"})] * 4
     barrier = threading.Barrier(len(reqs))
@@ -186,7 +186,7 @@ def test_concurrent_endpoints_on_a_fresh_text_equal_serial(make_client, gpt2_run
 def test_verify_projections_both_models(client, bert_client, which, projections):
     c = client if which == "gpt2" else bert_client
     r = c.post("/v1/verify", json={"texts": [SENTENCE, "hi there"], "projections": projections,
-                                   "layers": [1, 0]})
+                                   "layers": [1, 0], "mode": "recorded_qkv"})
     assert r.status_code == 200, r.text
     for res in r.json()["results"]:
         v = res
@@ -212,13 +212,16 @@ def test_verify_projections_sees_a_qkv_weight_change(gpt2_runtime, make_client):
         saved = W.clone()
         W.add_(0.01)
     try:
-        r1 = c.post("/v1/verify", json={"text": text}).json()["verification"]
-        r2 = c.post("/v1/verify", json={"text": text, "projections": True}).json()["verification"]
+        r1 = c.post("/v1/verify", json={"text": text, "mode": "recorded_qkv"}).json()["verification"]
+        r2 = c.post("/v1/verify", json={"text": text, "projections": True,
+                                        "mode": "recorded_qkv"}).json()["verification"]
+        r3 = c.post("/v1/verify", json={"text": text}).json()["verification"]
     finally:
         with torch.no_grad():
             W.copy_(saved)
     assert r1["passed"]  # documented: recorded q/k/v
     assert not r2["passed"] and r2["failed_layers"] == [0]
+    assert not r3["passed"] and r3["failing_layer"] == 0  # from scratch: seen by default
 
 
 # ------------------------------------------------------------------ sparse top-k
@@ -289,8 +292,8 @@ def test_nan_from_the_model_is_refused_in_every_form(client, gpt2_runtime, monke
     pat = fw.pattern.clone()
     pat[1, 2, -1, 0] = float("nan")  # last row, first key: small, never in the top-1 otherwise
 
-    def fake(self, pattern, *a):
-        orig(self, pat if pattern.shape == pat.shape else pattern, *a)
+    def fake(self, pattern, *a, **k):
+        orig(self, pat if pattern.shape == pat.shape else pattern, *a, **k)
 
     gpt2_runtime.cache.clear() if hasattr(gpt2_runtime.cache, "clear") else None
     monkeypatch.setattr(ForwardTensors, "__init__", fake)
@@ -403,10 +406,11 @@ def test_trajectories_equal_the_scikit_learn_pipeline(dtype, include_final):
     h[:, :, 5] = 2.0  # a constant feature (scale 1)
     before = h.clone()
     pos = [8, 0, 3]
-    r = trajectories(h, include_final, 3, pos)
+    fin = (torch.randn(9, 24, generator=g) * 2).to(dtype)
+    r = trajectories(h, include_final, 3, pos, final_state=fin)
     assert torch.equal(h, before)  # the recorded hidden states are never changed
-    n = 4 if include_final else 3
-    x = h[:n].reshape(n * 9, 24).to(torch.float64).numpy()
+    n = 5 if include_final else 4  # every residual state, plus the final LayerNorm's output
+    x = torch.cat([h, fin[None]])[:n].reshape(n * 9, 24).to(torch.float64).numpy()
     proj = PCA(n_components=3, random_state=0).fit_transform(StandardScaler().fit_transform(x))
     paths = proj.reshape(n, 9, 3)[:, pos].transpose(1, 0, 2)
     np.testing.assert_allclose(r["paths"], paths, rtol=1e-9, atol=1e-9)

@@ -24,7 +24,8 @@ from attnscope.service.runtime import Runtime
 from conftest import minilm_dir, start_server, stop_server
 from test_api import decode
 
-NAMES = ("pattern", "hidden_states", "q", "k", "v", "attn_input", "attn_output")
+NAMES = ("pattern", "hidden_states", "q", "k", "v", "attn_input", "attn_output",
+         "final_hidden_state")
 WORDS = "the cat sat on a mat and then it ran far away from home".split()
 
 
@@ -35,9 +36,15 @@ def words(n: int, seed) -> str:
 
 def hf_reference(rt: Runtime, ids: list[int]):
     """Hugging Face's own forward of one unpadded text, with q/k/v from manual hooks on the
-    q/k/v modules (split into heads here): a dict of the seven recorded tensors."""
+    q/k/v modules (split into heads here) and the last block's output from a hook on it: the
+    recorded tensors (hidden_states = the L+1 residual-stream states, the last pre-ln_f;
+    final_hidden_state = HF's last hidden_states entry)."""
     caps: list[list] = [[None] * len(h.qkv) for h in rt._handles]
-    hooks = []
+    base = rt.adapter.base()
+    last_block = (base.h if rt.adapter.causal else base.encoder.layer)[-1]
+    last = []
+    hooks = [last_block.register_forward_hook(
+        lambda m, a, o: last.append((o[0] if isinstance(o, tuple) else o)[0].clone()))]
     for i, h in enumerate(rt._handles):
         for j, m in enumerate(h.qkv):
             def hook(mod, args, out, i=i, j=j):
@@ -59,7 +66,8 @@ def hf_reference(rt: Runtime, ids: list[int]):
         q, k, v = (p.reshape(len(ids), H, dh).transpose(0, 1) for p in parts)
         qs.append(q), ks.append(k), vs.append(v)
     return dict(pattern=torch.stack([a[0] for a in out.attentions]),
-                hidden_states=torch.stack([h[0] for h in out.hidden_states]),
+                hidden_states=torch.stack([h[0] for h in out.hidden_states[:-1]] + last),
+                final_hidden_state=out.hidden_states[-1][0],
                 q=torch.stack(qs), k=torch.stack(ks), v=torch.stack(vs))
 
 
@@ -105,9 +113,13 @@ def test_low_precision_model_records_its_own_numbers_bit_for_bit(dtype, make_cli
             assert torch.equal(getattr(single, name), ref), name
             assert (getattr(fw.tensors, name).float() - ref.float()).abs().max() <= 2e-2, name
     c = make_client(rt, dtype=dtype, forward_batch_size=2)  # the recorded views through the API
-    r = c.post("/v1/verify", json={"texts": texts, "projections": True})
+    r = c.post("/v1/verify", json={"texts": texts, "projections": True, "mode": "recorded_qkv"})
     assert r.status_code == 200, r.text[:300]
     assert all(x["passed"] and x["dtype"] == dtype for x in r.json()["results"])
+    r = c.post("/v1/verify", json={"texts": texts})  # from scratch, at the dtype's tolerance
+    assert r.status_code == 200, r.text[:300]
+    assert all(x["passed"] and x["dtype"] == dtype and x["mode"] == "from_scratch"
+               for x in r.json()["results"]), [x["message"] for x in r.json()["results"]]
 
 
 def test_text_at_n_ctx_through_the_app_is_bit_exact(client, gpt2_runtime):
@@ -297,7 +309,7 @@ def test_timeouts_and_disconnects_during_device_work(timeout_server, gpt2_runtim
     # 2) clients that disconnect while their forwards run on the device thread
     for k in range(2):
         body = httpx.Request("POST", url + "/v1/verify",
-                             json={"texts": [t + f" d{k}" for t in heavy]})
+                             json={"texts": [t + f" d{k}" for t in heavy], "mode": "recorded_qkv"})
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as s:
             raw = (f"POST /v1/verify HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"

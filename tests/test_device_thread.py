@@ -58,13 +58,19 @@ def test_recorded_tensors_are_few_contiguous_buffers_equal_to_hugging_face(gpt2_
     L, H, T, dh = t.q.shape
     assert t.q.untyped_storage().nbytes() == L * T * 3 * H * dh * t.q.element_size()
     assert t.nbytes == sum(x.numel() * x.element_size() for x in
-                           (t.pattern, t.hidden_states, t.q, t.k, t.v, t.attn_input, t.attn_output))
+                           (t.pattern, t.hidden_states, t.q, t.k, t.v, t.attn_input, t.attn_output,
+                            t.final_state))
     # the same numbers as Hugging Face's own outputs, bit for bit
     ids = torch.tensor([fw.tokens.input_ids])
     with torch.inference_mode():
         out = rt.adapter.base()(input_ids=ids, output_attentions=True, output_hidden_states=True)
     assert torch.equal(t.pattern, torch.stack([a[0] for a in out.attentions]))
-    assert torch.equal(t.hidden_states, torch.stack([h[0] for h in out.hidden_states]))
+    # the L+1 residual states: HF's 0..L-1, then the last block's output (pre-ln_f); HF's last
+    # entry (ln_f's output) is the final state
+    assert torch.equal(t.hidden_states[:-1], torch.stack([h[0] for h in out.hidden_states[:-1]]))
+    assert torch.equal(t.final_state, out.hidden_states[-1][0])
+    with torch.inference_mode():
+        assert torch.equal(rt.adapter.base().ln_f(t.hidden_states[-1]), t.final_state)
 
 
 def test_reserve_runs_before_the_forward_and_the_cache_stays_bounded():
@@ -98,10 +104,10 @@ def test_forwards_and_analyses_run_on_the_slot_thread(make_client, gpt2_runtime,
     seen: dict[str, set] = {"forward": set(), "heads": set(), "verify": set()}
     handle = gpt2_runtime.adapter.base().register_forward_hook(
         lambda *a: seen["forward"].add(threading.get_ident()))
-    real_scores, real_verify = H.head_scores, V.verify
+    real_scores, real_verify = H.head_scores, V.verify_from_scratch
     monkeypatch.setattr(heads_api.H, "head_scores",
                         lambda *a, **k: seen["heads"].add(threading.get_ident()) or real_scores(*a, **k))
-    monkeypatch.setattr(verify_api, "verify",
+    monkeypatch.setattr(verify_api, "verify_from_scratch",
                         lambda *a, **k: seen["verify"].add(threading.get_ident()) or real_verify(*a, **k))
     try:
         text = f"Thread test {uuid.uuid4().hex}: the cat sat on the mat."

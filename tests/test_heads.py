@@ -15,6 +15,7 @@ from attnscope.service.analysis import heads as H
 
 import heads_reference as R
 from conftest import SENTENCE
+from seed_sentences import ALL_SENTENCES
 
 TEXTS = [
     SENTENCE,
@@ -69,8 +70,40 @@ def test_hand_built_patterns_get_their_label():
                    + [{q - 4: 1.0} for q in range(4, 8)])
     label, s = _label(dup, ids)
     assert label == "duplicate_token" and s["duplicate_token"] == pytest.approx(0.5)
-    # thresholds are overridable per label
-    assert _label(prev, IDS, previous_token=0.95)[0] != "previous_token"
+    # thresholds are overridable per label (previous_s004 of a pure previous-token head is 1.0)
+    assert _label(prev, IDS, previous_token=0.95)[0] == "previous_token"
+    assert _label(prev, IDS, previous_token=1.0)[0] != "previous_token"
+
+
+def test_every_passing_label_is_reported_with_its_margin():
+    """A head that is both an induction head and a sink: both labels, the first is primary."""
+    ids = [0, 5, 6, 7, 8, 5, 6, 7, 8]
+    rows = [{0: 1.0} for _ in range(5)] + [{0: 0.5, q - 3: 0.5} for q in range(5, 9)]
+    a = _pattern(rows)
+    s = {k: float(v[0, 0]) for k, v in H.head_scores(a, ids, True).items()}
+    assert s["sink_s004"] == s["sink"] == pytest.approx((5 + 2) / 9)
+    assert s["induction"] == pytest.approx(2 / 9)
+    c = H.classify_all(s, {"induction": 0.2})
+    assert c["labels"] == ["induction", "sink"] and c["label"] == "induction"
+    assert c["margin"] == pytest.approx(2 / 9 - 0.2)
+    assert c["margins"]["sink"] == pytest.approx(7 / 9 - 0.6)
+    assert c["margins"]["next_token"] is None  # causal: undefined
+    c = H.classify_all(s)  # default 0.3: induction fails, sink remains
+    assert c["labels"] == ["sink"] and c["label"] == "sink"
+    c = H.classify_all(s, {"sink": 0.9, "induction": 0.9, "broad": 1.0})
+    assert c["label"] == "none" and c["labels"] == [] and -0.2 < c["margin"] <= 0
+
+
+def test_s004_previous_score_is_s004s_formula_not_transformerlens():
+    """S004: mean(M[i, i-1] for i >= 1) > 0.5. TransformerLens' score is that times (T-1)/T:
+    on a 4-token text a head with 0.6 on the previous token is previous by S004 (0.6) and
+    not by the (T-1)/T-scaled score (0.45)."""
+    T4 = 4
+    a = _pattern([{0: 1.0}] + [{q - 1: 0.6, q: 0.4} for q in range(1, T4)])
+    s = {k: float(v[0, 0]) for k, v in H.head_scores(a, list(range(T4)), True).items()}
+    assert s["previous_s004"] == pytest.approx(0.6)
+    assert s["previous_token"] == pytest.approx(0.6 * 3 / 4)
+    assert "previous_token" in H.classify_all(s)["labels"]
 
 
 def test_scores_have_documented_formulas():
@@ -162,6 +195,113 @@ def test_pattern_scores_match_transformerlens_minilm(bert_client, bert_runtime, 
         np.testing.assert_allclose(_ours(r.json(), name), want, atol=1e-5, rtol=0)
 
 
+def _s004_labels(patterns) -> dict[tuple[int, int], str]:
+    """S004's snippet (004_e7341cee07d297e4.txt), literally, on one text's patterns
+    (``patterns[layer]``: ``[head, query_pos, key_pos]``): {(layer, head): label} for every
+    head it prints a label for."""
+    out = {}
+    for layer, A_ in enumerate(patterns):
+        A = A_.double().numpy()
+        for head in range(A.shape[0]):
+            M = A[head]
+            previous = np.mean([M[i, i - 1] for i in range(1, len(M))])
+            sink = M[:, 0].mean()
+            if previous > 0.5:
+                out[(layer, head)] = "previous_token"
+            elif sink > 0.6:
+                out[(layer, head)] = "sink"
+    return out
+
+
+def _tl_per_text(bridge, text):
+    """TransformerLens on one text: ``detect_head`` for the three heads from ONE cached forward
+    (what ``detect_head(model, [texts])`` does per text, without its two repeated forwards),
+    and the cached patterns (Hugging Face's own, through the bridge's hooks)."""
+    from transformer_lens.head_detector import detect_head
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: on a busy machine a 2-thread barrier costs ~25 ms each
+    try:
+        _, cache = bridge.run_with_cache(bridge.to_tokens(text), remove_batch_dim=True,
+                                         names_filter=lambda n: n.endswith("hook_pattern"))
+    finally:
+        torch.set_num_threads(threads)
+    scores = {ours: detect_head(bridge, text, tl, cache=cache).double().numpy()
+              for ours, tl in TL_NAMES.items()}
+    L = len(cache.keys())
+    return scores, [cache["pattern", layer, "attn"] for layer in range(L)]
+
+
+@pytest.mark.parametrize("which", ["bundled", "minilm", "gpt2_small_random"])
+def test_default_heads_equal_transformerlens_and_s004_on_seed_sentences(
+        which, request, tl_bridge, make_client):
+    """Default /v1/heads (no add_bos given) over >= 50 sentences of the source documents
+    equals TransformerLens 4.3 ``detect_head`` (which tokenizes with BOS, as S004) to 1e-6, and
+    every label S004's snippet prints on those tokens is among the head's ``labels``. MiniLM:
+    TransformerBridge boots BERT too (its to_tokens frames [CLS] ... [SEP], as we do). The
+    GPT-2-small-shaped model gets the 50 shortest sentences (its forwards dominate the cost)."""
+    texts = ALL_SENTENCES
+    if which == "bundled":
+        rt, path = request.getfixturevalue("gpt2_runtime"), request.getfixturevalue("bundled_dir")
+    elif which == "minilm":
+        rt, path = request.getfixturevalue("bert_runtime"), request.getfixturevalue("minilm_path")
+    else:
+        from attnscope.service.config import Settings
+        from attnscope.service.runtime import Runtime
+
+        path = request.getfixturevalue("gpt2_small_random_dir")
+        rt = Runtime.load(Settings(model=str(path)))
+        texts = sorted(texts, key=len)[:50]
+    assert len(texts) >= 50
+    c = make_client(rt)
+    bridge = tl_bridge(path)
+    causal = rt.adapter.causal
+    items = [rt.tokenize(t, add_bos=causal) for t in texts]
+    tl = []
+    for t, it in zip(texts, items):  # the same tokens as TransformerLens
+        assert bridge.to_tokens(t)[0].tolist() == list(it.input_ids)
+        tl.append(_tl_per_text(bridge, t))
+    for half in (slice(0, 32), slice(32, None)):  # max_batch is 32
+        r = c.post("/v1/heads", json={"texts": texts[half], "probe": {"enabled": False}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["add_bos"] is causal and body["n_tokens"] == [len(it) for it in items[half]]
+        for name in TL_NAMES:  # detect_head(model, [texts]) = torch.stack(per text).mean(0)
+            want = np.stack([sc[name] for sc, _ in tl[half]]).mean(0)
+            np.testing.assert_allclose(_ours(body, name), want, atol=1e-6, rtol=0, err_msg=name)
+    # S004's snippet, per text, on TransformerLens' patterns of the same tokens; our labels
+    # per text (the forwards come from the cache the batches filled)
+    n_s004 = 0
+    for t, (_, patterns) in zip(texts, tl):
+        want = _s004_labels(patterns)
+        if not want:
+            continue
+        got = c.post("/v1/heads", json={"text": t, "probe": {"enabled": False}}).json()["heads"]
+        labels = {(h["layer"], h["head"]): h["labels"] for h in got}
+        for lh, label in want.items():
+            n_s004 += 1
+            assert label in labels[lh], (t, lh, label, labels[lh])
+    if which != "gpt2_small_random":  # a random model's attention is near uniform: no labels
+        assert n_s004 > 0
+
+
+@pytest.mark.parametrize("repeats, floor", [(2, 0.88), (4, 0.94), (8, 0.94)])
+def test_probe_finds_the_bundled_induction_heads(client, repeats, floor):
+    """The bundled checkpoint's layer-1 heads are induction heads (zero-ablating them raises the
+    loss on the repeats from ~0.02 to ~15 nats, issue 12): Olsson's probe (all earlier repeats)
+    scores them 0.945-0.973 at 4 and 8 repeats (the previous-repeat-only score fell to 0.17 at
+    8). At 2 repeats (one earlier copy, so both definitions agree) they score 0.886-0.921 with
+    seed 0: that is the model, not the probe, and the floor says so."""
+    r = client.post("/v1/heads", json={"text": SENTENCE, "probe": {"repeats": repeats}})
+    assert r.status_code == 200, r.text
+    heads = r.json()["heads"]
+    layer1 = [h for h in heads if h["layer"] == 1]
+    got = [h["scores"]["induction_probe"] for h in layer1]
+    assert min(got) >= floor and np.mean(got) >= 0.9, got
+    assert all("induction" in h["labels"] for h in layer1)
+    assert all(h["scores"]["induction_probe"] < 0.3 for h in heads if h["layer"] == 0)
+
+
 # ------------------------------------------------------------------- the endpoint
 def test_heads_bundled_probe_and_labels(client, gpt2_runtime):
     r = client.post("/v1/heads", json={"text": SENTENCE})
@@ -179,10 +319,15 @@ def test_heads_bundled_probe_and_labels(client, gpt2_runtime):
     # independent: the stripe from Hugging Face's own output_attentions, by a loop
     with torch.no_grad():
         att = gpt2_runtime.model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    assert p.method == "olsson_all_earlier_repeats" and p.n_queries == 75
+    assert body.add_bos is True and body.sink_position == 0 and body.sink_tokens == ["<|endoftext|>"]
     for h in body.heads:
         a = att[h.layer][0, h.head].double().numpy()
-        vals = [a[q, q - 25 + 1] for r_ in range(1, 4) for q in range(1 + 25 * r_, 1 + 25 * (r_ + 1))]
+        # Olsson et al.: the successors of the query's token in ALL earlier repeats
+        vals = [sum(a[1 + 25 * r_ + j, 1 + 25 * e + j + 1] for e in range(r_))
+                for r_ in range(1, 4) for j in range(25)]
         assert h.scores.induction_probe == pytest.approx(float(np.mean(vals)), abs=1e-6)
+        assert h.label == (h.labels[0] if h.labels else "none")
         assert h.scores.next_token is None
         for name in ("previous_token", "self", "sink", "entropy_normalized", "induction_probe"):
             assert 0.0 <= getattr(h.scores, name) <= 1.0 + 1e-9
@@ -227,8 +372,8 @@ def test_minilm_finds_previous_token_and_cls_sink_heads(bert_client, bert_runtim
 
 
 @pytest.mark.parametrize("payload, status, etype, param, words", [
-    ({"text": "a"}, 422, "validation_error", "text", ["1 token", "at least 2"]),
-    ({"texts": [SENTENCE, "a"]}, 422, "validation_error", "texts.1", ["at least 2"]),
+    ({"text": "a", "add_bos": False}, 422, "validation_error", "text", ["1 token", "at least 2"]),
+    ({"texts": [SENTENCE, "a"], "add_bos": False}, 422, "validation_error", "texts.1", ["at least 2"]),
     ({"text": SENTENCE, "probe": {"segment_length": 100}}, 422, "context_length_exceeded",
      "probe.segment_length", ["401 tokens", "256"]),
     ({"text": SENTENCE, "probe": {"repeats": 1}}, 422, "validation_error", "probe.repeats", []),
@@ -246,7 +391,8 @@ def test_heads_edge_cases(client, payload, status, etype, param, words):
 
 
 def test_heads_two_token_text_and_probe_bounds(client):
-    r = client.post("/v1/heads", json={"text": "In the", "probe": {"segment_length": 1, "repeats": 2}})
+    r = client.post("/v1/heads", json={"text": "In the", "add_bos": False,
+                                       "probe": {"segment_length": 1, "repeats": 2}})
     assert r.status_code == 200, r.text
     assert len(r.json()["probe"]["tokens"]) == 3
     r = client.post("/v1/heads", json={"text": "In the", "exclude_bos": True, "probe": {"enabled": False}})
@@ -280,6 +426,12 @@ def _reference_head_scores(pattern, token_ids, causal, exclude_bos=False, exclud
             out["next_token"] = torch.full(a.shape[:1], math.nan, dtype=torch.float64)
         out["self"] = a.diagonal(dim1=-2, dim2=-1).mean(-1)
         out["sink"] = a[..., :, 0].mean(-1)
+        out["sink_s004"] = out["sink"]
+        # S004's snippet, literally: np.mean([M[i, i-1] for i in range(1, len(M))])
+        m = a.numpy()
+        out["previous_s004"] = torch.tensor(
+            [np.mean([M[i, i - 1] for i in range(1, len(M))]) if len(M) > 1 else math.nan
+             for M in m], dtype=torch.float64)
         ent = R.row_entropy(a)
         out["entropy"] = ent.mean(-1)
         out["entropy_normalized"] = ((ent[..., rows] / n_visible[rows].log()).mean(-1) if rows.any()

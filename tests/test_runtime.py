@@ -38,8 +38,17 @@ def test_attention_and_hidden_states_equal_huggingface(family, gpt2_runtime, ber
     assert list(fw.tokens.input_ids) == ids
     assert fw.pattern.shape == (rt.adapter.n_layers, rt.adapter.n_heads, len(ids), len(ids))
     assert (fw.pattern - ref_att).abs().max().item() <= 1e-6
-    assert fw.hidden_states.shape == (rt.adapter.n_layers + 1, len(ids), rt.adapter.d_model)
-    assert (fw.hidden_states - ref_hid).abs().max().item() <= 1e-6
+    L = rt.adapter.n_layers
+    assert fw.hidden_states.shape == (L + 1, len(ids), rt.adapter.d_model)
+    # the residual-stream states: HF's entries 0..L-1; HF's last entry is the final state
+    assert (fw.hidden_states[:L] - ref_hid[:L]).abs().max().item() <= 1e-6
+    assert (fw.tensors.final_hidden_state - ref_hid[L]).abs().max().item() <= 1e-6
+    if family == "gpt2":  # state L is the last block's output BEFORE ln_f; ln_f of it is HF's last
+        with torch.no_grad():
+            assert (rt.adapter.base().ln_f(fw.hidden_states[L]) - ref_hid[L]).abs().max().item() <= 1e-6
+    else:  # no final LayerNorm: the last state is HF's last entry
+        assert fw.tensors.final_state is None
+        assert (fw.hidden_states[L] - ref_hid[L]).abs().max().item() <= 1e-6
 
 
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
@@ -61,7 +70,8 @@ def test_batch_equals_alone(family, side, gpt2_runtime, bert_runtime):
     for a, b in zip(alone, batch):
         assert not b.cached
         assert a.pattern.shape == b.pattern.shape
-        for name in ("pattern", "hidden_states", "q", "k", "v", "attn_input", "attn_output"):
+        for name in ("pattern", "hidden_states", "q", "k", "v", "attn_input", "attn_output",
+                     "final_hidden_state"):
             x, y = getattr(a.tensors, name), getattr(b.tensors, name)
             assert (x - y).abs().max().item() <= 1e-5, name
 

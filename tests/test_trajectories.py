@@ -27,13 +27,32 @@ def arr(t):
     return np.array(t, dtype=np.float64)
 
 
+def block_outputs(rt, ids):
+    """Independent of the runtime's recording: Hugging Face's forward with a hook on every
+    block's output. Returns (the embeddings + each block's output ``[L+1, T, D]``, HF's own
+    ``hidden_states`` ``[L+1, T, D]`` whose last entry is ln_f's output for GPT-2)."""
+    base = rt.adapter.base()
+    blocks = base.h if rt.adapter.causal else base.encoder.layer
+    seen = []
+    hooks = [b.register_forward_hook(lambda m, a, o: seen.append(o[0] if isinstance(o, tuple) else o))
+             for b in blocks]
+    try:
+        with torch.no_grad():
+            out = base(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    hf = torch.stack(out.hidden_states).squeeze(1)
+    return torch.cat([hf[:1], torch.stack(seen).squeeze(1)]), hf
+
+
 def reference(rt, text, include_final=False, n_components=2):
-    """The source's steps, run directly (Hugging Face forward + scikit-learn)."""
-    ids = torch.tensor([rt.tokenize(text).input_ids])
-    with torch.no_grad():
-        out = rt.adapter.base()(input_ids=ids, output_hidden_states=True)
-    hidden_states = torch.stack(out.hidden_states).squeeze(1).detach().cpu()
-    trajectory_states = hidden_states if include_final else hidden_states[:-1]
+    """The source's steps, run directly (Hugging Face forward + scikit-learn) on the L+1
+    residual-stream states (embeddings, each block's output), plus HF's last hidden state
+    (ln_f's output) with include_final."""
+    ids = rt.tokenize(text).input_ids
+    states, hf = block_outputs(rt, ids)
+    trajectory_states = torch.cat([states, hf[-1:]]) if include_final else states
     n_state, n_token, n_dim = trajectory_states.shape
     flat = trajectory_states.reshape(n_state * n_token, n_dim).to(torch.float64).numpy()
     scaled = StandardScaler().fit_transform(flat)
@@ -55,7 +74,8 @@ def test_matches_sklearn_directly(fixture, request):
     t = body.trajectories
     states, hidden_2d, evr, distances = reference(rt, SENTENCE)
     n_state, n_token, _ = hidden_2d.shape
-    assert t.states == list(range(rt.adapter.n_layers)) and len(t.states) == n_state
+    assert t.states == list(range(rt.adapter.n_layers + 1)) and len(t.states) == n_state
+    assert t.state_names[0] == "embeddings" and t.state_names[-1] == f"block {rt.adapter.n_layers - 1} output"
     assert t.positions == list(range(n_token)) and len(t.tokens) == n_token
     paths = arr(t.paths)
     assert paths.shape == (n_token, n_state, 2)
@@ -79,7 +99,9 @@ def test_include_final_more_components_selection(client, gpt2_runtime):
                                "positions": sel, "encoding": "base64"})
     assert r.status_code == 200, r.text
     t = r.json()["trajectories"]
-    assert t["states"] == list(range(gpt2_runtime.adapter.n_layers + 1)) and t["positions"] == sel
+    L = gpt2_runtime.adapter.n_layers
+    assert t["states"] == list(range(L + 2)) and t["positions"] == sel
+    assert t["state_names"][-2:] == [f"block {L - 1} output", "final LayerNorm output"]
     paths = arr(t["paths"])
     assert paths.shape == (3, proj.shape[0], 5)
     assert np.abs(paths - proj[:, sel, :].transpose(1, 0, 2)).max() < 1e-4
@@ -94,7 +116,7 @@ def test_independent_svd_cross_check(gpt2_runtime):
     """Explained variance and projections equal an eigendecomposition done with numpy."""
     fw = gpt2_runtime.forward_many([gpt2_runtime.tokenize(SENTENCE)])[0]
     r = trajectories(fw.hidden_states, n_components=3)
-    X = fw.hidden_states[:-1].reshape(-1, fw.hidden_states.shape[-1]).double().numpy()
+    X = fw.hidden_states.reshape(-1, fw.hidden_states.shape[-1]).double().numpy()
     Z = (X - X.mean(0)) / np.where(X.std(0) > 0, X.std(0), 1)
     U, S, Vt = np.linalg.svd(Z, full_matrices=False)
     ratio = S**2 / (S**2).sum()
@@ -103,6 +125,33 @@ def test_independent_svd_cross_check(gpt2_runtime):
     for c in range(3):  # equal up to the sign of each component
         a, b = r["paths"][..., c], P[..., c]
         assert min(np.abs(a - b).max(), np.abs(a + b).max()) < 1e-8
+
+
+@pytest.mark.parametrize("fixture", ["gpt2", "bert"])
+def test_recorded_states_are_the_block_outputs_and_the_final_is_hugging_faces(fixture, request):
+    """The runtime's L+1 states equal a hook on each block's output (the last one BEFORE
+    ln_f), and its final state equals Hugging Face's last hidden_states entry; the response
+    lists the states it used."""
+    rt = request.getfixturevalue(f"{fixture}_runtime")
+    c = request.getfixturevalue("client" if fixture == "gpt2" else "bert_client")
+    tt = rt.tokenize(SENTENCE)
+    fw = rt.forward_many([tt])[0]
+    states, hf = block_outputs(rt, tt.input_ids)
+    L = rt.adapter.n_layers
+    assert fw.hidden_states.shape[0] == L + 1
+    torch.testing.assert_close(fw.hidden_states, states, atol=0, rtol=0)
+    torch.testing.assert_close(fw.tensors.final_hidden_state, hf[-1], atol=0, rtol=0)
+    if fixture == "gpt2":  # they differ: ln_f is not the identity
+        assert (fw.hidden_states[-1] - hf[-1]).abs().max() > 1.0
+        assert fw.tensors.final_state is not None
+    else:  # no final LayerNorm: HF's last entry IS the last block's output
+        assert fw.tensors.final_state is None
+        r = c.post(URL, json={"text": SENTENCE, "include_final": True})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "include_final"
+        assert "no final LayerNorm" in r.json()["error"]["message"]
+    t = c.post(URL, json={"text": SENTENCE}).json()["trajectories"]
+    assert t["states"] == list(range(L + 1)) and t["add_bos"] is False and t["dtype"] == "float32"
+    assert t["state_names"] == ["embeddings"] + [f"block {i} output" for i in range(L)]
 
 
 def test_texts_batch(client):
@@ -115,16 +164,16 @@ def test_texts_batch(client):
 
 
 def test_one_token_text(client):
-    # "And" is one token: 2 states x 1 token = 2 samples, enough for 1 or 2 components
+    # "And" is one token: 3 states x 1 token = 3 samples, enough for up to 3 components
     r = client.post(URL, json={"text": "And"})
     assert r.status_code == 200, r.text
     t = r.json()["trajectories"]
-    assert len(t["tokens"]) == 1 and arr(t["paths"]).shape == (1, 2, 2)
-    r = client.post(URL, json={"text": "And", "n_components": 3})
+    assert len(t["tokens"]) == 1 and arr(t["paths"]).shape == (1, 3, 2)
+    r = client.post(URL, json={"text": "And", "n_components": 4})
     assert r.status_code == 422
     err = r.json()["error"]
     assert err["param"] == "n_components" and "min(n_samples, d_model)" in err["message"]
-    assert "= 2" in err["message"]
+    assert "= 3" in err["message"]
 
 
 @pytest.mark.parametrize(
@@ -147,10 +196,14 @@ def test_bad_requests(client, payload, status, param, words):
 
 
 def test_pure_function_edges():
-    hs = torch.randn(2, 1, 8, generator=torch.Generator().manual_seed(0))
+    hs = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(0))
     with pytest.raises(InvalidRequest, match="at least 2 samples"):
-        trajectories(hs)  # one state (final dropped) x one token
-    assert trajectories(hs, include_final=True, n_components=1)["paths"].shape == (1, 2, 1)
+        trajectories(hs)  # one state x one token
+    fin = torch.randn(1, 8, generator=torch.Generator().manual_seed(1))
+    r = trajectories(hs, include_final=True, n_components=1, final_state=fin)
+    assert r["paths"].shape == (1, 2, 1) and r["state_names"] == ["embeddings", "final LayerNorm output"]
+    with pytest.raises(ValueError, match="final_state"):
+        trajectories(hs, include_final=True)
     with pytest.raises(InvalidRequest, match="do not vary"):
         trajectories(torch.ones(3, 4, 8))
     bad = torch.randn(3, 4, 8)
@@ -158,7 +211,7 @@ def test_pure_function_edges():
     with pytest.raises(NonFiniteValues):
         trajectories(bad)
     r = trajectories(torch.randn(3, 4, 8), positions=[])
-    assert r["paths"].shape == (0, 2, 2) and r["distance_projected"].shape == (0,)
+    assert r["paths"].shape == (0, 3, 2) and r["distance_projected"].shape == (0,)
     for dtype in (torch.float32, torch.float64, torch.float16):
         for value in (float("inf"), float("-inf"), float("nan")):
             bad = torch.randn(3, 4, 8).to(dtype)
@@ -172,9 +225,9 @@ def test_pure_function_edges():
         trajectories(big)
 
 
-def _sklearn_recipe(hidden_states, include_final=False, n_components=2):
+def _sklearn_recipe(hidden_states, include_final=False, n_components=2, final_state=None):
     """000_1c89b6c8c2a32040.txt's steps on the same tensor, scikit-learn end to end."""
-    states = hidden_states if include_final else hidden_states[:-1]
+    states = torch.cat([hidden_states, final_state[None]]) if include_final else hidden_states
     flat = states.reshape(-1, states.shape[-1]).to(torch.float64).numpy()
     scaled = StandardScaler().fit_transform(flat)
     pca = PCA(n_components=n_components, random_state=0)
@@ -189,7 +242,8 @@ def test_same_numbers_as_scikit_learn_in_process(fixture, request):
     rt = request.getfixturevalue(f"{fixture}_runtime")
     fw = rt.forward_many([rt.tokenize(SENTENCE + " And God said, Let there be light.")])[0]
     hs = fw.hidden_states
-    for kw in ({}, {"include_final": True, "n_components": 5}):
+    fin = fw.tensors.final_hidden_state  # ln_f's output (GPT-2); BERT: its last state again
+    for kw in ({}, {"include_final": True, "n_components": 5, "final_state": fin}):
         scaled, proj, pca = _sklearn_recipe(hs, **kw)
         r = trajectories(hs, **kw)
         np.testing.assert_allclose(r["paths"], proj.transpose(1, 0, 2), rtol=0, atol=1e-12)
@@ -199,8 +253,8 @@ def test_same_numbers_as_scikit_learn_in_process(fixture, request):
     x[:, 2] = 3.25
     x[:, 4] = 1e8 + np.arange(50) * 1e-9
     hx = torch.from_numpy(x.reshape(2, 25, 6))
-    _, proj, pca = _sklearn_recipe(hx, include_final=True)
-    r = trajectories(hx, include_final=True)
+    _, proj, pca = _sklearn_recipe(hx)
+    r = trajectories(hx)
     np.testing.assert_allclose(r["paths"], proj.transpose(1, 0, 2), rtol=0, atol=1e-12)
     np.testing.assert_allclose(r["explained_variance_ratio"], pca.explained_variance_ratio_,
                                rtol=1e-12, atol=0)

@@ -1,46 +1,310 @@
-"""POST /v1/verify: attention recomputed from the model's own q/k/v (DESIGN.md, "verification")
-equals Hugging Face's attention on the bundled GPT-2 and on MiniLM, honours GPT-2's config
-switches, and fails -- naming the layer and head -- when the output projection changes after the
-forward, when a recorded tensor is altered, or when a NaN appears. A change of the q/k/v weights
-after the forward is seen only with ``projections: true``."""
+"""POST /v1/verify.
+
+Mode ``from_scratch`` (default): the float64 recomputation from token ids, weights and config
+passes with honest nonzero differences on the bundled GPT-2, MiniLM and a GPT-2-small-shaped
+random model; it passes on real altered checkpoints (a changed c_attn weight, the inverse-layer
+scale, no scale) and reports the scale per layer; it fails, naming the layer, when the served
+forward is tampered with (a perturbed q or pattern, a wrong position id) or when the
+recomputation ignores a config switch; an unimplemented switch is a 422 naming it.
+
+Mode ``recorded_qkv``: attention recomputed from the model's own recorded q/k/v equals Hugging
+Face's attention, honours GPT-2's config switches, and fails -- naming the layer and head --
+when the output projection changes after the forward, when a recorded tensor is altered, or
+when a NaN appears. A change of the q/k/v weights after the forward is seen only with
+``projections: true``."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from attnscope.schemas import VerifyResponse
-from attnscope.service.analysis.verify import recompute_layer, verify
+from attnscope.service.analysis.verify import (
+    TOLERANCES, ScratchModel, check_supported, layer_scale, recompute, verify_from_scratch,
+)
+from attnscope.service.analysis.verify_recorded import recompute_layer, verify
 from attnscope.service.config import BUNDLED_MODEL_DIR, Settings
+from attnscope.service.errors import UnsupportedModelConfig
 from attnscope.service.runtime import Runtime
 from attnscope.service.runtime.adapters import ADAPTERS
 
 from conftest import SENTENCE
 
 URL = "/v1/verify"
+RQ = {"mode": "recorded_qkv"}
 
 
 def all_params(rt):
     return {layer: rt.adapter.attention_params(layer) for layer in range(rt.adapter.n_layers)}
 
 
+def scratch(rt, fw, **kw):
+    return verify_from_scratch(fw.tensors, rt.adapter.scratch_model(), fw.tokens.input_ids,
+                               rt.info["dtype"], **kw)
+
+
+def _honest_pass(v, rt):
+    """A from-scratch pass: every difference within tolerance, the true maxima nonzero."""
+    assert v["passed"], v["message"]
+    assert v["mode"] == "from_scratch" and v["compute_dtype"] == "float64"
+    assert v["failed_layers"] == [] and v["failing_layer"] is None
+    assert v["tolerance"] == TOLERANCES["float32"][0] and v["state_tolerance"] == TOLERANCES["float32"][1]
+    assert 0 < v["max_abs_diff"] <= v["tolerance"] and 0 < v["max_rel_diff"] <= v["state_tolerance"]
+    assert v["mask"] == ("causal" if rt.adapter.causal else "bidirectional")
+    assert [lyr["layer"] for lyr in v["layers"]] == list(range(rt.adapter.n_layers))
+    for lyr in v["layers"]:
+        assert lyr["passed"] and len(lyr["heads"]) == rt.adapter.n_heads
+        assert any(h["pattern_max_abs_diff"] > 0 for h in lyr["heads"])
+        for key in ("q", "k", "v", "output", "hidden"):
+            assert lyr[f"{key}_max_abs_diff"] > 0, key  # float32 vs float64: never exactly 0
+    assert v["embeddings"]["passed"]
+    if rt.adapter.causal:
+        assert v["final"]["passed"] and v["final"]["max_abs_diff"] > 0
+    else:
+        assert v["final"] is None
+
+
+# ---------------------------------------------------------------- from scratch: passes
 @pytest.mark.parametrize("fixture", ["gpt2", "bert"])
-def test_passes_on_real_models(fixture, request):
+def test_from_scratch_passes_with_honest_differences(fixture, request):
     rt = request.getfixturevalue(f"{fixture}_runtime")
     c = request.getfixturevalue("client" if fixture == "gpt2" else "bert_client")
     r = c.post(URL, json={"text": SENTENCE})
     assert r.status_code == 200, r.text
+    v = r.json()["verification"]
+    VerifyResponse.model_validate(r.json())
+    _honest_pass(v, rt)
+    assert v["add_bos"] is False and v["dtype"] == "float32"
+    d_head = rt.adapter.d_head
+    assert [lyr["scale"] for lyr in v["layers"]] == pytest.approx([d_head ** -0.5] * rt.adapter.n_layers)
+    assert v["message"].startswith("passed")
+    if fixture == "gpt2":  # with BOS too
+        v = c.post(URL, json={"text": SENTENCE, "add_bos": True}).json()["verification"]
+        _honest_pass(v, rt)
+        assert v["add_bos"] is True and v["tokens"][0]["special"]
+
+
+def test_from_scratch_passes_on_gpt2_small_shaped_random_model(gpt2_small_random_dir):
+    rt = Runtime.load(Settings(model=str(gpt2_small_random_dir)))
+    assert (rt.adapter.n_layers, rt.adapter.n_heads, rt.adapter.d_model) == (12, 12, 768)
+    fw = rt.forward_many([rt.tokenize(SENTENCE, add_bos=True)])[0]
+    _honest_pass(scratch(rt, fw), rt)
+
+
+def test_recomputation_hidden_states_equal_hugging_face(gpt2_runtime, bert_runtime):
+    """The float64 recomputation against HF's own forward (float32): every residual state."""
+    for rt in (gpt2_runtime, bert_runtime):
+        ids = list(rt.tokenize(SENTENCE).input_ids)
+        kw = {"token_type_ids": torch.zeros(1, len(ids), dtype=torch.long)} if not rt.adapter.causal else {}
+        with torch.no_grad():
+            out = rt.adapter.base()(input_ids=torch.tensor([ids]), output_hidden_states=True,
+                                    output_attentions=True, **kw)
+        rc = recompute(rt.adapter.scratch_model(), ids)
+        assert rc.embeddings.dtype == torch.float64
+        torch.testing.assert_close(rc.embeddings, out.hidden_states[0][0].double(), atol=1e-5, rtol=0)
+        L = rt.adapter.n_layers
+        for st in rc.layers:
+            torch.testing.assert_close(st.pattern, out.attentions[st.layer][0].double(), atol=1e-5, rtol=0)
+            if st.layer < L - 1 or not rt.adapter.causal:
+                torch.testing.assert_close(st.output, out.hidden_states[st.layer + 1][0].double(),
+                                           atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(rc.final[0], out.hidden_states[L][0].double(), atol=1e-4, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ altered checkpoints
+def _copy_bundled(tmp_path, name, config=None, weights=None):
+    d = tmp_path / name
+    shutil.copytree(BUNDLED_MODEL_DIR, d)
+    if config:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(config)
+        (d / "config.json").write_text(json.dumps(cfg))
+    if weights:
+        sd = load_file(d / "model.safetensors")
+        weights(sd)
+        save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+@pytest.fixture(scope="module")
+def altered(tmp_path_factory):
+    """Real altered copies of the bundled checkpoint, loaded as runtimes (tiny: ~1 s each)."""
+    tmp = tmp_path_factory.mktemp("altered")
+
+    def bump(sd):
+        key = next(k for k in sd if k.endswith("h.1.attn.c_attn.weight"))
+        sd[key][3, 5] += 1e-3
+
+    dirs = {
+        "c_attn": _copy_bundled(tmp, "c_attn", weights=bump),
+        "inverse": _copy_bundled(tmp, "inverse", config={"scale_attn_by_inverse_layer_idx": True}),
+        "unscaled": _copy_bundled(tmp, "unscaled", config={"scale_attn_weights": False}),
+    }
+    return {k: Runtime.load(Settings(model=str(d))) for k, d in dirs.items()}
+
+
+@pytest.mark.parametrize("name", ["c_attn", "inverse", "unscaled"])
+def test_altered_checkpoints_are_served_and_verified(altered, gpt2_runtime, name):
+    rt = altered[name]
+    tt = rt.tokenize(SENTENCE)
+    fw = rt.forward_many([tt])[0]
+    orig = gpt2_runtime.forward_many([gpt2_runtime.tokenize(SENTENCE)])[0]
+    moved = (fw.pattern - orig.pattern).abs().amax(dim=(1, 2, 3))  # per layer
+    v = scratch(rt, fw)
+    _honest_pass(v, rt)
+    scales = [lyr["scale"] for lyr in v["layers"]]
+    s = 128 // 4  # d_head of the bundled model
+    if name == "c_attn":  # a real model: its layer-1 pattern moved, layer 0 did not
+        assert moved[0] == 0 and moved[1] > 1e-6
+        assert scales == pytest.approx([s ** -0.5] * 2)
+    elif name == "inverse":
+        assert scales == pytest.approx([s ** -0.5, s ** -0.5 / 2])
+        assert moved[0] == 0 and moved[1] > 0.1
+    else:
+        assert scales == [1.0, 1.0] and moved.min() > 0.1
+    # the revision names the altered checkpoint (config and weights hashed)
+    assert rt.info["revision"] != gpt2_runtime.info["revision"]
+
+
+def test_revision_hashes_weights_config_and_tokenizer(tmp_path, gpt2_runtime):
+    from attnscope.service.runtime.model import _weights_revision
+
+    d = _copy_bundled(tmp_path, "copy")
+    rev = _weights_revision(d)
+    assert rev == _weights_revision(BUNDLED_MODEL_DIR) == gpt2_runtime.info["revision"]
+    (d / "README.md").write_text("a model card does not change the numbers")
+    assert _weights_revision(d) == rev
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "layer_norm_epsilon": 1e-6}))
+    rev_cfg = _weights_revision(d)
+    assert rev_cfg != rev
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tc, "add_prefix_space": True}))
+    assert _weights_revision(d) not in (rev, rev_cfg)
+
+
+def test_recomputation_that_ignores_the_inverse_layer_flag_fails_at_layer_1(altered):
+    rt = altered["inverse"]
+    fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
+    m = rt.adapter.scratch_model()
+    plain = [layer_scale(dataclasses.replace(m, config={**m.config, "scale_attn_by_inverse_layer_idx": False}), i)
+             for i in range(2)]
+    v = scratch(rt, fw, scales=plain)
+    assert not v["passed"] and v["failing_layer"] == 1 and v["failed_layers"] == [1]
+    assert v["layers"][0]["passed"] and not v["layers"][1]["passed"]
+    assert v["layers"][1]["pattern_max_abs_diff"] > 0.1
+    assert "layer 1" in v["message"] and "pattern of head" in v["message"]
+
+
+# --------------------------------------------------------------- tampering: it fails
+def test_perturbed_recorded_q_or_pattern_fails_at_that_layer(gpt2_runtime):
+    rt = gpt2_runtime
+    fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
+    t = fw.tensors
+    _honest_pass(scratch(rt, fw), rt)
+    q = t.q.clone()
+    q[1, 2, 4] += 0.05
+    v = scratch(rt, dataclasses.replace(fw, tensors=t.replace(q=q)))
+    assert not v["passed"] and v["failed_layers"] == [1] and v["failing_layer"] == 1
+    assert v["layers"][1]["q_max_abs_diff"] == pytest.approx(0.05, rel=1e-3)
+    assert "layer 1" in v["message"] and "q differs" in v["message"]
+    pat = t.pattern.clone()
+    pat[0, 3, 5, 0] -= 1e-3
+    pat[0, 3, 5, 1] += 1e-3
+    v = scratch(rt, dataclasses.replace(fw, tensors=t.replace(pattern=pat)))
+    assert not v["passed"] and v["failed_layers"] == [0]
+    bad = [h["head"] for h in v["layers"][0]["heads"] if h["pattern_max_abs_diff"] > v["tolerance"]]
+    assert bad == [3] and "layer 0: pattern of head 3" in v["message"]
+
+
+def test_wrong_position_id_in_the_served_forward_fails_at_the_embeddings(make_client):
+    rt = Runtime.load(Settings(model="bundled"))  # its forwards are tampered with below
+    base = rt.adapter.base()
+
+    def shift_positions(module, args, kwargs):  # every position id one too high
+        T = kwargs["input_ids"].shape[1]
+        kwargs["position_ids"] = torch.arange(1, T + 1).unsqueeze(0)
+        return args, kwargs
+
+    handle = base.register_forward_pre_hook(shift_positions, with_kwargs=True)
+    try:
+        c = make_client(rt)
+        v = c.post(URL, json={"text": SENTENCE}).json()["verification"]
+    finally:
+        handle.remove()
+    assert not v["passed"] and v["failing_layer"] == 0 and not v["embeddings"]["passed"]
+    assert "embeddings" in v["message"] and v["embeddings"]["max_abs_diff"] > 1e-3
+    assert v["failed_layers"] == [0, 1]  # it propagates; the first is named
+    # recorded_qkv cannot see it: everything after the embeddings is self-consistent
+    rq = c.post(URL, json={"text": SENTENCE, **RQ}).json()["verification"]
+    assert rq["passed"], rq["message"]
+
+
+def test_weight_changed_after_the_forward_and_nan_fail(fresh_gpt2, perturb):
+    rt = fresh_gpt2
+    fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
+    d = rt.adapter.d_model
+    perturb(rt.adapter.base().h[1].attn.c_attn.weight, lambda w: w[:, :d].add_(0.01))  # W_q
+    v = scratch(rt, fw)
+    assert not v["passed"] and v["failing_layer"] == 1 and "q differs" in v["message"]
+    perturb(rt.adapter.base().h[0].mlp.c_fc.bias, lambda b: b.__setitem__(3, float("nan")))
+    v = scratch(rt, fw)
+    assert not v["passed"] and v["failing_layer"] == 0 and "NaN" in v["message"]
+    assert v["max_rel_diff"] is None
+
+
+# ---------------------------------------------------------------- unimplemented switches
+def test_unimplemented_config_switch_is_a_422_naming_it(tmp_path, make_client, bert_runtime):
+    d = _copy_bundled(tmp_path, "mish", config={"activation_function": "mish"})
+    rt = Runtime.load(Settings(model=str(d)))
+    c = make_client(rt)
+    r = c.post(URL, json={"text": SENTENCE})
+    assert r.status_code == 422, r.text
+    e = r.json()["error"]
+    assert e["type"] == "unsupported_model_config" and e["param"] == "mode"
+    assert "activation_function" in e["message"] and "mish" in e["message"]
+    assert c.post(URL, json={"text": SENTENCE, **RQ}).status_code == 200  # the cheap mode works
+    assert c.get("/healthz").status_code in (200, 404)
+    m = bert_runtime.adapter.scratch_model()
+    for key, value in (("position_embedding_type", "relative_key"), ("is_decoder", True),
+                       ("add_cross_attention", True), ("hidden_act", "mish")):
+        with pytest.raises(UnsupportedModelConfig, match=key):
+            check_supported(dataclasses.replace(m, config={**m.config, key: value}))
+    check_supported(m)
+    with pytest.raises(UnsupportedModelConfig, match="model_type"):
+        check_supported(ScratchModel("llama", {}, m.weights, 1, 1))
+
+
+def test_float16_model_passes_at_its_tolerance():
+    rt = Runtime.load(Settings(model="bundled", dtype="float16"))
+    fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
+    v = scratch(rt, fw)
+    assert v["passed"], v["message"]
+    assert v["dtype"] == "float16" and v["tolerance"] == TOLERANCES["float16"][0]
+    assert v["max_abs_diff"] > TOLERANCES["float32"][0] / 100  # half precision drifts visibly
+
+
+# ------------------------------------------------------------------- mode recorded_qkv
+@pytest.mark.parametrize("fixture", ["gpt2", "bert"])
+def test_recorded_qkv_passes_on_real_models(fixture, request):
+    rt = request.getfixturevalue(f"{fixture}_runtime")
+    c = request.getfixturevalue("client" if fixture == "gpt2" else "bert_client")
+    r = c.post(URL, json={"text": SENTENCE, **RQ})
+    assert r.status_code == 200, r.text
     v = VerifyResponse.model_validate(r.json()).verification
     assert v.passed and v.failed_layers == [] and v.message.startswith("passed")
     assert v.tolerance == 1e-5 and v.dtype == "float32" and v.projections is False
-    assert 0 <= v.max_abs_diff <= 1e-5
+    assert 0 <= v.max_abs_diff <= 1e-5 and v.mode == "recorded_qkv"
     assert [lyr.layer for lyr in v.layers] == list(range(rt.adapter.n_layers))
     assert all(len(lyr.heads) == rt.adapter.n_heads and lyr.passed for lyr in v.layers)
     assert all(lyr.qkv_max_abs_diff is None for lyr in v.layers)  # not requested
     # with the projections checked too
-    r = c.post(URL, json={"text": SENTENCE, "projections": True})
+    r = c.post(URL, json={"text": SENTENCE, "projections": True, **RQ})
     assert r.status_code == 200, r.text
     v = VerifyResponse.model_validate(r.json()).verification
     assert v.passed and v.projections is True
@@ -103,7 +367,7 @@ def test_recomputation_equals_hugging_face(fixture, request):
 
 
 def test_layers_selection_and_batch(client):
-    r = client.post(URL, json={"texts": [SENTENCE, "And"], "layers": [1], "projections": True})
+    r = client.post(URL, json={"texts": [SENTENCE, "And"], "layers": [1], "projections": True, **RQ})
     assert r.status_code == 200, r.text
     res = r.json()["results"]
     assert [lyr["layer"] for lyr in res[0]["layers"]] == [1] and all(x["passed"] for x in res)
@@ -119,8 +383,10 @@ def test_layers_selection_and_batch(client):
         ({"text": SENTENCE, "layers": []}, "layers"),
         ({"text": SENTENCE, "tolerance": 0}, "tolerance"),
         ({"text": SENTENCE, "tolerance": 2}, "tolerance"),
-        ({"text": SENTENCE, "projections": 1}, "projections"),
-        ({"text": SENTENCE, "projections": "yes"}, "projections"),
+        ({"text": SENTENCE, "projections": 1, **RQ}, "projections"),
+        ({"text": SENTENCE, "projections": "yes", **RQ}, "projections"),
+        ({"text": SENTENCE, "projections": True}, "projections"),  # from_scratch: not applicable
+        ({"text": SENTENCE, "mode": "exact"}, "mode"),
         ({"text": ""}, "text"),
     ],
 )
@@ -157,7 +423,7 @@ def perturb():
 def test_output_projection_change_fails_by_default(fresh_gpt2, make_client, perturb):
     rt = fresh_gpt2
     c = make_client(rt)
-    assert c.post(URL, json={"text": SENTENCE}).json()["verification"]["passed"]  # forward cached
+    assert c.post(URL, json={"text": SENTENCE, **RQ}).json()["verification"]["passed"]  # forward cached
     fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
     assert fw.cached
     perturb(rt.adapter.base().h[1].attn.c_proj.weight, lambda w: w[:, 7].add_(0.05))
@@ -168,7 +434,7 @@ def test_output_projection_change_fails_by_default(fresh_gpt2, make_client, pert
     assert lyr1["pattern_max_abs_diff"] <= 1e-5 and lyr1["output_max_abs_diff"] > 1e-3
     assert "layer 1" in res["message"] and "output differs" in res["message"]
     # the same through the API (the recorded forward comes from the cache)
-    v = c.post(URL, json={"text": SENTENCE}).json()["verification"]
+    v = c.post(URL, json={"text": SENTENCE, **RQ}).json()["verification"]
     assert v["passed"] is False and v["failed_layers"] == [1] and "layer 1" in v["message"]
 
 
@@ -196,7 +462,7 @@ def test_qkv_weight_change_needs_projections(fresh_gpt2, make_client, perturb):
     from the recorded attention input with the current weights and catches it."""
     rt = fresh_gpt2
     c = make_client(rt)
-    assert c.post(URL, json={"text": SENTENCE}).json()["verification"]["passed"]  # forward cached
+    assert c.post(URL, json={"text": SENTENCE, **RQ}).json()["verification"]["passed"]  # forward cached
     fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
     assert fw.cached
     d = rt.adapter.d_model
@@ -209,9 +475,9 @@ def test_qkv_weight_change_needs_projections(fresh_gpt2, make_client, perturb):
     assert res["layers"][1]["pattern_max_abs_diff"] <= 1e-5  # the pattern link still holds
     assert "layer 1" in res["message"] and "q/k/v projections differ" in res["message"]
     # through the API (cached forward)
-    v = c.post(URL, json={"text": SENTENCE}).json()["verification"]
+    v = c.post(URL, json={"text": SENTENCE, **RQ}).json()["verification"]
     assert v["passed"] is True
-    v = c.post(URL, json={"text": SENTENCE, "projections": True}).json()["verification"]
+    v = c.post(URL, json={"text": SENTENCE, "projections": True, **RQ}).json()["verification"]
     assert v["passed"] is False and v["failed_layers"] == [1] and "layer 1" in v["message"]
 
 
@@ -246,14 +512,14 @@ def test_nan_fails_never_passes(fresh_gpt2, make_client, perturb):
     rt = fresh_gpt2
     fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
     c = make_client(rt)
-    c.post(URL, json={"text": SENTENCE})  # forward cached before the NaN
+    c.post(URL, json={"text": SENTENCE, **RQ})  # forward cached before the NaN
     # a NaN in the output projection's bias: the default sees it
     perturb(rt.adapter.base().h[0].attn.c_proj.bias, lambda b: b.__setitem__(3, float("nan")))
     res = verify(fw.tensors, all_params(rt))
     assert not res["passed"] and res["max_abs_diff"] is None and res["failed_layers"] == [0]
     assert res["layers"][0]["output_max_abs_diff"] is None and "NaN" in res["message"]
     assert res["layers"][1]["passed"]
-    r = c.post(URL, json={"text": SENTENCE})
+    r = c.post(URL, json={"text": SENTENCE, **RQ})
     assert r.status_code == 200
     v = r.json()["verification"]
     assert v["passed"] is False and v["max_abs_diff"] is None

@@ -153,10 +153,15 @@ export interface paths {
         put?: never;
         /**
          * Classify every head: pattern scores, induction probe, label
-         * @description Per head: TransformerLens ``head_detector`` scores (previous_token, duplicate_token,
+         * @description Tokens: BOS prepended by default where the model has one (``add_bos`` null -> true for
+         *     GPT-2), as TransformerLens' ``detect_head`` and S004 tokenize; echoed in ``add_bos``.
+         *
+         *     Per head: TransformerLens ``head_detector`` scores (previous_token, duplicate_token,
          *     induction; fraction of attention mass on the pattern, [0, 1]), next_token (encoders),
          *     self, sink, entropy (nats) and entropy_normalized ([0, 1]), mean_distance (tokens), the
-         *     induction probe (Olsson et al. 2022; [0, 1]) and a label (thresholds in the request).
+         *     induction probe (Olsson et al. 2022: mass on the successors of the token in all earlier
+         *     repeats; [0, 1]), S004's own previous_s004 / sink_s004 (used for S004's thresholds), every
+         *     label a head passes (``labels``), the primary ``label`` and the margins to the thresholds.
          *     Several texts: each score is the mean over texts. Field descriptions give every formula.
          *
          *     Errors: 422 blank text, text under 2 tokens, over n_ctx tokens, probe over n_ctx;
@@ -389,22 +394,30 @@ export interface paths {
         get?: never;
         put?: never;
         /**
-         * Recompute every layer's attention from scratch and compare with the model's
-         * @description The from-scratch check (DESIGN.md, "verification"). For each layer: the model's OWN
-         *     q, k, v (recorded by the runtime's hooks on its q/k/v projections) through the textbook
-         *     scaled dot-product attention (000_1c89b6c8c2a32040.txt) with the model's scaling, the
-         *     float32 upcast under ``reorder_and_upcast_attn`` and the additive finfo.min causal mask
-         *     where the model is causal; then the heads merged through the CURRENT output projection.
+         * Recompute the forward from scratch in float64 and compare it with the served one
+         * @description The from-scratch check (DESIGN.md, "verification"), mode ``from_scratch`` (default):
+         *     the forward of each text recomputed in float64 from its token ids, the model's weight
+         *     tensors and its config by the project's own blocks (service/analysis/verify.py: wte+wpe /
+         *     BERT embeddings, LayerNorm with the config's eps, q/k/v projections (GPT-2's Conv1D
+         *     transposed vs Linear), the per-layer scale the config implies, the causal or
+         *     bidirectional mask, softmax, output projection, MLP with the config's activation,
+         *     residuals, ln_f), compared layer by layer with the SERVED pattern (per head, absolute),
+         *     q/k/v, attention output and hidden states (relative to their scale). Reports per layer the
+         *     scale used, the mask kind, the true maxima, the tolerance of the served dtype and the first
+         *     failing layer. A config switch the recomputation does not implement: 422
+         *     ``unsupported_model_config`` naming it. Cost: about 4-10 forwards' time (float64).
          *
-         *     Compared with the model's recorded pattern and attention output: max absolute difference
-         *     per layer and head (pattern) and per layer (output), overall ``max_abs_diff``, the
-         *     ``tolerance`` (default 1e-5 for float32) and ``passed``. A NaN anywhere fails.
-         *     ``projections: true`` also recomputes q/k/v from the recorded attention input with the
-         *     current weights (``qkv_max_abs_diff``, counts toward ``passed``): three more
-         *     d_model x d_model matmuls per layer, about 3x the default's time (GPT-2 small, T=128:
-         *     ~20 ms default vs ~60 ms on 2 CPU cores). The default does not see a change of the q/k/v
-         *     weights made after the forward (the recorded q/k/v are what the model used); it does see
-         *     a change of the output projection. HTTP 200 also when the check fails: read ``passed``.
+         *     Mode ``recorded_qkv``, the cheap check of the attention step alone: for each layer the
+         *     model's OWN q, k, v (recorded by the runtime's hooks on its q/k/v projections) through the
+         *     textbook scaled dot-product attention with the model's scaling, the float32 upcast under
+         *     ``reorder_and_upcast_attn`` and the additive finfo.min causal mask; then the heads merged
+         *     through the CURRENT output projection; max absolute differences against the recorded
+         *     pattern and attention output (tolerance 1e-5 for float32). ``projections: true`` also
+         *     recomputes q/k/v from the recorded attention input with the current weights. Same torch
+         *     operations in the model's dtype, so its differences are usually exactly 0: it checks
+         *     consistency of the attention step, not the model.
+         *
+         *     HTTP 200 also when the check fails: read ``passed``. A NaN anywhere fails.
          */
         post: operations["post_verify_v1_verify_post"];
         delete?: never;
@@ -873,7 +886,7 @@ export interface components {
             param?: string | null;
             /**
              * Type
-             * @description Machine-readable error type (branch on this): validation_error (422), context_length_exceeded (422), out_of_range (422), batch_too_large (422), memory_limit_exceeded (422), unsupported_model (422), unauthorized (401), not_found (404), method_not_allowed (405), not_acceptable (406), payload_too_large (413), overloaded (429), internal_error (500), non_finite_values (500), not_ready (503), timeout (504).
+             * @description Machine-readable error type (branch on this): validation_error (422), context_length_exceeded (422), out_of_range (422), batch_too_large (422), memory_limit_exceeded (422), unsupported_model (422), unsupported_model_config (422), unauthorized (401), not_found (404), method_not_allowed (405), not_acceptable (406), payload_too_large (413), overloaded (429), internal_error (500), non_finite_values (500), not_ready (503), timeout (504).
              */
             type: string;
         } & {
@@ -937,15 +950,32 @@ export interface components {
             head: number;
             /**
              * Label
-             * @description The first label whose score passes its threshold.
+             * @description The primary label: the first of 'labels' (in label_order), else 'none'.
              * @enum {string}
              */
             label: "induction" | "previous_token" | "duplicate_token" | "next_token" | "self" | "sink" | "broad" | "none";
+            /**
+             * Labels
+             * @description Every label whose score passes its threshold, in label_order (a head can be an induction head and a sink); [] = none.
+             */
+            labels?: ("induction" | "previous_token" | "duplicate_token" | "next_token" | "self" | "sink" | "broad" | "none")[];
             /**
              * Layer
              * @description Layer index, from 0.
              */
             layer: number;
+            /**
+             * Margin
+             * @description The primary label's score minus its threshold (> 0); for 'none' the largest margin over the labels (<= 0: how far the nearest label is). A small |margin| means the label could flip with the text, the dtype or the rounding.
+             */
+            margin?: number | null;
+            /**
+             * Margins
+             * @description Per label: its score (response's label_scores) minus its threshold; null where the score is undefined.
+             */
+            margins?: {
+                [key: string]: number | null;
+            };
             /** @description Norm-based scores (request norm_scores); null when not asked. */
             norm_scores?: components["schemas"]["HeadNormScores"] | null;
             /** @description Every score of this head. */
@@ -982,7 +1012,7 @@ export interface components {
             induction?: number | null;
             /**
              * Induction Probe
-             * @description Induction probe score: mean over the tokens of repeats 2..R of the attention to the token right after the same token's occurrence in the previous repeat (Olsson et al. 2022), in [0, 1]; null when the probe is off.
+             * @description Induction probe score (Olsson et al. 2022): mean over the tokens of repeats 2..R of the attention mass on the tokens that followed the same token in ALL earlier repeats, in [0, 1]; null when the probe is off.
              */
             induction_probe?: number | null;
             /**
@@ -996,6 +1026,11 @@ export interface components {
              */
             next_token?: number | null;
             /**
+             * Previous S004
+             * @description S004's previous-token score: mean of M[i, i-1] over rows i >= 1 (no exclusions), in [0, 1]; the previous_token threshold is compared with it. (previous_token above is TransformerLens' sum(A*P)/sum(A), which is this times (T-1)/T without exclusions.)
+             */
+            previous_s004?: number | null;
+            /**
              * Previous Token
              * @description TransformerLens detect_head 'previous_token_head' score (error_measure 'mul'): fraction of the head's attention mass on key = query-1; sum(A*P)/sum(A), in [0, 1].
              */
@@ -1007,9 +1042,14 @@ export interface components {
             self?: number | null;
             /**
              * Sink
-             * @description Mean over query rows of the attention to position 0 (BOS / [CLS] / first token), [0, 1] (S004: M[:, 0].mean()).
+             * @description Mean over query rows of the attention to position 0 (BOS / [CLS] / first token; see the response's sink_position), [0, 1] (S004: M[:, 0].mean()).
              */
             sink?: number | null;
+            /**
+             * Sink S004
+             * @description S004's sink score M[:, 0].mean() (equal to sink), in [0, 1]; the sink threshold is compared with it.
+             */
+            sink_s004?: number | null;
         } & {
             [key: string]: unknown;
         };
@@ -1046,7 +1086,7 @@ export interface components {
             next_token?: number;
             /**
              * Previous Token
-             * @description Compared with scores.previous_token (S004: > 0.5). Default 0.5.
+             * @description Compared with scores.previous_s004 (S004's own formula and threshold: mean of M[i, i-1] over rows i >= 1, > 0.5). Default 0.5.
              * @default 0.5
              */
             previous_token?: number;
@@ -1058,7 +1098,7 @@ export interface components {
             self?: number;
             /**
              * Sink
-             * @description Compared with scores.sink (S004: > 0.6). Default 0.6.
+             * @description Compared with scores.sink_s004 (S004: M[:, 0].mean() > 0.6). Default 0.6.
              * @default 0.6
              */
             sink?: number;
@@ -1070,10 +1110,9 @@ export interface components {
         HeadsRequest: {
             /**
              * Add Bos
-             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
-             * @default false
+             * @description Prepend the BOS token (causal models). null (default) = true where the model has a BOS token (GPT-2: <|endoftext|>), as TransformerLens' detect_head (to_tokens) and S004's snippet tokenize; false = the text's own tokens only. Encoders always get [CLS] ... [SEP] (true is refused there). The value used is echoed as 'add_bos'.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * Exclude Bos
              * @description TransformerLens detect_head option for previous_token, duplicate_token, induction and next_token: zero the attention to key position 0 (BOS / [CLS] / first token) before scoring.
@@ -1115,6 +1154,18 @@ export interface components {
         /** HeadsResponse */
         HeadsResponse: {
             /**
+             * Add Bos
+             * @description Whether BOS was prepended to every text (the request's add_bos, or its default: true where the model has a BOS). Encoders: false ([CLS] frames them).
+             * @default false
+             */
+            add_bos?: boolean;
+            /**
+             * Dtype
+             * @description The dtype the patterns were computed in (the model's; scores are then computed in float64).
+             * @default float32
+             */
+            dtype?: string;
+            /**
              * Exclude Bos
              * @description As requested.
              */
@@ -1134,6 +1185,13 @@ export interface components {
              * @description The order in which labels are tried.
              */
             label_order: ("induction" | "previous_token" | "duplicate_token" | "next_token" | "self" | "sink" | "broad" | "none")[];
+            /**
+             * Label Scores
+             * @description Per label, the score its threshold is compared with.
+             */
+            label_scores?: {
+                [key: string]: string;
+            };
             model: components["schemas"]["ModelRef"];
             /**
              * N Texts
@@ -1147,6 +1205,17 @@ export interface components {
             n_tokens: number[];
             /** @description The probe run; null when disabled. */
             probe?: components["schemas"]["ProbeInfo"] | null;
+            /**
+             * Sink Position
+             * @description The key position the sink scores measure: 0 (BOS with add_bos, [CLS] for encoders, else the text's first token).
+             * @default 0
+             */
+            sink_position?: number;
+            /**
+             * Sink Tokens
+             * @description Per text, the token at sink_position.
+             */
+            sink_tokens?: string[];
             /** @description The thresholds used (defaults + overrides). */
             thresholds: components["schemas"]["HeadThresholds"];
         } & {
@@ -1191,6 +1260,21 @@ export interface components {
              */
             heads: components["schemas"]["HeadDiff"][];
             /**
+             * Hidden Max Abs Diff
+             * @description from_scratch: max |served - recomputed| of this block's output, the residual-stream hidden state layer+1 [pos, d_model] (pre-ln_f for the last block); model units; null = NaN or recorded_qkv.
+             */
+            hidden_max_abs_diff?: number | null;
+            /**
+             * Hidden Scale
+             * @description from_scratch: max |recomputed| of that hidden state (the state tolerance is relative to max(1, hidden_scale)).
+             */
+            hidden_scale?: number | null;
+            /**
+             * K Max Abs Diff
+             * @description As q_max_abs_diff, for the keys.
+             */
+            k_max_abs_diff?: number | null;
+            /**
              * Layer
              * @description Layer index.
              */
@@ -1211,10 +1295,25 @@ export interface components {
              */
             pattern_max_abs_diff: number | null;
             /**
+             * Q Max Abs Diff
+             * @description from_scratch: max |served - recomputed| of the layer's queries [head, pos, d_head], model units; null = NaN or recorded_qkv.
+             */
+            q_max_abs_diff?: number | null;
+            /**
              * Qkv Max Abs Diff
              * @description Only with 'projections': max |recomputed - model| over the layer's q, k and v [head, pos, d_head], recomputed from the attention input with the current weights; model units; null = not requested, or NaN (fails) when 'projections' is true.
              */
             qkv_max_abs_diff?: number | null;
+            /**
+             * Scale
+             * @description from_scratch: the q.k multiplier used for this layer, derived from the config (GPT-2: 1/sqrt(d_head) if scale_attn_weights else 1, divided by layer+1 if scale_attn_by_inverse_layer_idx; BERT: 1/sqrt(d_head)).
+             */
+            scale?: number | null;
+            /**
+             * V Max Abs Diff
+             * @description As q_max_abs_diff, for the values.
+             */
+            v_max_abs_diff?: number | null;
         } & {
             [key: string]: unknown;
         };
@@ -1423,6 +1522,12 @@ export interface components {
              */
             architecture: string;
             /**
+             * Attn Implementation
+             * @description Hugging Face attention implementation the model runs with ('eager': the only one that returns attention patterns).
+             * @default eager
+             */
+            attn_implementation?: string;
+            /**
              * Bos Token
              * @description BOS token string (causal models), if any.
              */
@@ -1449,7 +1554,7 @@ export interface components {
             device: string;
             /**
              * Dtype
-             * @description Torch dtype of the weights, e.g. 'float32'.
+             * @description Torch dtype of the weights, e.g. 'float32'. Every served number is computed in it; float16/bfloat16 drift from float32 (README 'Numerical precision': patterns up to ~1e-2 / ~7e-2 at T ~ 250).
              */
             dtype: string;
             /**
@@ -1494,7 +1599,7 @@ export interface components {
             requested: string;
             /**
              * Revision
-             * @description Hub commit hash, or 'sha256:<12 hex>' of the weights.
+             * @description Hub commit hash, or 'sha256:<12 hex>' of a local checkpoint's weights, config and tokenizer files (every file that changes the numbers).
              */
             revision: string;
             /**
@@ -1517,7 +1622,7 @@ export interface components {
             id: string;
             /**
              * Revision
-             * @description Hub commit hash, or 'sha256:<12 hex>' of the weights file.
+             * @description Hub commit hash, or 'sha256:<12 hex>' of a local checkpoint's weights, config and tokenizer files (every file that changes the numbers).
              */
             revision: string;
         } & {
@@ -1912,6 +2017,17 @@ export interface components {
         };
         /** ProbeInfo */
         ProbeInfo: {
+            /**
+             * Method
+             * @description How the probe is scored: for each query of repeats 2..R, the attention mass on the successors of its token in ALL earlier repeats (Olsson et al. 2022), averaged over the (R-1) x segment_length queries.
+             * @default olsson_all_earlier_repeats
+             */
+            method?: string;
+            /**
+             * N Queries
+             * @description Queries averaged: (repeats-1) x segment_length.
+             */
+            n_queries?: number | null;
             /**
              * Repeats
              * @description Copies of the segment.
@@ -2374,6 +2490,26 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /** StateDiff */
+        StateDiff: {
+            /**
+             * Max Abs Diff
+             * @description max |served - recomputed| over [pos, d_model], model units; null = NaN.
+             */
+            max_abs_diff: number | null;
+            /**
+             * Passed
+             * @description Within the state tolerance.
+             */
+            passed: boolean;
+            /**
+             * Scale
+             * @description max |recomputed| of the state (model units); the state passes when max_abs_diff <= state_tolerance * max(1, scale).
+             */
+            scale: number;
+        } & {
+            [key: string]: unknown;
+        };
         /**
          * Token
          * @description One analysed token.
@@ -2529,7 +2665,7 @@ export interface components {
             encoding?: "json" | "base64";
             /**
              * Include Final
-             * @description Keep the final hidden state. Default off, as the source does: GPT-2's last entry has the final LayerNorm applied, which shifts it sharply in PCA space.
+             * @description Append the final LayerNorm's output (GPT-2 ln_f; Hugging Face's last hidden_states entry) as one more state, L+1. Default off: the default states are the L+1 residual-stream states (embeddings, then each block's output, the last one BEFORE ln_f), so every layer is in the path and none is LayerNorm-shifted (the source drops Hugging Face's last entry for that reason). 422 for models without a final LayerNorm (BERT: its last block's output is already state L).
              * @default false
              */
             include_final?: boolean;
@@ -2577,6 +2713,12 @@ export interface components {
         /** TrajectoryResult */
         TrajectoryResult: {
             /**
+             * Add Bos
+             * @description Whether BOS was prepended (the request's add_bos).
+             * @default false
+             */
+            add_bos?: boolean;
+            /**
              * Cosine First Last
              * @description Per selected token: cosine similarity of its first and last raw hidden state, in [-1, 1]; null when either vector is zero.
              */
@@ -2591,6 +2733,12 @@ export interface components {
              * @description Per selected token: Euclidean distance between its first and last state in PCA space (the source's 'How far did each token move?'), >= 0, standardised units.
              */
             distance_projected: number[];
+            /**
+             * Dtype
+             * @description The dtype the hidden states were computed in (the model's); the PCA runs in float64.
+             * @default float32
+             */
+            dtype?: string;
             /**
              * Explained Variance Ratio
              * @description Fraction of the standardised variance each component explains, in [0, 1], descending (scikit-learn's PCA.explained_variance_ratio_).
@@ -2612,8 +2760,13 @@ export interface components {
              */
             positions: number[];
             /**
+             * State Names
+             * @description The same states by name: 'embeddings', 'block i output', 'final LayerNorm output'.
+             */
+            state_names?: string[];
+            /**
              * States
-             * @description Hidden-state indices used, in order (0 = embedding output, i = output of block i); the final state is absent unless include_final.
+             * @description State indices used, in order: 0 = embedding output, i = output of block i-1 (i = 1..L, the last before any final LayerNorm), L+1 = the final LayerNorm's output (only with include_final).
              */
             states: number[];
             /**
@@ -2673,8 +2826,8 @@ export interface components {
         };
         /**
          * VerifyRequest
-         * @description Recompute every layer's attention from scratch from the model's own q/k/v and compare
-         *     with the model's.
+         * @description Recompute the forward from scratch (float64, from the weights) and compare it, layer by
+         *     layer, with what the service serves for the text.
          */
         VerifyRequest: {
             /**
@@ -2685,12 +2838,19 @@ export interface components {
             add_bos?: boolean;
             /**
              * Layers
-             * @description Layer indices to check (0-based, each < n_layers, each at most once); null = all.
+             * @description Layer indices to report (0-based, each < n_layers, each at most once); null = all. from_scratch recomputes every layer regardless and always checks every hidden state (a fault upstream of a reported layer is still named).
              */
             layers?: number[] | null;
             /**
+             * Mode
+             * @description 'from_scratch' (default): the whole forward recomputed in float64 from the token ids, the model's weight tensors and its config, compared with the served patterns, q/k/v, attention outputs and hidden states; it can disagree with the model (a wrong weight, position, scale, mask, LayerNorm or MLP shows at its layer). Implements GPT-2 and BERT; a config switch it does not implement is a 422 unsupported_model_config naming the switch. Cost: a few forwards (README). 'recorded_qkv': only the attention step re-run from the q/k/v the forward recorded, in the model's dtype with the same torch operations (differences are usually exactly 0; it cannot see anything upstream of q/k/v).
+             * @default from_scratch
+             * @enum {string}
+             */
+            mode?: "from_scratch" | "recorded_qkv";
+            /**
              * Projections
-             * @description Also recompute q, k and v from the recorded attention input with the model's CURRENT q/k/v weights and compare them with the model's own (per layer 'qkv_max_abs_diff', counts toward 'passed'). The default starts from the model's recorded q/k/v, so it does not see a q/k/v weight change made after the forward. Cost: three more d_model x d_model matmuls per layer, about 3x the default's time (GPT-2 small, 128 tokens, 2 CPU cores: ~20 ms default, ~60 ms with projections).
+             * @description Mode 'recorded_qkv' only (422 with from_scratch, which always recomputes q/k/v from the weights). Also recompute q, k and v from the recorded attention input with the model's CURRENT q/k/v weights and compare them with the model's own (per layer 'qkv_max_abs_diff', counts toward 'passed'). The default starts from the model's recorded q/k/v, so it does not see a q/k/v weight change made after the forward. Cost: three more d_model x d_model matmuls per layer, about 3x the default's time (GPT-2 small, 128 tokens, 2 CPU cores: ~20 ms default, ~60 ms with projections).
              * @default false
              */
             projections?: boolean;
@@ -2706,7 +2866,7 @@ export interface components {
             texts?: string[] | null;
             /**
              * Tolerance
-             * @description Largest absolute difference that passes. null = 1e-5 for float32 models, 1e-2 for float16/bfloat16.
+             * @description Override of the tolerance. from_scratch: null = per the served dtype, pattern (absolute, probability units) / states (q, k, v, attention output, hidden states: max |diff| <= tol * max(1, max |recomputed|)): float32 1e-4 / 1e-4, float16 5e-2 / 2e-2, bfloat16 2e-1 / 1e-1 (measured drift: README 'Numerical precision'); a value given here sets both. recorded_qkv: null = 1e-5 for float32 models, 1e-2 for float16/bfloat16 (absolute).
              */
             tolerance?: number | null;
         };
@@ -2727,30 +2887,67 @@ export interface components {
         /** VerifyResult */
         VerifyResult: {
             /**
+             * Add Bos
+             * @description Whether BOS was prepended (the request's add_bos).
+             * @default false
+             */
+            add_bos?: boolean;
+            /**
+             * Compute Dtype
+             * @description The dtype the recomputation ran in: float64 for from_scratch; the model's for recorded_qkv.
+             */
+            compute_dtype?: string | null;
+            /**
              * Dtype
-             * @description The dtype the recomputation ran in (the model's).
+             * @description The dtype the model served its numbers in (recorded_qkv also recomputes in it).
              */
             dtype: string;
+            /** @description from_scratch: hidden state 0 (the embeddings, with positions; BERT: after the embedding LayerNorm). */
+            embeddings?: components["schemas"]["StateDiff"] | null;
             /**
              * Failed Layers
              * @description Layers that failed, ascending; empty when passed.
              */
             failed_layers: number[];
             /**
+             * Failing Layer
+             * @description The first layer (in forward order) where a difference exceeds its tolerance (0 when the embeddings differ); null when passed, or when only the final LayerNorm's output differs.
+             */
+            failing_layer?: number | null;
+            /** @description from_scratch: the final LayerNorm's output (GPT-2 ln_f, = Hugging Face's last hidden_states entry); null for models without one (BERT). */
+            final?: components["schemas"]["StateDiff"] | null;
+            /**
              * Layers
              * @description Per layer (in the order requested).
              */
             layers: components["schemas"]["LayerDiff"][];
             /**
+             * Mask
+             * @description The attention mask of the recomputation: causal (GPT-2: -inf on keys after the query) or bidirectional (BERT: every key visible).
+             */
+            mask?: ("causal" | "bidirectional") | null;
+            /**
              * Max Abs Diff
-             * @description Largest difference over all checked layers, heads, patterns and outputs (and q/k/v with 'projections'); null = NaN somewhere.
+             * @description from_scratch: the largest pattern difference over the reported layers and heads (probability units). recorded_qkv: the largest difference over all checked layers, heads, patterns and outputs (and q/k/v with 'projections'). null = NaN.
              */
             max_abs_diff: number | null;
+            /**
+             * Max Rel Diff
+             * @description from_scratch: the largest state difference divided by max(1, scale) over the embeddings, q/k/v, attention outputs, hidden states and final state; null = NaN somewhere or recorded_qkv.
+             */
+            max_rel_diff?: number | null;
             /**
              * Message
              * @description One line: passed, or which layer/head failed and by how much.
              */
             message: string;
+            /**
+             * Mode
+             * @description The mode that produced this result.
+             * @default recorded_qkv
+             * @enum {string}
+             */
+            mode?: "from_scratch" | "recorded_qkv";
             /**
              * Passed
              * @description True when every checked difference is finite and <= tolerance. A NaN anywhere fails the check.
@@ -2763,13 +2960,18 @@ export interface components {
              */
             projections?: boolean;
             /**
+             * State Tolerance
+             * @description from_scratch: the relative tolerance of the states used.
+             */
+            state_tolerance?: number | null;
+            /**
              * Tokens
              * @description The analysed tokens.
              */
             tokens: components["schemas"]["Token"][];
             /**
              * Tolerance
-             * @description The tolerance used.
+             * @description The tolerance used (from_scratch: of the patterns).
              */
             tolerance: number;
         } & {

@@ -15,6 +15,10 @@ Scores (all float, per head; name: formula, range/unit):
   only (NaN/null for causal models, whose queries never see the next token).
 - ``self``: mean over query rows of ``A[q, q]``; [0, 1].
 - ``sink``: mean over query rows of ``A[q, 0]`` (S004: ``M[:, 0].mean()``); [0, 1].
+- ``previous_s004``: S004's previous-token score, ``mean(A[i, i-1] for i in 1..T-1)`` (no
+  exclusions); [0, 1]. Compared with S004's 0.5 threshold (``previous_token`` = this times
+  (T-1)/T without exclusions, which would flip labels on short texts).
+- ``sink_s004``: S004's sink score ``M[:, 0].mean()`` (= ``sink``), compared with S004's 0.6.
 - ``entropy``: mean over query rows of ``-sum_k A[q,k] ln A[q,k]`` (0 ln 0 = 0); nats, >= 0.
 - ``entropy_normalized``: mean over rows with >= 2 visible keys of ``H_q / ln(n_visible_q)``
   (n_visible_q = q + 1 causal, T encoder); [0, 1], 1 = uniform over the visible keys.
@@ -33,8 +37,10 @@ NaN (null on the wire). A text with no repeated token scores 0 on ``duplicate_to
 previous-token heads as the mean of the sub-diagonal over rows 1..T-1; without exclusions
 ``previous_token`` here is that value times (T-1)/T (row 0 has no previous token and counts 0).
 
-Labels (:func:`classify`): the first of ``LABEL_ORDER`` whose score exceeds its threshold
-(:data:`DEFAULT_THRESHOLDS`), else ``"none"``. Sources: TransformerLens ``head_detector.py``;
+Labels (:func:`classify_all`): every label of ``LABEL_ORDER`` whose score (:data:`LABEL_SCORE`)
+exceeds its threshold (:data:`DEFAULT_THRESHOLDS`) -- a head can be an induction head AND a
+sink -- the primary label being the first of them (else ``"none"``), and the margin of each
+score to its threshold. Sources: TransformerLens ``head_detector.py``;
 Olsson et al. 2022, "In-context Learning and Induction Heads"; Clark et al. 2019, "What Does
 BERT Look At?"; the source documents S004 (004_e7341cee07d297e4.txt) (previous > 0.5, sink > 0.6)
 and 003_fd2ce6cc010446bf.txt (identity, local, special-token patterns).
@@ -73,8 +79,21 @@ DEFAULT_THRESHOLDS: dict[str, float] = {
 
 SCORE_NAMES: tuple[str, ...] = (
     "previous_token", "duplicate_token", "induction", "next_token", "self", "sink",
-    "entropy", "entropy_normalized", "mean_distance", "induction_probe",
+    "previous_s004", "sink_s004", "entropy", "entropy_normalized", "mean_distance",
+    "induction_probe",
 )
+
+#: The score each label's threshold is compared with (S004's own formulas for its two
+#: thresholds; TransformerLens' for the pattern scores; the probe for induction when it ran).
+LABEL_SCORE: dict[str, str] = {
+    "induction": "induction_probe",  # else "induction" (the text's), when the probe is off
+    "previous_token": "previous_s004",
+    "duplicate_token": "duplicate_token",
+    "next_token": "next_token",
+    "self": "self",
+    "sink": "sink_s004",
+    "broad": "entropy_normalized",
+}
 
 
 #: Pattern elements per chunk in :func:`head_scores` (a block of query rows of a few heads,
@@ -168,6 +187,9 @@ def head_scores(
     num = {n: a_flat[:, pairs[n]].astype(np.float64).sum(-1) for n in names}
     self_ = np.diagonal(a, axis1=1, axis2=2).astype(np.float64).mean(-1)
     sink = a[:, :, 0].astype(np.float64).mean(-1)
+    # S004: mean(M[i, i-1] for i >= 1), never with exclusions; NaN for a 1-token text
+    prev_s004 = (np.diagonal(a, offset=-1, axis1=1, axis2=2).astype(np.float64).mean(-1)
+                 if T >= 2 else np.full(n_heads, math.nan))
     # dense parts, per block of query rows (a causal pattern's block r0:r1 is zero right of
     # key r1 - 1: those keys are skipped once checked to be zero)
     pos = np.arange(T, dtype=np.float64)
@@ -217,6 +239,8 @@ def head_scores(
         res["next_token"] = np.full(n_heads, math.nan)
     res["self"] = self_
     res["sink"] = sink
+    res["previous_s004"] = prev_s004
+    res["sink_s004"] = sink
     res["entropy"] = ent.mean(-1)
     res["entropy_normalized"] = ((ent[:, rows] / np.log(n_visible[rows])).mean(-1)
                                  if rows.any() else np.full(n_heads, math.nan))
@@ -291,15 +315,18 @@ def induction_probe_score(
     segment_length: int,
     repeats: int,
 ) -> torch.Tensor:
-    """Mean attention from each repeat's tokens to the token right after the same token's
-    previous occurrence (Olsson et al. 2022's prefix-matching measure; the "induction stripe").
+    """Induction probe score: the attention mass each query of repeats 2..R puts on the tokens
+    that FOLLOWED the same token in ALL earlier repeats (Olsson et al. 2022, "In-context
+    Learning and Induction Heads": prefix matching on repeated random tokens).
 
-    The segment occupies positions ``start + r*S .. start + (r+1)*S - 1`` for repeat r. For
-    every query q in repeats 1..R-1 (the first copy has no earlier occurrence) the target key
-    is ``q - S + 1``: the successor of q's copy in the previous repeat. Score = mean over those
-    ``(R-1)*S`` queries of ``A[q, q - S + 1]``; float64 ``[layer, head]`` in [0, 1] (1 = all
-    attention on the induction target). Encoders are scored the same way (their queries could
-    also see later copies; only the earlier-occurrence target counts).
+    The segment occupies positions ``start + r*S .. start + (r+1)*S - 1`` for repeat r
+    (0-based). For a query at offset j of repeat r >= 1 the targets are the keys
+    ``start + r'*S + j + 1`` for every earlier repeat r' < r (for j = S-1 the successor is the
+    first token of repeat r'+1). Score = mean over the ``(R-1)*S`` queries of the sum of the
+    query's attention on its r targets; float64 ``[layer, head]`` in [0, 1] (1 = all attention
+    on induction targets). Counting only the previous repeat's successor would understate an
+    induction head that spreads its mass over every earlier copy (at R = 8 by up to 5x).
+    Encoders are scored the same way (only earlier copies count).
 
     Raises:
         ValueError: ``repeats < 2`` or the pattern is shorter than ``start + S*R``.
@@ -307,39 +334,71 @@ def induction_probe_score(
     S, R = segment_length, repeats
     if R < 2 or S < 1 or pattern.shape[-1] < start + S * R:
         raise ValueError("the probe needs repeats >= 2 and a pattern covering every repeat")
-    q = torch.arange(start + S, start + S * R)
-    k = q - S + 1
-    return pattern[..., q, k].double().mean(-1)  # gather first, then float64
+    qs, ks = induction_probe_targets(start, S, R)
+    mass = pattern[..., qs, ks].double()  # [layer, head, pairs]: gather first, then float64
+    return mass.sum(-1) / ((R - 1) * S)
+
+
+def induction_probe_targets(start: int, segment_length: int, repeats: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (query, key) pairs of :func:`induction_probe_score`: every query of repeats 1..R-1
+    with each earlier repeat's successor of its token. Two long tensors of equal length
+    ``S * R * (R-1) / 2``."""
+    S, R = segment_length, repeats
+    qs, ks = [], []
+    for r in range(1, R):
+        for j in range(S):
+            q = start + r * S + j
+            for r_ in range(r):
+                qs.append(q)
+                ks.append(start + r_ * S + j + 1)
+    return torch.tensor(qs, dtype=torch.long), torch.tensor(ks, dtype=torch.long)
 
 
 # -------------------------------------------------------------------- labels
-def classify(
-    scores: Mapping[str, float | None],
-    thresholds: Mapping[str, float] | None = None,
-) -> str:
-    """The label of one head from its scores.
-
-    Tries :data:`LABEL_ORDER` in order and returns the first label whose score is strictly
-    above its threshold (``thresholds`` overrides :data:`DEFAULT_THRESHOLDS` key by key), else
-    ``"none"``. Score used per label: ``induction`` -> ``induction_probe`` when present (not
-    None/NaN), else ``induction``; ``broad`` -> ``entropy_normalized``; every other label ->
-    the score of the same name. Missing/None/NaN scores never pass. Seed
-    004_e7341cee07d297e4.txt tries previous (> 0.5) before sink (> 0.6), as here.
-    """
-    th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+def label_score(scores: Mapping[str, float | None], label: str) -> float | None:
+    """The score ``label``'s threshold is compared with (:data:`LABEL_SCORE`; induction falls
+    back to the text's ``induction`` score when the probe did not run); None when undefined."""
 
     def val(name):
         v = scores.get(name)
         return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
+    v = val(LABEL_SCORE[label])
+    if v is None and label == "induction":
+        v = val("induction")
+    return v
+
+
+def classify_all(
+    scores: Mapping[str, float | None],
+    thresholds: Mapping[str, float] | None = None,
+) -> dict:
+    """Every label a head passes, its primary label, and the margins to the thresholds.
+
+    Returns ``{"label", "labels", "margins", "margin"}``: ``labels`` = every label of
+    :data:`LABEL_ORDER` whose score (:func:`label_score`) is strictly above its threshold, in
+    that order; ``label`` = the first of them, else ``"none"`` (S004 tries previous before
+    sink, as here); ``margins`` = label -> score - threshold (None where the score is
+    undefined), so a label within a rounding error of its threshold can be seen; ``margin`` =
+    the primary label's margin (> 0), or for ``"none"`` the largest margin (<= 0: how far the
+    nearest label is). ``thresholds`` overrides :data:`DEFAULT_THRESHOLDS` key by key.
+    """
+    th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    margins: dict[str, float | None] = {}
     for label in LABEL_ORDER:
-        if label == "induction":
-            v = val("induction_probe")
-            v = val("induction") if v is None else v
-        elif label == "broad":
-            v = val("entropy_normalized")
-        else:
-            v = val(label)
-        if v is not None and v > th[label]:
-            return label
-    return "none"
+        v = label_score(scores, label)
+        margins[label] = None if v is None else v - th[label]
+    labels = [lb for lb in LABEL_ORDER if margins[lb] is not None and margins[lb] > 0]
+    label = labels[0] if labels else "none"
+    defined = [m for m in margins.values() if m is not None]
+    margin = margins[label] if labels else (max(defined) if defined else None)
+    return {"label": label, "labels": labels, "margins": margins, "margin": margin}
+
+
+def classify(
+    scores: Mapping[str, float | None],
+    thresholds: Mapping[str, float] | None = None,
+) -> str:
+    """The primary label of one head (:func:`classify_all`'s ``label``)."""
+    return classify_all(scores, thresholds)["label"]

@@ -3,7 +3,11 @@
 Source: 000_1c89b6c8c2a32040.txt, "Contextual Embeddings" -> "Projecting hidden states into a
 shared space" and "Measuring trajectories":
 
-1. drop the final hidden state (GPT-2 applies its final LayerNorm there) -- an option keeps it;
+1. take the L+1 residual-stream states: the embeddings, then each block's output, the last one
+   BEFORE any final LayerNorm (the source drops Hugging Face's last hidden state because GPT-2
+   applies its final LayerNorm there; the runtime keeps the last block's own output instead, so
+   no layer is lost). The final LayerNorm's output (GPT-2 ``ln_f``) is appended only on request
+   (``include_final``), as state L+1;
 2. flatten ``[n_state, n_token, d_model] -> [n_state * n_token, d_model]`` in float64;
 3. standardise with ``StandardScaler`` (zero mean, unit variance per dimension);
 4. ``PCA(n_components=2, random_state=0).fit_transform`` (more components on request);
@@ -23,6 +27,13 @@ from attnscope.service.analysis._blas import one_blas_thread
 from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
 
 
+def state_names(n_layers: int, include_final: bool) -> list[str]:
+    """Names of the states :func:`trajectories` uses: ``embeddings``, ``block i output`` for
+    i < n_layers (the last pre-final-LayerNorm), and ``final LayerNorm output`` when included."""
+    names = ["embeddings"] + [f"block {i} output" for i in range(n_layers)]
+    return names + (["final LayerNorm output"] if include_final else [])
+
+
 def trajectories(
     hidden_states: torch.Tensor,  # [layer+1, pos, d_model]
     include_final: bool = False,
@@ -30,12 +41,17 @@ def trajectories(
     positions: list[int] | None = None,
     random_state: int = 0,
     where: str = "text",
+    final_state: torch.Tensor | None = None,  # [pos, d_model]
 ) -> dict:
     """PCA trajectories of one text's hidden states (see the module docstring for the steps).
 
     Args:
-        hidden_states: ``[n_layers + 1, n_tokens, d_model]``, index 0 = embedding output.
-        include_final: keep the last hidden state (default: dropped, as the source does).
+        hidden_states: ``[n_layers + 1, n_tokens, d_model]``: the residual-stream states,
+            index 0 = embedding output, index i = block i-1's output (pre final LayerNorm);
+            every one is used.
+        include_final: append ``final_state`` (the final LayerNorm's output) as one more state.
+        final_state: ``[n_tokens, d_model]``, required with ``include_final`` (ValueError
+            without it).
         n_components: PCA components, 1 <= n <= min(n_state * n_tokens, d_model).
         positions: selected token positions (each in [0, n_tokens)), null = all; the PCA is
             always fitted on every token and state.
@@ -44,7 +60,8 @@ def trajectories(
             error messages.
 
     Returns:
-        dict with ``states`` (hidden-state indices used), ``positions``, ``n_components``,
+        dict with ``states`` (state indices used: 0..n_layers, and n_layers+1 for the final
+        LayerNorm's output), ``state_names`` (:func:`state_names`), ``positions``, ``n_components``,
         ``explained_variance_ratio`` (float64 ``[n_components]``, in [0, 1]), ``paths``
         (float64 ``[n_selected, n_state, n_components]``), ``distance_projected``,
         ``distance_full`` (float64 ``[n_selected]``, >= 0) and ``cosine_first_last``
@@ -70,11 +87,15 @@ def trajectories(
     positions = check_trajectory_request(
         n_total, n_token, d_model, include_final, n_components, positions, where
     )
-    # 1. drop the final hidden state unless asked to keep it
-    states = list(range(n_total if include_final else n_total - 1))
-    n_state = len(states)
+    # 1. the L+1 residual-stream states, and the final LayerNorm's output on request
+    if include_final:
+        if final_state is None or tuple(final_state.shape) != (n_token, d_model):
+            raise ValueError("include_final needs final_state [n_tokens, d_model]")
+        hidden_states = torch.cat([hidden_states, final_state.to(hidden_states.dtype)[None]])
+    n_state = hidden_states.shape[0]
+    states = list(range(n_state))
     # 2. flatten states x tokens, float64 as the source (a fresh array, changed in place below)
-    flat = _float64_copy(hidden_states[:n_state].reshape(n_state * n_token, d_model))
+    flat = _float64_copy(hidden_states.reshape(n_state * n_token, d_model))
     sel = np.asarray(positions, dtype=np.int64)
     first = flat[sel]  # [n_selected, d_model], state 0 (copies)
     last = flat[(n_state - 1) * n_token + sel]  # the last state used
@@ -108,6 +129,7 @@ def trajectories(
     cosine = np.clip(cosine, -1.0, 1.0)
     return {
         "states": states,
+        "state_names": state_names(n_total - 1, include_final),
         "positions": list(positions),
         "n_components": n_components,
         "explained_variance_ratio": evr,
@@ -148,7 +170,8 @@ def check_trajectory_request(
 ) -> list[int]:
     """Everything :func:`trajectories` can refuse before a forward pass (cheap checks first).
 
-    ``n_hidden`` = n_layers + 1 hidden states. Returns the selected positions (all when None).
+    ``n_hidden`` = n_layers + 1 residual-stream states (all used; ``include_final`` adds the
+    final LayerNorm's output). Returns the selected positions (all when None).
 
     Raises:
         OutOfRange: a position outside the text (param ``positions.<i>``).
@@ -171,13 +194,12 @@ def check_trajectory_request(
                 "once", f"positions.{i}",
             )
         seen[p] = i
-    n_state = n_hidden if include_final else n_hidden - 1
+    n_state = n_hidden + 1 if include_final else n_hidden
     n_samples = n_state * n_token
     if n_samples < 2:
         raise InvalidRequest(
             f"{where}: PCA needs at least 2 samples (states x tokens) but this text gives "
-            f"{n_state} state(s) x {n_token} token(s) = {n_samples}; use a longer text or "
-            "include_final", where,
+            f"{n_state} state(s) x {n_token} token(s) = {n_samples}; use a longer text", where,
         )
     limit = min(n_samples, d_model)
     if n_components > limit:

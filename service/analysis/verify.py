@@ -1,244 +1,523 @@
-"""Verification: the model's attention against a from-scratch recomputation.
+"""Verification, mode ``from_scratch`` (the default): the whole forward recomputed in float64.
 
-DESIGN.md ("verification"): attention recomputed from scratch from the model's OWN q, k and v
-(the outputs of its q/k/v projections, recorded by the runtime's hooks) with the scaled
-dot-product formula and the causal mask, then the output projection; max absolute difference
-per layer and head against the model's own attention; pass/fail at a tolerance.
+DESIGN.md ("verification"), S000 (000_1c89b6c8c2a32040.txt: the scaled dot-product
+``attention(Q, K, V, mask)`` and the causal mask), S001 (001_92e9928af52718c3.txt: heads):
+the forward is recomputed from the token ids, the model's OWN weight tensors and its config
+values -- our own implementation of every block, never the library's modules, in float64 --
+and compared, layer by layer, with what the service SERVED for that text (the recorded
+forward): the attention pattern of every head, the q/k/v, the attention output and the
+residual-stream hidden states. Because nothing recorded is used as an input, the check can
+disagree: a wrong weight, position, scale, mask, LayerNorm, activation or residual anywhere
+shows up as a difference at the first layer where it acts (named in the result).
 
-The formula is ``attention(Q, K, V, mask)`` of 000_1c89b6c8c2a32040.txt, multi-head as in
-001_92e9928af52718c3.txt, written in numbered steps like nanoGPT's manual attention branch. It
-honours every switch Hugging Face's eager attention honours, read from the model's config in
-:class:`attnscope.service.runtime.adapters.AttentionParams` (``y = x @ W + b`` layout): the
-scaling (GPT-2 ``scale_attn_weights``, ``scale_attn_by_inverse_layer_idx``), the float32 upcast
-of the scores (``reorder_and_upcast_attn``) and the mask value (an additive
-``torch.finfo(dtype).min`` on future keys, as transformers' eager mask; a softmax gives exactly
-0 there, as with -inf). The output projection uses the model's CURRENT ``W_o``, ``b_o``.
+Families (the adapter hands over ``ScratchModel``: weights by their Hugging Face base-model
+state-dict names, and the config as plain values; this module imports no runtime code):
 
-Three links of one layer's attention, each checked on its own:
+GPT-2 (``GPT2Model``; per layer l, residual stream ``h``, ``[pos, d_model]``)::
 
-* ``x -> q, k, v`` (only with ``projections=True``): the recorded attention input through the
-  CURRENT q/k/v weights against the recorded q, k, v. Three ``d_model x d_model`` matmuls per
-  layer -- about three quarters of the cost, so it is opt-in.
-* ``q, k -> pattern``: softmax of the scaled, masked scores against the recorded pattern.
-* ``pattern, v -> output``: ``(pattern @ v)`` heads merged, through ``W_o``/``b_o``, against
-  the recorded attention output (after the output projection, before dropout/residual).
+    h_0 = wte[ids] + wpe[positions]                                  # embeddings
+    x   = LN(h_l; ln_1, eps=layer_norm_epsilon)                      # LN: (x-mu)/sqrt(var+eps)*g+b
+    q|k|v = x @ c_attn.W + c_attn.b      # Conv1D: W stored [d_in, d_out] (transposed vs Linear)
+    scores = (q_h @ k_h^T) * s_l         # s_l = (1/sqrt(d_head) if scale_attn_weights else 1)
+                                         #       / (l+1 if scale_attn_by_inverse_layer_idx)
+    pattern = softmax(scores + causal mask(-inf on key > query))      # [head, query, key]
+    a   = concat_h(pattern_h @ v_h) @ c_proj.W + c_proj.b            # attention output
+    r   = h_l + a
+    h_{l+1} = r + mlp.c_proj(act(mlp.c_fc(LN(r; ln_2))))             # act = activation_function
+    final = LN(h_L; ln_f)                                            # HF's last hidden_states
 
-Because the default path starts from the recorded q/k/v, a change of the q/k/v weights after
-the forward is NOT seen by it (the recorded q/k/v are what the model used); a change of the
-output projection is. ``projections=True`` sees both.
+``reorder_and_upcast_attn`` only changes the precision Hugging Face computes the scores in
+(float32 under a float16 model); in float64 the formula is the same, and the result says so.
 
-Differences: ``max |recomputed - recorded|`` per layer and head (pattern), per layer (output,
-q/k/v), overall. A NaN anywhere (recomputed or recorded) fails the check.
+BERT (``BertModel``; ``nn.Linear`` weights stored ``[d_out, d_in]``: ``y = x @ W^T + b``)::
+
+    h_0 = LN(word[ids] + position[positions] + token_type[0]; embeddings.LayerNorm)
+    q|k|v = h_l @ W^T + b (query/key/value),  scores = q_h @ k_h^T / sqrt(d_head)
+    pattern = softmax(scores)           # bidirectional: every key visible (no padding here)
+    a  = LN(concat_h(pattern_h @ v_h) @ dense^T + b + h_l; attention.output.LayerNorm)
+    h_{l+1} = LN(output.dense(act(intermediate.dense(a))) + a; output.LayerNorm)  # act = hidden_act
+    final = h_L                                                       # no final LayerNorm
+
+A config switch this recomputation does not implement (an activation without a formula here,
+``add_cross_attention``, ``position_embedding_type`` other than ``absolute``, a decoder BERT)
+raises :class:`UnsupportedModelConfig` naming the key (HTTP 422): never a pass.
+
+Comparison and tolerances. Differences are ``max |served - recomputed|``, computed in float64:
+the pattern per layer and head (probability units, absolute); q, k, v, the attention output
+and each hidden state per layer (model units), which pass when ``diff <= tol * max(1, scale)``
+with ``scale = max |recomputed|`` of that tensor (their magnitude grows with depth, so an
+absolute bound would be meaningless across models). :data:`TOLERANCES` per served dtype:
+
+========  =====================  ==========================================================
+dtype     pattern (absolute)     q/k/v, attention output, hidden states (relative to scale)
+========  =====================  ==========================================================
+float32   1e-4                   1e-4
+float16   5e-2                   2e-2
+bfloat16  2e-1                   1e-1
+float64   1e-9                   1e-9
+========  =====================  ==========================================================
+
+Measured served-vs-float64 maxima (``scripts/precision.py``, README "Numerical precision";
+bundled GPT-2 at T = 248 / MiniLM at T = 506): float32 pattern 1.4e-6 / 5.6e-6, states
+(relative) 1.2e-6 / 1.8e-6; float16 pattern 4.5e-3 / 1.1e-2, states 3.7e-3 / 2.3e-3; bfloat16
+pattern 4.6e-2 / 8.0e-2, states 3.3e-2 / 2.0e-2. The bounds sit 2.5-70x above those.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Protocol, Sequence
 
 import torch
 
-from attnscope.service.runtime.adapters import AttentionParams
+from attnscope.service.errors import UnsupportedModelConfig
 
-DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.float16: 1e-2,
-                     torch.bfloat16: 1e-2}
+#: Per served dtype: (pattern tolerance, absolute; state tolerance, relative to max(1, scale)).
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float32": (1e-4, 1e-4),
+    "float16": (5e-2, 2e-2),
+    "bfloat16": (2e-1, 1e-1),
+    "float64": (1e-9, 1e-9),
+}
 
-
-class RecordedForward(Protocol):
-    """What :func:`verify` reads from a recorded forward (``ForwardResult.tensors``)."""
-
-    q: torch.Tensor  # [layer, head, pos, d_head]
-    k: torch.Tensor  # [layer, head, pos, d_head]
-    v: torch.Tensor  # [layer, head, pos, d_head]
-    pattern: torch.Tensor  # [layer, head, query_pos, key_pos]
-    attn_input: torch.Tensor  # [layer, pos, d_model] (read only with projections=True)
-    attn_output: torch.Tensor  # [layer, pos, d_model], after the output projection
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def causal_mask(T: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive ``[query_pos, key_pos]`` mask: 0 on visible keys (key_pos <= query_pos),
-    ``torch.finfo(dtype).min`` on future keys -- transformers' eager causal mask."""
-    future = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
-    return torch.zeros(T, T, dtype=dtype, device=device).masked_fill_(future, torch.finfo(dtype).min)
+def _gelu_erf(x):  # "gelu": the exact GELU, x * Phi(x)
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
-def recompute_layer(
-    q: torch.Tensor,  # [head, pos, d_head], the model's own queries
-    k: torch.Tensor,  # [head, pos, d_head], the model's own keys
-    v: torch.Tensor,  # [head, pos, d_head], the model's own values
-    p: AttentionParams,
-    mask: torch.Tensor | None = None,  # [pos, pos] additive, from causal_mask; built if None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's attention from scratch, from its q, k, v.
+def _gelu_tanh(x):  # "gelu_new" (GPT-2), "gelu_pytorch_tanh", "gelu_fast": the tanh approximation
+    return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x.pow(3))))
 
-    Returns ``(pattern [head, query_pos, key_pos], output [pos, d_model])``: the pattern in
-    v's dtype (computed in float32 under ``p.upcast``, then cast, as HF does), rows summing to
-    1, exactly 0 on future keys of a causal model; the output after the output projection in
-    model units. Runs on the device and dtype of ``p.W_o``. Source: 000_1c89b6c8c2a32040.txt
-    (scaled dot-product attention), 001_92e9928af52718c3.txt (heads), HF ``eager_attention_forward``.
+
+#: Activations with a formula here (Hugging Face ACT2FN names -> float64 function).
+ACTIVATIONS = {
+    "gelu": _gelu_erf,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": torch.relu,
+    "silu": lambda x: x * torch.sigmoid(x),
+    "swish": lambda x: x * torch.sigmoid(x),
+    "tanh": torch.tanh,
+}
+
+
+@dataclass(frozen=True)
+class ScratchModel:
+    """What the recomputation reads: plain data, extracted by the runtime's adapter.
+
+    ``family``: ``"gpt2"`` or ``"bert"``. ``config``: the model config as plain values
+    (``PretrainedConfig.to_dict()``). ``weights``: the base model's parameters by their
+    Hugging Face state-dict names without the head prefix (``"wte.weight"``,
+    ``"h.0.attn.c_attn.weight"``, ``"encoder.layer.0.attention.self.query.weight"``, ...), any
+    dtype and device; read, never written (each is cast to float64 when used).
     """
-    dev, dt = p.W_o.device, p.W_o.dtype
-    q, k, v = (t.to(dev, dt) for t in (q, k, v))
-    H, T, dh = q.shape
-    # 1. compare every query with every key, scaled by the model's own multiplier
-    if p.upcast:
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(p.scaling)  # [H, T, T] f32
+
+    family: str
+    config: Mapping[str, object]
+    weights: Mapping[str, torch.Tensor]
+    n_layers: int
+    n_heads: int
+
+
+class ServedForward(Protocol):
+    """What :func:`verify_from_scratch` compares with (``ForwardResult.tensors``)."""
+
+    pattern: torch.Tensor  # [layer, head, query_pos, key_pos]
+    hidden_states: torch.Tensor  # [layer+1, pos, d_model]: embeddings, each block's output
+    q: torch.Tensor  # [layer, head, pos, d_head]
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_output: torch.Tensor  # [layer, pos, d_model]
+    final_state: torch.Tensor | None  # [pos, d_model] after ln_f (None: no final LayerNorm)
+
+
+# ------------------------------------------------------------------ support check
+def check_supported(m: ScratchModel) -> None:
+    """Raise :class:`UnsupportedModelConfig` (422) naming the first config switch the
+    recomputation does not implement; return None when every switch is implemented."""
+    c = m.config
+
+    def refuse(key, value, what):
+        raise UnsupportedModelConfig(
+            f"the from-scratch verification does not implement config.{key} = {value!r} "
+            f"({what}); mode 'recorded_qkv' still checks the attention step", "mode")
+
+    if m.family == "gpt2":
+        act = c.get("activation_function", "gelu_new")
+        if act not in ACTIVATIONS:
+            refuse("activation_function", act, f"implemented: {sorted(ACTIVATIONS)}")
+        if c.get("add_cross_attention"):
+            refuse("add_cross_attention", True, "cross-attention blocks")
+    elif m.family == "bert":
+        act = c.get("hidden_act", "gelu")
+        if not isinstance(act, str) or act not in ACTIVATIONS:
+            refuse("hidden_act", act, f"implemented: {sorted(ACTIVATIONS)}")
+        pet = c.get("position_embedding_type", "absolute") or "absolute"
+        if pet != "absolute":
+            refuse("position_embedding_type", pet, "only absolute position embeddings")
+        if c.get("is_decoder"):
+            refuse("is_decoder", True, "a causal BERT decoder")
+        if c.get("add_cross_attention"):
+            refuse("add_cross_attention", True, "cross-attention blocks")
     else:
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(p.scaling)  # [H, T, T]
-    # 2. causal mask: future keys get the dtype's most negative value (HF's additive mask)
-    if p.causal:
-        if mask is None or mask.dtype != scores.dtype:
-            mask = causal_mask(T, scores.dtype, scores.device)
-        scores.add_(mask)
-    # 3. softmax over the keys -> attention weights, in v's dtype
-    pattern = torch.softmax(scores, dim=-1).to(v.dtype)  # [H, T, T]
-    # 4. weighted sum of the values, heads concatenated back: [H, T, dh] -> [T, H*dh]
-    z = torch.matmul(pattern, v).transpose(0, 1).reshape(T, H * dh)
-    # 5. output projection with the CURRENT weights: y = z @ W_o + b_o
-    out = torch.addmm(p.b_o, z, p.W_o)  # [T, d_model]
-    return pattern, out
+        refuse("model_type", m.family, "implemented: gpt2, bert")
 
 
-def project_qkv(
-    x: torch.Tensor,  # [pos, d_model], the layer's attention input
-    p: AttentionParams,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v ``[head, pos, d_head]`` from the attention input with the CURRENT weights
-    (``y = x @ W + b``, as GPT-2's Conv1D / BERT's Linear), split into heads. Runs on the
-    weights' device and dtype. Three ``[pos, d_model] x [d_model, d_model]`` matmuls."""
-    x = x.to(p.W_q.device, p.W_q.dtype)
-    T = x.shape[0]
-    return tuple(
-        torch.addmm(b, x, W).view(T, p.n_heads, p.d_head).transpose(0, 1)
-        for W, b in ((p.W_q, p.b_q), (p.W_k, p.b_k), (p.W_v, p.b_v))
-    )
+def layer_scale(m: ScratchModel, layer: int) -> float:
+    """The q.k multiplier of ``layer`` the config implies (GPT-2: 1/sqrt(d_head) when
+    ``scale_attn_weights``, else 1, divided by layer+1 when ``scale_attn_by_inverse_layer_idx``;
+    BERT: 1/sqrt(d_head))."""
+    d_model = int(m.config.get("n_embd") or m.config.get("hidden_size"))
+    d_head = d_model // m.n_heads
+    if m.family == "bert":
+        return d_head ** -0.5
+    s = d_head ** -0.5 if m.config.get("scale_attn_weights", True) else 1.0
+    if m.config.get("scale_attn_by_inverse_layer_idx", False):
+        s /= float(layer + 1)
+    return s
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``|a - b|`` on a's device, in at least float32 (a NaN in either stays NaN)."""
-    dt = torch.promote_types(a.dtype, torch.float32)
-    return (a.to(dt) - b.to(a.device, dt)).abs_()
+# ------------------------------------------------------------------ the recomputation
+@dataclass
+class LayerState:
+    """One layer of the float64 recomputation (all float64, on the compute device)."""
+
+    layer: int
+    scale: float
+    q: torch.Tensor  # [head, pos, d_head]
+    k: torch.Tensor
+    v: torch.Tensor
+    pattern: torch.Tensor  # [head, query_pos, key_pos]
+    attn_output: torch.Tensor  # [pos, d_model], after the output projection, pre-residual
+    output: torch.Tensor  # [pos, d_model], the block's output (hidden state layer+1)
+
+
+@dataclass
+class Recomputation:
+    """Output of :func:`recompute`: the embeddings, then one :class:`LayerState` per layer
+    (lazily, one layer in memory at a time), then ``final`` (read after the layers)."""
+
+    embeddings: torch.Tensor  # [pos, d_model] float64, hidden state 0
+    layers: Iterator[LayerState]
+    mask: str  # "causal" or "bidirectional"
+    final: list = field(default_factory=list)  # [final_state [pos, d_model]] once layers are done
+
+
+def compute_device(weights: Mapping[str, torch.Tensor]) -> torch.device:
+    """The weights' device, or the CPU where it has no float64 (MPS)."""
+    dev = next(iter(weights.values())).device
+    return torch.device("cpu") if dev.type == "mps" else dev
+
+
+def _layer_norm(x, w, b, eps):
+    mu = x.mean(-1, keepdim=True)
+    var = (x - mu).pow(2).mean(-1, keepdim=True)  # biased variance, as torch's LayerNorm
+    return (x - mu) / torch.sqrt(var + eps) * w + b
+
+
+def _attend(q, k, v, scale, causal):
+    """q, k, v ``[head, pos, d_head]`` -> (pattern ``[head, q, k]``, z ``[pos, head*d_head]``)."""
+    H, T, dh = q.shape
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # 1. compare queries and keys
+    if causal:  # 2. a query never sees a later key
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    pattern = torch.softmax(scores, dim=-1)  # 3. post-softmax pattern, rows sum to 1
+    z = torch.matmul(pattern, v).transpose(0, 1).reshape(T, H * dh)  # 4. heads concatenated
+    return pattern, z
+
+
+def recompute(
+    m: ScratchModel,
+    input_ids: Sequence[int],
+    position_ids: Sequence[int] | None = None,
+    *,
+    scales: Sequence[float] | None = None,
+) -> Recomputation:
+    """The forward of ``input_ids`` from scratch in float64 (formulas: module docstring).
+
+    Args:
+        m: weights and config (see :class:`ScratchModel`); :func:`check_supported` first.
+        input_ids: the T token ids as served (framing included).
+        position_ids: default ``0..T-1`` (the served forward's, unpadded).
+        scales: override the per-layer q.k multiplier (tests: a recomputation that ignores a
+            config switch); default :func:`layer_scale`.
+
+    Returns a :class:`Recomputation` whose ``layers`` iterator computes one layer per step.
+    """
+    check_supported(m)
+    W = m.weights
+    dev = compute_device(W)
+    f64 = torch.float64
+
+    def w(name):
+        return W[name].detach().to(dev, f64)
+
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=dev)
+    T = len(ids)
+    pos = (torch.arange(T, device=dev) if position_ids is None
+           else torch.as_tensor(list(position_ids), dtype=torch.long, device=dev))
+    c = m.config
+    H = m.n_heads
+    scales = [layer_scale(m, i) for i in range(m.n_layers)] if scales is None else list(scales)
+    out = Recomputation(embeddings=None, layers=iter(()), mask="")  # filled below
+
+    if m.family == "gpt2":
+        eps = float(c.get("layer_norm_epsilon", 1e-5))
+        act = ACTIVATIONS[c.get("activation_function", "gelu_new")]
+        # gather the rows first: the [vocab, d_model] matrix is never cast whole
+        h = W["wte.weight"].detach()[ids.to(W["wte.weight"].device)].to(dev, f64)
+        h = h + W["wpe.weight"].detach()[pos.to(W["wpe.weight"].device)].to(dev, f64)
+        out.embeddings, out.mask = h, "causal"
+
+        def layers():
+            x_res = h
+            for i in range(m.n_layers):
+                p = f"h.{i}."
+                x = _layer_norm(x_res, w(p + "ln_1.weight"), w(p + "ln_1.bias"), eps)
+                qkv = x @ w(p + "attn.c_attn.weight") + w(p + "attn.c_attn.bias")  # Conv1D
+                D = x.shape[-1]
+                q, k, v = (t.reshape(T, H, D // H).transpose(0, 1) for t in qkv.split(D, dim=-1))
+                pattern, z = _attend(q, k, v, scales[i], causal=True)
+                a = z @ w(p + "attn.c_proj.weight") + w(p + "attn.c_proj.bias")
+                r = x_res + a
+                y = _layer_norm(r, w(p + "ln_2.weight"), w(p + "ln_2.bias"), eps)
+                y = act(y @ w(p + "mlp.c_fc.weight") + w(p + "mlp.c_fc.bias"))
+                x_res = r + (y @ w(p + "mlp.c_proj.weight") + w(p + "mlp.c_proj.bias"))
+                yield LayerState(i, scales[i], q, k, v, pattern, a, x_res)
+            out.final.append(_layer_norm(x_res, w("ln_f.weight"), w("ln_f.bias"), eps))
+
+    else:  # bert
+        eps = float(c.get("layer_norm_eps", 1e-12))
+        act = ACTIVATIONS[c.get("hidden_act", "gelu")]
+        pre = "embeddings."
+        e = W[pre + "word_embeddings.weight"].detach()
+        h = e[ids.to(e.device)].to(dev, f64)
+        pe = W[pre + "position_embeddings.weight"].detach()
+        h = h + pe[pos.to(pe.device)].to(dev, f64)
+        h = h + W[pre + "token_type_embeddings.weight"].detach()[0].to(dev, f64)  # type 0
+        h = _layer_norm(h, w(pre + "LayerNorm.weight"), w(pre + "LayerNorm.bias"), eps)
+        out.embeddings, out.mask = h, "bidirectional"
+
+        def lin(x, name):  # nn.Linear: y = x @ W^T + b
+            return x @ w(name + ".weight").t() + w(name + ".bias")
+
+        def layers():
+            x_res = h
+            for i in range(m.n_layers):
+                p = f"encoder.layer.{i}."
+                D = x_res.shape[-1]
+                q, k, v = (lin(x_res, p + "attention.self." + n).reshape(T, H, D // H).transpose(0, 1)
+                           for n in ("query", "key", "value"))
+                pattern, z = _attend(q, k, v, scales[i], causal=False)
+                a_proj = lin(z, p + "attention.output.dense")
+                a = _layer_norm(a_proj + x_res, w(p + "attention.output.LayerNorm.weight"),
+                                w(p + "attention.output.LayerNorm.bias"), eps)
+                y = act(lin(a, p + "intermediate.dense"))
+                x_res = _layer_norm(lin(y, p + "output.dense") + a, w(p + "output.LayerNorm.weight"),
+                                    w(p + "output.LayerNorm.bias"), eps)
+                yield LayerState(i, scales[i], q, k, v, pattern, a_proj, x_res)
+            out.final.append(x_res)
+
+    out.layers = layers()
+    return out
+
+
+# ------------------------------------------------------------------ the comparison
+def _maxdiff(served: torch.Tensor, ref: torch.Tensor, dims=None) -> torch.Tensor:
+    """max |served - ref| in float64 (NaN if either holds a NaN), over all or over ``dims``."""
+    d = (served.to(ref.device, torch.float64) - ref).abs()
+    if dims is None:
+        return d.max() if d.numel() else torch.zeros((), dtype=torch.float64, device=ref.device)
+    return d.amax(dim=dims)
+
+
+def _scale(ref: torch.Tensor) -> torch.Tensor:
+    return ref.abs().max() if ref.numel() else torch.zeros((), dtype=ref.dtype, device=ref.device)
 
 
 def _num(x: float) -> float | None:
-    """float, or None for NaN (JSON-safe)."""
     return None if math.isnan(x) else float(x)
 
 
 def _fmt(x: float | None) -> str:
-    return "NaN" if x is None or math.isnan(x) else f"{x:.3g}"
+    return "NaN" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
 
 
-def _bad(x: float, tol: float) -> bool:
-    return not (math.isfinite(x) and x <= tol)
+def _ok(d: float, limit: float) -> bool:
+    return math.isfinite(d) and d <= limit
 
 
-def verify(
-    t: RecordedForward,
-    params: dict[int, AttentionParams],  # layer -> that layer's current weights
+def verify_from_scratch(
+    served: ServedForward,
+    m: ScratchModel,
+    input_ids: Sequence[int],
+    dtype: str,
+    layers: Sequence[int] | None = None,
     tolerance: float | None = None,
-    projections: bool = False,
+    *,
+    position_ids: Sequence[int] | None = None,
+    scales: Sequence[float] | None = None,
 ) -> dict:
-    """Recompute each layer in ``params`` from the recorded q/k/v and compare.
+    """Compare a served forward with the float64 recomputation, layer by layer.
 
     Args:
-        t: a recorded forward (``ForwardResult.tensors``): ``q``/``k``/``v``
-            ``[layer, head, pos, d_head]``, ``pattern`` ``[layer, head, query_pos, key_pos]``,
-            ``attn_output`` ``[layer, pos, d_model]``; ``attn_input`` ``[layer, pos, d_model]``
-            when ``projections``.
-        params: the layers to check, in order, with the model's current weights.
-        tolerance: largest absolute difference that passes; None = ``DEFAULT_TOLERANCE`` of
-            the weights' dtype (1e-5 for float32).
-        projections: also recompute q/k/v from ``attn_input`` with the current q/k/v weights
-            and compare them with the recorded ones (``qkv_max_abs_diff``; counts toward
-            pass/fail). Costs three extra ``d_model x d_model`` matmuls per layer (about 3x
-            the default's time on GPT-2 small).
+        served: the recorded forward of ``input_ids`` (``ForwardResult.tensors``).
+        m: the model's weights and config (:class:`ScratchModel`).
+        input_ids: the T token ids the served forward ran on.
+        dtype: the served (model) dtype name, picks :data:`TOLERANCES`.
+        layers: layers to report (default all); every layer is recomputed regardless (each
+            needs the one before), the embeddings and the final state are always checked.
+        tolerance: overrides BOTH tolerances of the dtype (pattern absolute, states relative).
+        position_ids, scales: see :func:`recompute` (tests plant faults with them).
 
-    Returns:
-        dict with ``passed`` (bool: every difference finite and <= tolerance), ``max_abs_diff``
-        (float or None for NaN), ``tolerance``, ``dtype``, ``projections``, ``failed_layers``
-        (ascending), ``message`` (names the first failing layer and head), and ``layers``: per
-        layer ``{layer, pattern_max_abs_diff, output_max_abs_diff, qkv_max_abs_diff, heads:
-        [{head, pattern_max_abs_diff}], passed}``. Differences are absolute, in probability
-        units (pattern) or model units (output, q/k/v); None stands for NaN, which always
-        fails (``qkv_max_abs_diff`` is also None when ``projections`` is False).
+    Returns a dict (schemas/verify.py ``VerifyResult``): ``mode`` "from_scratch", ``passed``,
+    ``max_abs_diff`` (largest pattern difference, probability units; None = NaN),
+    ``max_rel_diff`` (largest state difference / max(1, scale)), ``tolerance`` (pattern),
+    ``state_tolerance`` (relative), ``dtype``, ``compute_dtype`` "float64", ``mask``,
+    ``failed_layers``, ``failing_layer`` (first, or None; -1 never: the embeddings fail as
+    ``"embeddings"`` in the message and layer 0), ``message``, ``embeddings`` and ``final``
+    state diffs, and per layer ``{layer, scale, pattern_max_abs_diff, heads: [{head,
+    pattern_max_abs_diff}], q/k/v/output/hidden _max_abs_diff, hidden_scale, passed}``.
+    Differences are the true maxima (0 only where they are exactly 0).
+
+    Raises:
+        UnsupportedModelConfig: a config switch the recomputation does not implement.
     """
-    dtype = next(iter(params.values())).W_o.dtype if params else t.pattern.dtype
-    tol = float(tolerance if tolerance is not None else DEFAULT_TOLERANCE.get(dtype, 1e-5))
-    sizes: list[tuple[int, bool]] = []  # per layer: (n_heads, q/k/v checked)
-    vecs: list[torch.Tensor] = []  # per layer: [head diffs..., output diff, (q/k/v diff)]
-    masks: dict = {}
+    tol_p, tol_s = TOLERANCES.get(dtype, TOLERANCES["float32"])
+    if tolerance is not None:
+        tol_p = tol_s = float(tolerance)
+    want = set(range(m.n_layers) if layers is None else layers)
+    T = len(input_ids)
     with torch.inference_mode():
-        for layer, p in params.items():
-            dev = p.W_o.device
-            # the model's own q, k, v [head, pos, d_head] (recorded by the runtime's hooks)
-            q, k, v = (getattr(t, n)[layer].to(dev) for n in ("q", "k", "v"))
-            parts = []
-            mdt = torch.float32 if p.upcast else p.W_o.dtype
-            if p.causal and (mdt, dev) not in masks:
-                masks[(mdt, dev)] = causal_mask(q.shape[1], mdt, dev)
-            pattern, out = recompute_layer(q, k, v, p, masks.get((mdt, dev)))
-            parts.append(_diff(pattern, t.pattern[layer]).amax(dim=(-2, -1)))  # [head]
-            parts.append(_diff(out, t.attn_output[layer]).amax().view(1))
-            if projections:
-                # the projections: the recorded attention input through the current weights
-                rq, rk, rv = project_qkv(t.attn_input[layer], p)
-                parts.append(torch.stack([_diff(r, m).amax()
-                                          for r, m in ((rq, q), (rk, k), (rv, v))]).amax().view(1))
-            vec = torch.cat(parts)  # one dtype: float32, or float64 for a float64 model (MPS has none)
-            vecs.append(vec.to(vecs[0].device) if vecs else vec)
-            sizes.append((parts[0].numel(), projections))
-        # one transfer for all layers (no device sync per layer)
-        flat = torch.cat(vecs).cpu().tolist() if vecs else []
+        rc = recompute(m, input_ids, position_ids, scales=scales)
+        checks: list[tuple[int, str, torch.Tensor, torch.Tensor | None]] = []  # layer, what, diff, scale
+        checks.append((-1, "embeddings", _maxdiff(served.hidden_states[0], rc.embeddings),
+                       _scale(rc.embeddings)))
+        per_layer: list[tuple[LayerState, torch.Tensor]] = []
+        for st in rc.layers:
+            i = st.layer
+            if i in want:
+                head_d = _maxdiff(served.pattern[i], st.pattern, dims=(-2, -1))  # [head]
+                per_layer.append((st.layer, st.scale, head_d))
+                for name, ref in (("q", st.q), ("k", st.k), ("v", st.v),
+                                  ("attention output", st.attn_output)):
+                    checks.append((i, name, _maxdiff(getattr(served, _FIELD[name])[i], ref),
+                                   _scale(ref)))
+            # every block output is checked (a fault upstream of a reported layer is named)
+            checks.append((i, "hidden state", _maxdiff(served.hidden_states[i + 1], st.output),
+                           _scale(st.output)))
+        final = rc.final[0]
+        fs = served.final_state if getattr(served, "final_state", None) is not None else None
+        if fs is not None:
+            checks.append((m.n_layers, "final state", _maxdiff(fs, final), _scale(final)))
+        # one transfer of every number (no device sync per layer)
+        flat = torch.cat([torch.cat([d.reshape(-1), s.reshape(-1)]) for _, _, d, s in checks]
+                         + [hd.reshape(-1) for _, _, hd in per_layer]).cpu().tolist()
 
-    layers_out, failed, first_failure, allv = [], [], None, []
-    i = 0
-    for layer, (n, has_qkv) in zip(params, sizes):
-        heads = flat[i: i + n]
-        out_d = flat[i + n]
-        qkv_d = flat[i + n + 1] if has_qkv else None
-        i += n + 1 + has_qkv
-        pat_d = (math.nan if any(math.isnan(d) for d in heads) else max(heads)) if heads else 0.0
-        checked = heads + [out_d] + ([qkv_d] if has_qkv else [])
-        allv.extend(checked)
-        ok = not any(_bad(d, tol) for d in checked)
-        if not ok:
-            failed.append(layer)
-            if first_failure is None:
-                what = []
-                if has_qkv and _bad(qkv_d, tol):
-                    what.append(f"q/k/v projections differ by {_fmt(qkv_d)}")
-                bad_heads = [h for h, d in enumerate(heads) if _bad(d, tol)]
-                if bad_heads:
-                    h = bad_heads[0]
-                    what.append(f"pattern of head {h} differs by {_fmt(heads[h])} "
-                                f"(heads failing: {bad_heads})")
-                if _bad(out_d, tol):
-                    what.append(f"output differs by {_fmt(out_d)}")
-                first_failure = f"layer {layer}: " + "; ".join(what)
-        layers_out.append({
-            "layer": layer,
-            "pattern_max_abs_diff": _num(pat_d),
-            "output_max_abs_diff": _num(out_d),
-            "qkv_max_abs_diff": None if qkv_d is None else _num(qkv_d),
-            "heads": [{"head": h, "pattern_max_abs_diff": _num(d)} for h, d in enumerate(heads)],
-            "passed": ok,
-        })
-    max_diff = (float("nan") if any(math.isnan(d) for d in allv) else max(allv)) if allv else 0.0
-    passed = not failed
+    n = 2 * len(checks)
+    state = {}  # (layer, what) -> (diff, scale)
+    for j, (layer, what, _, _) in enumerate(checks):
+        state[(layer, what)] = (flat[2 * j], flat[2 * j + 1])
+    heads_of = {}
+    for layer, scale, hd in per_layer:
+        heads_of[layer] = flat[n: n + hd.numel()]
+        n += hd.numel()
+
+    def rel(d, s):
+        return d / max(1.0, s)
+
+    failures: list[tuple[int, str]] = []  # (layer, description), in forward order
+    d_emb, s_emb = state[(-1, "embeddings")]
+    emb_ok = _ok(rel(d_emb, s_emb), tol_s)
+    if not emb_ok:
+        failures.append((0, f"embeddings (hidden state 0) differ by {_fmt(d_emb)} "
+                            f"(scale {s_emb:.3g})"))
+    layers_out = []
+    all_pat, all_rel = [], [rel(d_emb, s_emb)]
+    failed = set() if emb_ok else {0}
+    for layer, scale, _ in per_layer:
+        heads = heads_of[layer]
+        all_pat.extend(heads)
+        bad_heads = [h for h, d in enumerate(heads) if not _ok(d, tol_p)]
+        what = []
+        if bad_heads:
+            h = bad_heads[0]
+            what.append(f"pattern of head {h} differs by {_fmt(heads[h])} (heads failing: {bad_heads})")
+        row = {"layer": layer, "scale": scale,
+               "pattern_max_abs_diff": _num(max(heads) if not any(map(math.isnan, heads)) else math.nan),
+               "heads": [{"head": h, "pattern_max_abs_diff": _num(d)} for h, d in enumerate(heads)]}
+        for name in ("q", "k", "v", "attention output", "hidden state"):
+            d, s = state[(layer, name)]
+            all_rel.append(rel(d, s))
+            if not _ok(rel(d, s), tol_s):
+                what.append(f"{name} differs by {_fmt(d)} (scale {s:.3g})")
+            row[_KEY[name]] = _num(d)
+        row["hidden_scale"] = state[(layer, "hidden state")][1]
+        row["passed"] = not what
+        if what:
+            failed.add(layer)
+            failures.append((layer, "; ".join(what)))
+        layers_out.append(row)
+    # hidden states of layers not reported still count (a fault upstream of a reported layer)
+    for layer in range(m.n_layers):
+        if layer in want:
+            continue
+        d, s = state[(layer, "hidden state")]
+        all_rel.append(rel(d, s))
+        if not _ok(rel(d, s), tol_s):
+            failed.add(layer)
+            failures.append((layer, f"hidden state differs by {_fmt(d)} (scale {s:.3g})"))
+    final_out = None
+    if (m.n_layers, "final state") in state:
+        d, s = state[(m.n_layers, "final state")]
+        all_rel.append(rel(d, s))
+        final_out = {"max_abs_diff": _num(d), "scale": s, "passed": _ok(rel(d, s), tol_s)}
+        if not final_out["passed"]:
+            failures.append((m.n_layers, f"final LayerNorm output differs by {_fmt(d)} (scale {s:.3g})"))
+    failures.sort(key=lambda f: f[0])
+    if layers is not None:  # reported in the order requested
+        order = {layer: i for i, layer in enumerate(layers)}
+        layers_out.sort(key=lambda row: order[row["layer"]])
+    passed = not failures
+    max_p = math.nan if any(map(math.isnan, all_pat)) else (max(all_pat) if all_pat else 0.0)
+    max_r = math.nan if any(map(math.isnan, all_rel)) else max(all_rel)
     if passed:
-        message = (f"passed: {len(layers_out)} layer(s) match to {_fmt(max_diff)} "
-                   f"(tolerance {tol:g})")
+        message = (f"passed: embeddings, {len(layers_out)} layer(s)"
+                   f"{' and the final LayerNorm' if final_out else ''} match the float64 "
+                   f"recomputation (pattern max diff {_fmt(max_p)}, tolerance {tol_p:g}; states "
+                   f"max relative diff {_fmt(max_r)}, tolerance {tol_s:g})")
     else:
-        message = (f"failed in layer(s) {sorted(failed)} at tolerance {tol:g}; first: "
-                   f"{first_failure}")
+        layer, what = failures[0]
+        where = "final LayerNorm" if layer == m.n_layers else f"layer {layer}"
+        message = (f"failed: first at {where}: {what}; pattern tolerance {tol_p:g}, state "
+                   f"tolerance {tol_s:g} (relative to max(1, scale))")
     return {
+        "mode": "from_scratch",
+        "projections": False,
         "passed": passed,
-        "max_abs_diff": _num(max_diff),
-        "tolerance": tol,
-        "dtype": str(dtype).replace("torch.", ""),
-        "projections": bool(projections),
-        "failed_layers": sorted(failed),
+        "max_abs_diff": _num(max_p),
+        "max_rel_diff": _num(max_r),
+        "tolerance": tol_p,
+        "state_tolerance": tol_s,
+        "dtype": dtype,
+        "compute_dtype": "float64",
+        "mask": rc.mask,
+        "n_tokens": T,
+        "failed_layers": sorted(x for x in failed if x < m.n_layers),
+        "failing_layer": None if passed else (failures[0][0] if failures[0][0] < m.n_layers else None),
         "message": message,
+        "embeddings": {"max_abs_diff": _num(d_emb), "scale": s_emb, "passed": emb_ok},
+        "final": final_out,
         "layers": layers_out,
     }
+
+
+_FIELD = {"q": "q", "k": "k", "v": "v", "attention output": "attn_output"}
+_KEY = {"q": "q_max_abs_diff", "k": "k_max_abs_diff", "v": "v_max_abs_diff",
+        "attention output": "output_max_abs_diff", "hidden state": "hidden_max_abs_diff"}

@@ -15,6 +15,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from attnscope.service.analysis.verify import ScratchModel
+from attnscope.service.analysis.verify_recorded import AttentionParams
+
 
 @dataclass
 class LayerHandles:
@@ -22,32 +25,6 @@ class LayerHandles:
     qkv: list[nn.Module]  # modules whose outputs are q, k, v (1 module: fused)
     out_proj: nn.Module  # output projection (its output = attention output, pre-residual)
     scaling: float  # q.k multiplier (1/sqrt(d_head), times 1/(layer+1) where configured)
-
-
-@dataclass
-class AttentionParams:
-    """One layer's attention parameters in ONE layout, whatever the family (for verification).
-
-    Every projection is ``y = x @ W + b`` with ``W`` stored ``[d_in, d_out]`` (GPT-2's Conv1D
-    layout; BERT's ``nn.Linear`` weights ``[d_out, d_in]`` are transposed into it). The tensors
-    are detached views of the model's CURRENT parameters (not copies): read them, never write.
-    ``scaling`` and ``upcast`` are derived from the model's config switches, independently of
-    the attention module's own precomputed ``scaling``.
-    """
-
-    W_q: torch.Tensor  # [d_model, n_heads * d_head]
-    b_q: torch.Tensor  # [n_heads * d_head]
-    W_k: torch.Tensor  # [d_model, n_heads * d_head]
-    b_k: torch.Tensor  # [n_heads * d_head]
-    W_v: torch.Tensor  # [d_model, n_heads * d_head]
-    b_v: torch.Tensor  # [n_heads * d_head]
-    W_o: torch.Tensor  # [n_heads * d_head, d_model], output projection
-    b_o: torch.Tensor  # [d_model]
-    n_heads: int
-    d_head: int
-    scaling: float  # q.k multiplier
-    upcast: bool  # scores and softmax in float32 (GPT-2 reorder_and_upcast_attn)
-    causal: bool
 
 
 class Adapter:
@@ -96,6 +73,19 @@ class Adapter:
         """Layer ``layer``'s q/k/v/output weights in the one layout of :class:`AttentionParams`."""
         raise NotImplementedError
 
+    def final_norm(self) -> nn.Module | None:
+        """The final LayerNorm after the last block (GPT-2 ``ln_f``), or None (BERT has none).
+        Its input is the last residual-stream state; Hugging Face's last ``hidden_states``
+        entry is its output."""
+        return None
+
+    def scratch_model(self) -> ScratchModel:
+        """The base model's weights (detached views of the CURRENT parameters, by their
+        state-dict names) and config values, for the from-scratch verification."""
+        weights = {n: p.detach() for n, p in self.base().named_parameters()}
+        return ScratchModel(self.family, self.config.to_dict(), weights, self.n_layers,
+                            self.n_heads)
+
 
 class GPT2Adapter(Adapter):
     """GPT-2 family (GPT2LMHeadModel / GPT2Model): causal, fused Conv1D ``c_attn``."""
@@ -119,6 +109,9 @@ class GPT2Adapter(Adapter):
                     scaling /= float(i + 1)
             out.append(LayerHandles(attn, [attn.c_attn], attn.c_proj, float(scaling)))
         return out
+
+    def final_norm(self) -> nn.Module:
+        return self.base().ln_f
 
     def attention_params(self, layer: int) -> AttentionParams:
         """GPT-2: ``c_attn`` is a Conv1D (``y = x @ W + b``, W stored ``[d_model, 3*d_model]``,

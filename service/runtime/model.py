@@ -2,7 +2,11 @@
 
 A forward result holds, for one tokenized text of T tokens (DESIGN.md, "The runtime"):
 attention patterns ``[layer, head, query_pos, key_pos]`` (post-softmax, exactly Hugging Face's
-``output_attentions``), hidden states ``[layer+1, pos, d_model]`` (index 0 = embedding output),
+``output_attentions``), the L+1 residual-stream hidden states ``[layer+1, pos, d_model]``
+(index 0 = embedding output, index i = block i-1's output; the last is the last block's output
+BEFORE any final LayerNorm), the post-final-LayerNorm state ``final_state [pos, d_model]``
+(GPT-2's ``ln_f`` output = Hugging Face's last ``hidden_states`` entry; None for BERT, which has
+no final LayerNorm: there Hugging Face's last entry is ``hidden_states[-1]``),
 q, k, v ``[layer, head, pos, d_head]``, the attention input ``[layer, pos, d_model]`` (what the
 attention module received) and the attention output after the output projection
 ``[layer, pos, d_model]`` (before dropout and the residual add). Pre-softmax scores are
@@ -82,12 +86,15 @@ class ForwardTensors:
     outputs (see ``Runtime._forward_batch``)."""
 
     pattern: torch.Tensor  # [layer, head, query_pos, key_pos]
-    hidden_states: torch.Tensor  # [layer+1, pos, d_model]
+    hidden_states: torch.Tensor  # [layer+1, pos, d_model]: embeddings, each block's output (pre-ln_f)
     q: torch.Tensor  # [layer, head, pos, d_head]
     k: torch.Tensor  # [layer, head, pos, d_head]
     v: torch.Tensor  # [layer, head, pos, d_head]
     attn_input: torch.Tensor  # [layer, pos, d_model]
     attn_output: torch.Tensor  # [layer, pos, d_model], after the output projection
+    #: [pos, d_model]: the final LayerNorm's output (GPT-2 ln_f; = HF's last hidden_states
+    #: entry); None where the model has no final LayerNorm (BERT)
+    final_state: torch.Tensor | None = None
 
     _NAMES: ClassVar[tuple[str, ...]] = ("hidden_states", "q", "k", "v", "attn_input",
                                          "attn_output")
@@ -95,6 +102,14 @@ class ForwardTensors:
     def __post_init__(self):
         self.nbytes = sum(getattr(self, n).numel() * getattr(self, n).element_size()
                           for n in ("pattern", *self._NAMES))
+        if self.final_state is not None:
+            self.nbytes += self.final_state.numel() * self.final_state.element_size()
+
+    @property
+    def final_hidden_state(self) -> torch.Tensor:
+        """``[pos, d_model]``: Hugging Face's last ``hidden_states`` entry (after GPT-2's
+        ln_f; BERT's last block output)."""
+        return self.final_state if self.final_state is not None else self.hidden_states[-1]
 
     def replace(self, **changes: torch.Tensor) -> "ForwardTensors":
         """A copy with some tensors replaced (by field name), e.g. an altered pattern."""
@@ -160,15 +175,29 @@ def choose_device(setting: str) -> torch.device:
     return torch.device("cpu")
 
 
+#: Files of a local checkpoint that change the numbers it serves (the revision hashes them):
+#: the weights, the config (scales, activation, eps, ...), the tokenizer (ids, framing) and
+#: the generation config. README, model card and other files are not hashed.
+REVISION_FILES = ("*.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+                  "merges.txt", "added_tokens.json")
+
+
 def _weights_revision(path: Path) -> str:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
+    """``sha256:<12 hex>`` over every file of a local checkpoint that changes the numbers
+    (:data:`REVISION_FILES`: weights, config, tokenizer files), each hashed with its name, in
+    name order; ``"unknown"`` when the directory has no weights."""
+    if not any(path.glob("*.safetensors")):
         return "unknown"
+    files = sorted({f for pat in REVISION_FILES for f in path.glob(pat) if f.is_file()},
+                   key=lambda f: f.name)
     h = hashlib.sha256()
     for f in files:
+        h.update(f.name.encode() + b"\0")
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
+        h.update(b"\0")
     return "sha256:" + h.hexdigest()[:12]
 
 
@@ -236,6 +265,7 @@ class Runtime:
             "vocab_size": int(model.config.vocab_size),
             "device": str(next(model.parameters()).device),
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "attn_implementation": getattr(model.config, "_attn_implementation", None) or "eager",
             "bos_token": tok.bos_token if adapter.causal else None,
         }
         rt = cls(model, tok, adapter, info, settings)
@@ -459,6 +489,7 @@ class Runtime:
         # its memory in again (~15k pages). Evicting a text now frees blocks of exactly the
         # sizes the next text of that length takes. Costs one copy (~38 MB at T = 128).
         dt = next(self.model.parameters()).dtype
+        final_norm = self.adapter.final_norm()
         widths = [getattr(m, "out_features", None) or m.nf for m in self._handles[0].qkv]
         bufs = []
         for x in batch:
@@ -466,6 +497,7 @@ class Runtime:
             bufs.append(dict(
                 pattern=torch.empty(L, a.n_heads, n, n, dtype=dt),
                 hidden_states=torch.empty(L + 1, n, a.d_model, dtype=dt),
+                final_state=torch.empty(n, a.d_model, dtype=dt) if final_norm is not None else None,
                 qkv=[torch.empty(L, n, w, dtype=dt) for w in widths],  # the q/k/v modules' outputs
                 attn_input=torch.empty(L, n, a.d_model, dtype=dt),
                 attn_output=torch.empty(L, n, a.d_model, dtype=dt),
@@ -473,7 +505,11 @@ class Runtime:
         cap_in: list = [None] * L
         cap_qkv: list = [[None] * len(h.qkv) for h in self._handles]
         cap_out: list = [None] * L
+        cap_last: list = [None]  # the final LayerNorm's input: the last block's output
         hooks = []
+
+        def last_hook(module, args):
+            cap_last[0] = args[0]
 
         def pre_hook(i):
             def fn(module, args, kwargs):
@@ -504,6 +540,8 @@ class Runtime:
                 for j, m in enumerate(h.qkv):
                     hooks.append(m.register_forward_hook(qkv_hook(i, j)))
                 hooks.append(h.out_proj.register_forward_hook(out_hook(i)))
+            if final_norm is not None:
+                hooks.append(final_norm.register_forward_pre_hook(last_hook))
             with torch.inference_mode():
                 out = self.adapter.base()(**kwargs)
                 self.forward_count += 1
@@ -525,12 +563,24 @@ class Runtime:
                     raw = [fill(buf["qkv"][j], (rows(cap_qkv[i][j][b], 0) for i in range(L)))
                            for j in range(len(widths))]
                     q, k, v = self.adapter.split_qkv(raw)  # each [layer, head, pos, d_head]
+                    # the L+1 residual-stream states: HF's hidden_states[0..L-1] are the
+                    # embeddings and the blocks' outputs; its last is ln_f's OUTPUT (GPT-2),
+                    # so state L is ln_f's input, and ln_f's output is kept apart
+                    states = list(out.hidden_states[:L])
+                    states.append(cap_last[0] if final_norm is not None else out.hidden_states[L])
+                    final = None
+                    if final_norm is not None:
+                        fin = rows(out.hidden_states[L][b], 0)
+                        fb = buf["final_state"]
+                        final = (fb.copy_(fin) if fin.dtype == fb.dtype and fin.shape == fb.shape
+                                 else fin.cpu().clone())
                     results.append(ForwardTensors(
                         fill(buf["pattern"], attn),
-                        fill(buf["hidden_states"], (rows(h[b], 0) for h in out.hidden_states)),
+                        fill(buf["hidden_states"], (rows(h[b], 0) for h in states)),
                         q, k, v,
                         fill(buf["attn_input"], (rows(x[b], 0) for x in cap_in)),
                         fill(buf["attn_output"], (rows(x[b], 0) for x in cap_out)),
+                        final_state=final,
                     ))
         finally:
             for h in hooks:

@@ -49,6 +49,16 @@ def _build_probe_tokens(rt: Runtime, probe) -> tuple[TokenizedText, int]:
     return rt.tokenized_from_ids(ids, "probe"), len(prefix)
 
 
+def with_default_add_bos(rt: Runtime, req: HeadsRequest) -> HeadsRequest:
+    """The request with its ``add_bos`` resolved: as given, else true where the model is
+    causal and its tokenizer has a BOS token (TransformerLens' ``to_tokens`` and S004 prepend
+    it; GPT-2: ``<|endoftext|>``), false for encoders ([CLS] frames them)."""
+    if req.add_bos is not None:
+        return req
+    add_bos = bool(rt.adapter.causal and rt.tokenizer.bos_token_id is not None)
+    return req.model_copy(update={"add_bos": add_bos})
+
+
 def _num(x: float, nd: int | None) -> float | None:
     x = float(x)
     return None if math.isnan(x) else (round(x, nd) if nd is not None else x)
@@ -57,7 +67,8 @@ def _num(x: float, nd: int | None) -> float | None:
 def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
     """Checks (each text at least 2 tokens, as TransformerLens detect_head), the induction
     probe's tokens (forwarded with the texts) and the job: per-head scores averaged over the
-    texts, the probe score and a label per head (service/analysis/heads.py)."""
+    texts, the probe score, every label a head passes and its margins
+    (service/analysis/heads.py). ``req.add_bos`` is resolved (:func:`with_default_add_bos`)."""
     for i, it in enumerate(items):
         if len(it) < 2:
             param = "text" if req.text is not None else f"texts.{i}"
@@ -85,20 +96,29 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
         for layer in range(L):
             for head in range(NH):
                 s = {n: _num(lists[n][layer][head], req.round) for n in H.SCORE_NAMES}
-                out.append({"layer": layer, "head": head, "label": H.classify(s, th), "scores": s})
+                c = H.classify_all(s, th)
+                out.append({"layer": layer, "head": head, "label": c["label"],
+                            "labels": c["labels"], "margin": c["margin"],
+                            "margins": c["margins"], "scores": s})
         if req.norm_scores:
             _add_norm_scores(rt, out, forwards[: len(items)], req.round)
         return {
             "model": rt.model_ref(),
             "n_texts": len(items),
             "n_tokens": [len(it) for it in items],
+            "add_bos": bool(req.add_bos),
+            "sink_position": 0,
+            "sink_tokens": [it.tokens[0].label for it in items],
+            "dtype": rt.info["dtype"],
+            "label_scores": dict(H.LABEL_SCORE),
             "exclude_bos": req.exclude_bos,
             "exclude_current_token": req.exclude_current_token,
             "thresholds": th,
             "label_order": list(H.LABEL_ORDER) + ["none"],
             "probe": None if probe is None else {
                 "segment_length": req.probe.segment_length, "repeats": req.probe.repeats,
-                "seed": req.probe.seed, "start": start,
+                "seed": req.probe.seed, "start": start, "method": "olsson_all_earlier_repeats",
+                "n_queries": (req.probe.repeats - 1) * req.probe.segment_length,
                 "tokens": [t.as_dict() for t in probe.tokens],
             },
             "heads": out,

@@ -5,13 +5,21 @@ from __future__ import annotations
 from attnscope.schemas import TrajectoriesRequest
 from attnscope.service.analysis.trajectories import check_trajectory_request, trajectories
 from attnscope.service.encoding import encode_tensor
+from attnscope.service.errors import InvalidRequest
 from attnscope.service.runtime.engine import Plan
 
 
 def plan(rt, req: TrajectoriesRequest, items) -> Plan:
-    """Checks (PCA feasible, positions in range) and the job: per text the PCA-projected
-    paths ``[token, state, component]``, distances and explained variance."""
+    """Checks (PCA feasible, positions in range, include_final only where the model has a
+    final LayerNorm) and the job: per text the PCA-projected paths ``[token, state,
+    component]`` over the L+1 residual-stream states (and the final LayerNorm's output with
+    include_final), distances and explained variance."""
     n_hidden, d_model = rt.adapter.n_layers + 1, rt.adapter.d_model
+    if req.include_final and rt.adapter.final_norm() is None:
+        raise InvalidRequest(
+            f"include_final: this model ({rt.adapter.family}) has no final LayerNorm; its last "
+            f"block's output (state {rt.adapter.n_layers}) is already among the default states",
+            "include_final")
     wheres = ["text"] if req.text is not None else [f"texts.{i}" for i in range(len(items))]
     for it, where in zip(items, wheres):
         check_trajectory_request(n_hidden, len(it), d_model, req.include_final,
@@ -21,12 +29,15 @@ def plan(rt, req: TrajectoriesRequest, items) -> Plan:
         out = []
         for fw, where in zip(forwards, wheres):
             r = trajectories(fw.hidden_states, req.include_final, req.n_components,
-                             req.positions, where=where)
+                             req.positions, where=where, final_state=fw.tensors.final_state)
             pfx = "trajectories" if req.text is not None else f"results.{where.split('.')[1]}"
             out.append({
                 "tokens": [t.as_dict() for t in fw.tokens.tokens],
                 "positions": r["positions"],
                 "states": r["states"],
+                "state_names": r["state_names"],
+                "add_bos": fw.tokens.add_bos,
+                "dtype": rt.info["dtype"],
                 "n_components": r["n_components"],
                 "explained_variance_ratio": r["explained_variance_ratio"].tolist(),
                 "paths": encode_tensor(r["paths"], req.encoding, req.dtype, req.round,

@@ -286,7 +286,7 @@ async function renderTrajectories() {
       labels: t.tokens.map((x) => x.label), evr: t.explained_variance_ratio,
     });
   }
-  $("#traj-note").textContent = `states ${t.states[0]}..${t.states[t.states.length - 1]} (0 = embedding output), ` +
+  $("#traj-note").textContent = `states ${t.states[0]}..${t.states[t.states.length - 1]} (${t.state_names ? `${t.state_names[0]} .. ${t.state_names[t.state_names.length - 1]}` : "0 = embedding output"}), ` +
     `PCA fitted on all states x tokens; explained variance ${t.explained_variance_ratio.map((v) => (100 * v).toFixed(1) + " %").join(", ")}`;
   ready("trajectories");
 }
@@ -311,7 +311,11 @@ async function renderVerify() {
   }
   const note = document.createElement("p");
   note.className = "note";
-  note.textContent = `recomputed from scratch in ${v.dtype} from the weights; tolerance ${v.tolerance}`;
+  note.textContent = v.mode === "from_scratch"
+    ? `the whole forward recomputed from scratch in ${v.compute_dtype} from the weights and config ` +
+      `(${v.mask} mask, scale per layer ${v.layers.map((l) => l.scale.toPrecision(4)).join(", ")}), ` +
+      `compared with the ${v.dtype} forward served; tolerance ${v.tolerance} (pattern), ${v.state_tolerance} (states, relative)`
+    : `attention step re-run from the recorded q/k/v in ${v.dtype}; tolerance ${v.tolerance}`;
   box.replaceChildren(head, tb, note);
   ready("verify");
 }

@@ -150,8 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     _text_args(p, plot=False)
     p.add_argument("--layers", type=_ints, help="layer indices (default all)")
     p.add_argument("--tolerance", type=float, default=None, help="largest difference that passes")
+    p.add_argument("--mode", choices=["from_scratch", "recorded_qkv"], default=None,
+                   help="from_scratch (default): the whole forward in float64 from the weights; "
+                   "recorded_qkv: the attention step from the recorded q/k/v")
     p.add_argument("--projections", action="store_true", default=None,
-                   help="also recompute q/k/v from the attention input (~3x the cost)")
+                   help="recorded_qkv (implied): also recompute q/k/v from the attention input")
 
     p = sub.add_parser("heads", help="classify every head (previous-token, induction, sink, ...)")
     _common(p)
@@ -457,7 +460,9 @@ def cmd_trajectories(args) -> int:
 
 def cmd_verify(args) -> int:
     opts = _options(args, {"layers": "layers", "tolerance": "tolerance",
-                           "projections": "projections"})
+                           "projections": "projections", "mode": "mode"})
+    if opts.get("projections"):  # the q/k/v projections are a check of mode recorded_qkv
+        opts.setdefault("mode", "recorded_qkv")
     with _client(args) as c:
         res = c.verify(_read_text(args.text), **opts)
     v = res.verification
