@@ -25,7 +25,7 @@ from attnscope.service.api import interventions as interventions_api
 from attnscope.service.api import norms as norms_api, rollout as rollout_api
 from attnscope.service.config import Settings
 from attnscope.service.encoding import ORJSONResponse
-from attnscope.service.errors import AttnscopeError, envelope
+from attnscope.service.errors import AttnscopeError, envelope, scrub_paths
 from attnscope.service.ops import install_ops
 from attnscope.service.runtime.engine import Engine
 from attnscope.service.runtime.slot import DeviceSlot
@@ -260,12 +260,12 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
                     log.info("model ready: %s (%d start-up objects frozen for the garbage "
                              "collector)", app.state.runtime.info, frozen)
                 except ModelLoadError as exc:
-                    app.state.load_error = str(exc)
+                    app.state.load_error = scrub_paths(str(exc))  # clients: no local paths
                     log.error("start-up failed: %s", exc)
                     if settings.exit_on_load_failure:
                         os._exit(3)
                 except Exception as exc:  # pragma: no cover
-                    app.state.load_error = f"{type(exc).__name__}: {exc}"
+                    app.state.load_error = scrub_paths(f"{type(exc).__name__}: {exc}")
                     log.exception("start-up failed")
                     if settings.exit_on_load_failure:
                         os._exit(3)

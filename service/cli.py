@@ -25,8 +25,6 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from attnscope.service.app import create_app
     from attnscope.service.config import Settings
 
@@ -38,12 +36,16 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     from attnscope.service.logs import logging_config
 
+    from attnscope.service.server import serve as run_server
+
     log_config = logging_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(log_config)
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, workers=1,
-                log_level=settings.log_level, timeout_graceful_shutdown=30,
-                log_config=log_config, access_log=False)
+    try:
+        run_server(app, settings)  # uvicorn with our connection/header limits
+    except ValueError as exc:
+        print(f"attnscope serve: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -69,6 +69,18 @@ class Settings(BaseSettings):
         "(service/runtime/memory.py); beyond it 422 'memory_limit_exceeded' before any forward. "
         "0 = no limit.",
     )
+    memory_budget_bytes: int = Field(
+        0, ge=-1, description="Memory budget of ALL requests in flight together, bytes: a "
+        "request is admitted only while the estimates of those in flight (until their last "
+        "byte is sent) plus its own fit; otherwise it waits up to budget_wait_s, then 429 "
+        "with Retry-After (service/runtime/budget.py). 0 = derived at start-up: the memory "
+        "the process may use (cgroup limit or MemTotal) minus its RSS with the model loaded, "
+        "minus cache_bytes, minus 10% of that memory. -1 = no global budget.",
+    )
+    budget_wait_s: float = Field(
+        5.0, ge=0, description="Most seconds a request waits for room in the memory budget "
+        "before 429.",
+    )
     trim_free_bytes: int = Field(
         268_435_456, ge=0, description="After a forward or a large response, free heap memory "
         "is given back to the OS (glibc malloc_trim) once the allocator holds more than this many "
@@ -104,6 +116,26 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         120.0, ge=0, description="Per-request time limit, seconds (504 'timeout' beyond; the "
         "forward already running finishes in the background). 0 = no limit.",
+    )
+
+    max_connections: int = Field(
+        1024, ge=1, le=1_000_000, description="Most open client connections (`attnscope "
+        "serve`). Beyond it the connection idle the longest is closed to make room, or, when "
+        "none is idle, the newcomer gets 503 with Retry-After at once (service/server.py). "
+        "Must leave 256 file descriptors under `ulimit -n` (raised to its hard limit at start).",
+    )
+    header_timeout_s: float = Field(
+        10.0, ge=0, description="Most seconds from a connection's start (or a request's first "
+        "byte) to the end of the request's headers; beyond it 408 and the connection is closed "
+        "(slow, trickling clients). 0 = no limit.",
+    )
+    keep_alive_timeout_s: float = Field(
+        5.0, ge=1, description="Seconds an idle kept-alive connection stays open after a "
+        "response (uvicorn timeout_keep_alive).",
+    )
+    max_header_bytes: int = Field(
+        32_768, ge=1024, description="Largest request line + headers, bytes; beyond it 431 and "
+        "the connection is closed.",
     )
 
     @field_validator("api_keys", "cors_origins", mode="before")

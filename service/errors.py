@@ -96,3 +96,24 @@ class NonFiniteValues(AttnscopeError):
 
 def envelope(type_: str, message: str, param: str | None = None) -> dict:
     return {"error": {"type": type_, "message": message, "param": param}}
+
+
+_PATH = None
+
+
+def scrub_paths(text: str) -> str:
+    """``text`` with every filesystem path (``/...``, ``~/...``, ``./...``, ``C:\\...``)
+    replaced by its last component in angle brackets (``<model>``): messages clients read
+    (``/readyz``, 503s, ``/v1/model``) never show where the model lives; the log has it."""
+    global _PATH
+    import re
+
+    if _PATH is None:
+        _PATH = re.compile(r"(?:(?<=^)|(?<=[\s'\"(=:,\[]))(?:~|\.{1,2})?(?:[A-Za-z]:)?[/\\]"
+                           r"[^\s'\")\],]*")
+
+    def last(m) -> str:
+        parts = [p for p in re.split(r"[/\\]", m.group(0)) if p and p not in ("~", ".", "..")]
+        return f"<{parts[-1]}>" if parts else "<path>"
+
+    return _PATH.sub(last, text)

@@ -21,6 +21,21 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "attnscope_request_id", default=None
 )
 
+# Characters that end a line for some reader (str.splitlines, journald, log shippers: C0
+# controls incl. CR/LF/VT/FF/FS/GS/RS, NEL U+0085, LINE/PARAGRAPH SEPARATOR U+2028/U+2029),
+# plus the other C0 controls and DEL (terminal escapes): written as escapes, so no value a
+# client controls (a path with %0a, a header) can start a forged log line.
+_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F] if c != 0x09}
+_ESCAPES.update({0x0A: "\\n", 0x0D: "\\r", 0x85: "\\u0085", 0x2028: "\\u2028",
+                 0x2029: "\\u2029"})
+_JSON_ESCAPES = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def one_line(text: str) -> str:
+    """``text`` with every line-breaking or control character escaped (``\\n``, ``\\x1b``, ...)."""
+    return text.translate(_ESCAPES)
+
+
 _STD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "request_id",
                                                      "color_message"}  # uvicorn's ANSI copy
 
@@ -59,7 +74,8 @@ class JsonFormatter(logging.Formatter):
                 out[k] = v
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str, ensure_ascii=False)
+        # json escapes C0 controls already; the Unicode line separators it writes raw
+        return json.dumps(out, default=str, ensure_ascii=False).translate(_JSON_ESCAPES)
 
 
 class TextFormatter(logging.Formatter):
@@ -73,10 +89,20 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         if not hasattr(record, "request_id"):
             record.request_id = request_id_var.get() or "-"
-        line = super().format(record)
+        record.message = record.getMessage()
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        line = one_line(self.formatMessage(record))
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict) and fields:
-            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+            line += " " + " ".join(f"{one_line(str(k))}={one_line(str(v))}"
+                                   for k, v in fields.items())
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:  # a traceback: its lines indented, each escaped (never a record)
+            line += "".join("\n    | " + one_line(x) for x in record.exc_text.splitlines())
+        if record.stack_info:
+            line += "".join("\n    | " + one_line(x) for x in record.stack_info.splitlines())
         return line
 
 

@@ -43,7 +43,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-from attnscope.service.encoding import ORJSONResponse
+from attnscope.service.encoding import DEADLINE_KEY, ORJSONResponse
 from attnscope.service.errors import envelope
 from attnscope.service.logs import request_id_var
 
@@ -257,6 +257,9 @@ class RequestContextMiddleware:
                     "method": method, "path": path, "route": route, "status": status,
                     "duration_ms": round(dt * 1000, 2),
                     "client": (scope.get("client") or ("", 0))[0],
+                    # False: the response started but its last byte was never sent (cut at
+                    # the deadline, or the client went away)
+                    **({"complete": False} if started and not t_end else {}),
                 }},
             )
             request_id_var.reset(token)
@@ -324,7 +327,10 @@ class TimeoutMiddleware:
     abandoned forward still counts against ``max_queue`` until it ends, so a burst of timeouts
     turns into 429s rather than a pile-up, and the device is never used by two forwards at
     once. ``attnscope_abandoned_requests`` shows them. A response that has already started
-    (it cannot be replaced by a 504) is let finish. Health, readiness and metrics are never
+    cannot be replaced by a 504: a streamed one (``service.encoding.ChunkedResponse``, every
+    big JSON or safetensors body) stops at the deadline (put in the scope under
+    ``DEADLINE_KEY``), logs a warning and closes the connection without the end of the body,
+    so the client sees an incomplete response (httpx: ``RemoteProtocolError``). Health, readiness and metrics are never
     timed. (A timer rather than running the handler as a separate task: handing the
     handler to another task added ~250 ms per forward under uvicorn+uvloop here.)
     """
@@ -361,6 +367,8 @@ class TimeoutMiddleware:
             )
 
         state["done"] = False
+        # streamed responses (service.encoding.ChunkedResponse) stop at this deadline
+        scope[DEADLINE_KEY] = time.monotonic() + self.seconds
         loop = asyncio.get_running_loop()
         fired: list[asyncio.Task] = []
         timer = loop.call_later(self.seconds, lambda: fired.append(loop.create_task(fire())))
@@ -437,10 +445,12 @@ def _cors_middleware():
             what = text.removeprefix("Disallowed CORS ").split(",")[0].strip() or "origin"
             param = {"origin": "Origin", "method": "Access-Control-Request-Method",
                      "headers": "Access-Control-Request-Headers"}.get(what, "Origin")
+            # the refusal names what was refused, never the allowed origins (which would
+            # tell anyone where the service is used from); methods and headers are public
             return ORJSONResponse(
-                envelope("validation_error", f"CORS preflight refused ({text}): allowed "
-                         f"origins {list(self.allow_origins)[:10]}, methods GET, POST, OPTIONS, "
-                         "headers Authorization, Content-Type, X-Request-ID", param),
+                envelope("validation_error", f"CORS preflight refused ({text}); allowed "
+                         "methods GET, POST, OPTIONS, headers Authorization, Content-Type, "
+                         "X-Request-ID", param),
                 status_code=resp.status_code, headers=keep,
             )
 

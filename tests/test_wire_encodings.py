@@ -150,7 +150,7 @@ def test_accept_nothing_we_produce_is_406(client):
 
 
 def test_streamed_json_equals_one_shot(monkeypatch):
-    from attnscope.service import encoding
+    from attnscope.service.encoding import responses as encoding  # where CHUNK_BYTES lives
 
     monkeypatch.setattr(encoding, "CHUNK_BYTES", 64)
     rng = np.random.default_rng(0)
@@ -164,7 +164,7 @@ def test_streamed_json_equals_one_shot(monkeypatch):
 
 
 def test_large_json_is_streamed_and_correct(client, make_client, gpt2_runtime, monkeypatch, reference):
-    from attnscope.service import encoding
+    from attnscope.service.encoding import responses as encoding
 
     monkeypatch.setattr(encoding, "STREAM_MIN_BYTES", 1000)
     monkeypatch.setattr(encoding, "CHUNK_BYTES", 512)

@@ -50,10 +50,18 @@ def one_blas_thread() -> Iterator[None]:
 def preload_analysis_libraries() -> None:
     """Import scikit-learn's PCA and scaler (~0.7 s; otherwise the first /v1/trajectories
     pays it) and build the controller, so every BLAS they use is loaded and known."""
+    import numpy as np
     import sklearn.decomposition  # noqa: F401
     import sklearn.preprocessing  # noqa: F401
 
     _get_controller()
+    # one tiny fit per solver path: their lazy imports (scipy.linalg/sparse submodules,
+    # array-API helpers) hold the GIL for ~1 s on a busy machine; a first request should not
+    # (issue 17: /healthz stalled past 1 s on a cold server's first /v1/trajectories)
+    x = np.random.default_rng(0).random((64, 16))
+    for n in (2, 12):
+        sklearn.decomposition.PCA(n, random_state=0).fit_transform(
+            sklearn.preprocessing.StandardScaler().fit_transform(x))
 
 
 def one_blas_thread_for_process() -> None:

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from attnscope.schemas import TokenizeRequest, TokenizeResponse
 from attnscope.service.deps import EngineDep
-from attnscope.service.encoding import ORJSONResponse
+from attnscope.service.encoding import respond
 from attnscope.service.serving.tokenize import body
 
 router = APIRouter(tags=["tokens"])
@@ -18,4 +18,4 @@ async def tokenize(req: TokenizeRequest, engine: EngineDep):
     framing. Never waits for the device. Errors: 422 (blank text, too many tokens, batch over
     max_batch); 503 not ready."""
     rt = engine.runtime
-    return ORJSONResponse(body(rt, req, await engine.tokenize(rt, req)))
+    return await respond(body(rt, req, await engine.tokenize(rt, req)))  # rendered off the loop

@@ -26,6 +26,7 @@ from fastapi import Response
 
 from attnscope.service.encoding import respond
 from attnscope.service.errors import BatchTooLarge, NotReady
+from attnscope.service.runtime.budget import MemoryBudget, Ticket, default_budget
 from attnscope.service.runtime.memory import check_memory, release_memory
 from attnscope.service.runtime.model import ForwardResult, Runtime, TokenizedText
 
@@ -97,8 +98,33 @@ class Engine:
             check(rt, req)
         items = await self.tokenize(rt, req) if tokenize else []
         p = plan(rt, req, items)
-        body = await self.run(rt, p)
-        return await respond(body, binary, p.status_code, p.headers)
+        ticket = await self.admit(rt, p)  # held until the response's last byte (or cut)
+        try:
+            body = await self.run(rt, p, admitted=True)
+            return await respond(body, binary, p.status_code, p.headers, on_close=ticket.release)
+        except BaseException:
+            ticket.release()
+            raise
+
+    @property
+    def budget(self) -> MemoryBudget:
+        """The global memory budget (service/runtime/budget.py), made on first use (after the
+        model loaded: the auto budget subtracts the process's memory with the model)."""
+        b = getattr(self._state, "budget", None)
+        if b is None:
+            s = getattr(self._state, "settings", None)
+            total = getattr(s, "memory_budget_bytes", -1) if s is not None else -1
+            if total == 0:
+                total = default_budget(getattr(s, "cache_bytes", 0))
+            b = self._state.budget = MemoryBudget(max(total, 0), getattr(s, "budget_wait_s", 5.0))
+        return b
+
+    async def admit(self, rt: Runtime | None, p: Plan) -> Ticket:
+        """The memory check of one request (422 over ``max_request_bytes``), then its room in
+        the global budget (waits; 429 ``overloaded`` with Retry-After when none comes)."""
+        total = check_memory(rt, [len(it) for it in p.items], p.response_bytes,
+                             limit=self.max_request_bytes, detail=p.detail)
+        return await self.budget.acquire(total)
 
     async def tokenize(self, rt: Runtime, req) -> list[TokenizedText]:
         """Every text of a ``TextOrTexts`` request, tokenized (off the event loop unless the
@@ -121,13 +147,18 @@ class Engine:
 
         return await anyio.to_thread.run_sync(work)
 
-    async def run(self, rt: Runtime | None, p: Plan) -> Any:
+    async def run(self, rt: Runtime | None, p: Plan, admitted: bool = False) -> Any:
         """Memory check, then the forwards (cached or new) and ``p.job`` in one device turn.
 
         A request whose forwards are all cached is admitted like any other (429 when the
-        queue is full) and its turn runs only the job."""
-        check_memory(rt, [len(it) for it in p.items], p.response_bytes,
-                     limit=self.max_request_bytes, detail=p.detail)
+        queue is full) and its turn runs only the job. ``admitted``: :meth:`admit` was done
+        by the caller (who holds the ticket); else the budget is held for this turn only."""
+        if not admitted:
+            ticket = await self.admit(rt, p)
+            try:
+                return await self.run(rt, p, admitted=True)
+            finally:
+                ticket.release()
         hits = rt.cached_forwards(p.items) if (rt is not None and p.items) else None
         if hits is not None or not p.items:
             return await self.slot.run(p.job, hits or [])

@@ -32,7 +32,7 @@ from typing import ClassVar
 import torch
 
 from attnscope.service.config import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID, Settings
-from attnscope.service.errors import ContextLengthExceeded, InvalidRequest
+from attnscope.service.errors import ContextLengthExceeded, InvalidRequest, scrub_paths
 from attnscope.service.runtime.adapters import ADAPTERS, CAUSAL_TYPES, Adapter
 from attnscope.service.runtime.cache import ByteLRU
 from attnscope.service.runtime.memory import recorded_bytes
@@ -249,11 +249,16 @@ class Runtime:
             )
             model, tok, ident = _load_pretrained("bundled", settings)
         adapter = ADAPTERS[model.config.model_type](model)
+        # clients see model ids, never local paths (issue 17); the log has the full path
+        shown = requested
+        if fallback_reason is None and requested not in ("bundled", BUNDLED_MODEL_ID) and \
+                Path(requested).expanduser().is_dir():
+            shown = ident["id"]
         info = {
             **ident,
-            "requested": requested,
+            "requested": shown,
             "fallback": fallback_reason is not None,
-            "fallback_reason": fallback_reason,
+            "fallback_reason": None if fallback_reason is None else scrub_paths(fallback_reason),
             "architecture": (model.config.architectures or [type(model).__name__])[0],
             "family": adapter.family,
             "causal": adapter.causal,

@@ -11,6 +11,7 @@ from attnscope.schemas import HeadsRequest
 from attnscope.service.analysis import heads as H
 from attnscope.service.errors import InvalidRequest, NonFiniteValues
 from attnscope.service.runtime import Runtime, TokenizedText
+from attnscope.service.encoding.estimates import heads_bytes
 from attnscope.service.runtime.engine import Plan
 
 PROBE_MEMO_ENTRIES = 64  # distinct probe options kept per runtime
@@ -124,7 +125,9 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
             "heads": out,
         }
 
-    return Plan(items + ([probe] if probe else []), job,
+    lengths = [len(it) for it in items] + ([len(probe)] if probe else [])
+    est = heads_bytes(lengths, rt.adapter.n_layers, rt.adapter.n_heads)
+    return Plan(items + ([probe] if probe else []), job, est,
                 detail=", one of them the induction probe" if probe else "")
 
 

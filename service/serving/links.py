@@ -7,6 +7,7 @@ import torch
 
 from attnscope.schemas import LinksRequest
 from attnscope.service.analysis.links import skipped_queries, strongest_links
+from attnscope.service.encoding.estimates import links_bytes
 from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_distinct, check_index
@@ -45,7 +46,8 @@ def plan(rt, req: LinksRequest, items) -> Plan:
             body["results"] = out
         return body
 
-    return Plan(items, job)
+    est = links_bytes([len(it) for it in items], req.top_k, rt.adapter.n_heads)
+    return Plan(items, job, est)
 
 
 def _build(req: LinksRequest, forwards, rt=None) -> list[dict]:

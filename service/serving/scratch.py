@@ -8,6 +8,7 @@ from attnscope.schemas import ScratchAttentionRequest
 from attnscope.schemas.scratch import MAX_WEIGHTS
 from attnscope.service.analysis.scratch import as_matrix, embedding_qkv, scratch_attention
 from attnscope.service.encoding import encode_tensor
+from attnscope.service.encoding.estimates import scratch_bytes
 from attnscope.service.errors import InvalidRequest
 from attnscope.service.runtime.engine import Plan
 
@@ -82,4 +83,21 @@ def plan(rt, req: ScratchAttentionRequest, items) -> Plan:
         })
         return body
 
-    return Plan([], job)
+    return Plan([], job, _estimate(rt, req))
+
+
+def _estimate(rt, req: ScratchAttentionRequest) -> int:
+    """Upper bound of the job's memory (service/encoding/estimates.py): matrices as given, or
+    for a text at most min(characters + 2, n_ctx) tokens of d_model-wide embeddings."""
+    H = req.n_heads
+    if req.text is None:
+        n_q, n_k = len(req.q), len(req.k)
+        d_k, d_v = len(req.q[0]) // H, len(req.v[0]) // H
+        return scratch_bytes(H, n_q, n_k, max(d_k, 1), max(d_v, 1), req.encoding, req.dtype,
+                             req.round)
+    n_ctx, d = rt.adapter.n_ctx, rt.adapter.d_model
+    n_k = min(len(req.text) + 2, n_ctx)
+    n_q = min(len(req.query_text) + 2, n_ctx) if req.query_text is not None else n_k
+    pca = tuple(rt.adapter.embed_matrix().shape) if req.project is not None else (0, 0)
+    return scratch_bytes(H, n_q, n_k, max(d // H, 1), max(d // H, 1), req.encoding,
+                         req.dtype, req.round, *pca)

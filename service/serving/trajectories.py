@@ -5,6 +5,7 @@ from __future__ import annotations
 from attnscope.schemas import TrajectoriesRequest
 from attnscope.service.analysis.trajectories import check_trajectory_request, trajectories
 from attnscope.service.encoding import encode_tensor
+from attnscope.service.encoding.estimates import trajectories_bytes
 from attnscope.service.errors import InvalidRequest
 from attnscope.service.runtime.engine import Plan
 
@@ -54,4 +55,8 @@ def plan(rt, req: TrajectoriesRequest, items) -> Plan:
             body["results"] = out
         return body
 
-    return Plan(items, job)
+    n_states = n_hidden + (1 if req.include_final else 0)  # L+1 states, + ln_f output
+    n_comp = req.n_components if req.n_components is not None else d_model
+    est = trajectories_bytes([len(it) for it in items], n_states, d_model, n_comp,
+                             req.encoding, req.dtype, req.round)
+    return Plan(items, job, est)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from attnscope.schemas import VerifyRequest
 from attnscope.service.analysis.verify import check_supported, verify_from_scratch
 from attnscope.service.analysis.verify_recorded import verify as verify_recorded_qkv
+from attnscope.service.encoding.estimates import verify_bytes
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_indices
 
@@ -51,4 +52,7 @@ def plan(rt, req: VerifyRequest, items) -> Plan:
             body["results"] = res
         return body
 
+    # the recorded_qkv work and the report (encoding layer), plus one float64 layer at a time
+    est += verify_bytes([len(it) for it in items], len(layers), a.n_heads, a.d_model,
+                        req.projections)
     return Plan(items, job, response_bytes=est)

@@ -1,4 +1,8 @@
-"""Tensors become wire data in exactly one place (CONVENTIONS.md).
+"""FROZEN COPY of service/encoding.py before issue 17 (commit 5b2e652): the reference that
+tests/test_encoding_equivalence.py compares the chunked encoders with, byte for byte. Not used
+by the service.
+
+Tensors become wire data in exactly one place (CONVENTIONS.md).
 
 Encodings of one tensor (:func:`encode_tensor`):
 
@@ -541,30 +545,21 @@ async def tensor_response(
 ) -> Response:
     """Run ``build()`` (all tensor work: selection, encode_tensor) off the event loop, with
     ``run`` (e.g. on the device thread: DeviceSlot.run) or else in a worker thread, and return
-    its body through :func:`respond`.
+    its body: safetensors when ``binary``, else JSON (streamed in chunks when big).
 
     Errors raised by ``build`` (NonFiniteValues, ...) propagate before any byte is sent.
     """
     body = await (run(build) if run is not None else anyio.to_thread.run_sync(build))
-    return await respond(body, binary, status_code)
-
-
-async def respond(body: Any, binary: bool = False, status_code: int = 200,
-                  headers: dict | None = None) -> Response:
-    """The response for a finished ``body`` (a dict whose tensors went through
-    :func:`encode_tensor`): one safetensors file when ``binary``, else JSON (streamed in
-    chunks when its arrays are big)."""
     if binary:
         parts = await anyio.to_thread.run_sync(safetensors_parts, body)
         del body
         length = sum(len(p) for p in parts)
         return StreamingResponse(_then_release(iter(parts)), status_code=status_code,
-                                 media_type=SAFETENSORS,
-                                 headers={"content-length": str(length), **(headers or {})})
+                                 media_type=SAFETENSORS, headers={"content-length": str(length)})
     if _array_bytes(body) < STREAM_MIN_BYTES:
-        return ORJSONResponse(body, status_code=status_code, headers=headers)
+        return ORJSONResponse(body, status_code=status_code)
     return StreamingResponse(_then_release(iter_json(body)), status_code=status_code,
-                             media_type="application/json", headers=headers)
+                             media_type="application/json")
 
 
 def _then_release(chunks: Iterator[Any]) -> Iterator[Any]:

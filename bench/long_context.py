@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""Long contexts end to end (issue 17): /v1/attention at T = 1024 on GPT-2-small shapes,
+sparse top-16 (JSON) and 'tril' float16 (base64), with the client's decode, against the
+in-process forward (Hugging Face, ``output_attentions``) of a fresh text of the same length.
+
+Several servers in one run (``--server NAME=PYTHON``: each python runs ``attnscope serve``
+from its own checkout, e.g. ``before=/work/main/.venv/bin/python``); requests alternate
+between them and each is paired with a floor forward run just before it, so the machine's
+drifting load hits every server alike. Prints one JSON object and a table.
+
+    .venv/bin/python bench/long_context.py --server before=/work/main/.venv/bin/python \\
+        --server after=.venv/bin/python --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import Texts, build_model, floor_once  # noqa: E402
+
+from attnscope.client import wire  # noqa: E402
+
+FORMS = {
+    "sparse_top16_json": {"sparse": {"top_k": 16}},
+    "tril_float16_base64": {"layout": "tril", "encoding": "base64", "dtype": "float16"},
+}
+
+
+class Server:
+    def __init__(self, python: str, model_dir: Path, log: Path):
+        import socket
+        import subprocess
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [python, "-m", "attnscope.service.cli", "serve", "--host", "127.0.0.1", "--port",
+             str(self.port), "--model", str(model_dir), "--request-timeout-s", "900",
+             "--log-level", "warning"],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=str(Path(python).parents[2]))
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(log.read_text()[-2000:])
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("server not ready")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def decode(body: bytes, T: int):
+    p = orjson.loads(body)["attention"]["pattern"]
+    return wire.sparse_to_dense(p) if p.get("encoding") == "sparse" else wire.decode_tensor(p)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server", action="append", required=True, help="NAME=PYTHON")
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--model-dir", default=None)
+    args = ap.parse_args(argv)
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    tmp = Path(tempfile.mkdtemp(prefix="attnscope-long-"))
+    model_dir = Path(args.model_dir) if args.model_dir else build_model(False, tmp / "gpt2-small")
+    base = GPT2LMHeadModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    torch.set_grad_enabled(False)
+    texts = Texts(model_dir)
+    servers = {}
+    for spec in args.server:
+        name, python = spec.split("=", 1)
+        servers[name] = Server(python, model_dir, tmp / f"{name}.log")
+    T = args.T
+    res: dict = {n: {f: [] for f in FORMS} for n in servers}
+    try:
+        clients = {n: httpx.Client(base_url=s.url, timeout=900) for n, s in servers.items()}
+        for n, c in clients.items():  # warm-up
+            assert c.post("/v1/attention", json={"text": texts.make(T), **FORMS[
+                "tril_float16_base64"]}).status_code == 200
+        for r in range(args.runs):
+            for form, opts in FORMS.items():
+                for n, c in clients.items():
+                    fl = floor_once(base, texts, T)
+                    t0 = time.perf_counter()
+                    resp = c.post("/v1/attention", json={"text": texts.make(T), **opts})
+                    t1 = time.perf_counter()
+                    assert resp.status_code == 200, resp.text[:300]
+                    arr = decode(resp.content, T)
+                    t2 = time.perf_counter()
+                    assert arr.shape[-1] == T
+                    res[n][form].append({"floor_s": fl, "last_byte_s": t1 - t0,
+                                         "with_decode_s": t2 - t0, "bytes": len(resp.content)})
+                    del resp, arr
+    finally:
+        for s in servers.values():
+            s.stop()
+    summary: dict = {}
+    for n, forms in res.items():
+        for form, runs in forms.items():
+            med = lambda k: statistics.median(x[k] for x in runs)  # noqa: E731
+            ratio = statistics.median(x["with_decode_s"] / x["floor_s"] for x in runs)
+            ratio_last = statistics.median(x["last_byte_s"] / x["floor_s"] for x in runs)
+            summary.setdefault(n, {})[form] = {
+                "floor_s": round(med("floor_s"), 3), "last_byte_s": round(med("last_byte_s"), 3),
+                "with_decode_s": round(med("with_decode_s"), 3),
+                "ratio_with_decode": round(ratio, 2), "ratio_last_byte": round(ratio_last, 2),
+                "bytes": int(med("bytes")), "runs": len(runs)}
+    print(json.dumps({"T": T, "summary": summary}, indent=1))
+    for n, forms in summary.items():
+        for form, v in forms.items():
+            print(f"{n:8s} {form:22s} floor {v['floor_s']:.2f} s  last byte {v['last_byte_s']:.2f} s"
+                  f" ({v['ratio_last_byte']}x)  with decode {v['with_decode_s']:.2f} s "
+                  f"({v['ratio_with_decode']}x)  {v['bytes'] / 2**20:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Memory estimates of every endpoint's response and of its job's own tensors (issue 17,
+"Every endpoint's response is in its estimate"). The serving modules call these and put the
+result in ``Plan.response_bytes``; the engine adds the forwards (service/runtime/memory.py)
+and checks the sum against ``max_request_bytes`` and the global budget.
+
+Each function counts the big allocations of its job (float64 copies, score matrices,
+fitted PCA work) and of its response: the Python objects of the body (token dicts, link
+dicts: measured ~300-600 bytes each with their JSON text) and the encoded tensors
+(:func:`~attnscope.service.encoding.codecs.estimate_encoded_bytes`). They are upper bounds
+of the same order as the truth: tests/test_estimates.py checks every endpoint's response size
+against its estimate, and tests/test_abuse.py the process's resident memory.
+"""
+
+from __future__ import annotations
+
+from attnscope.service.encoding.codecs import estimate_encoded_bytes
+
+#: one token of a response (id, label, offsets, special: a dict + its JSON)
+TOKEN_BYTES = 600
+#: one link of /v1/links (query/key positions and labels, weight: dicts + JSON)
+LINK_BYTES = 700
+#: one head of /v1/heads (its scores dict, label, JSON)
+HEAD_BYTES = 3000
+
+
+def tokens_bytes(n_tokens: int) -> int:
+    """The ``tokens`` lists of ``n_tokens`` tokens in all."""
+    return TOKEN_BYTES * int(n_tokens)
+
+
+def trajectories_bytes(lengths: list[int], n_states: int, d_model: int, n_components: int,
+                       encoding: str, dtype: str, round_: int | None) -> int:
+    """/v1/trajectories per text of T tokens: the states x tokens matrix in float64 and the
+    standardised, centred and SVD copies of it (PCA: ~6 of ``[n_states * T, d_model]``), the
+    paths ``[T, n_states, n_components]`` in float64, and the encoded paths."""
+    total = 0
+    for T in lengths:
+        rows = n_states * T
+        paths = T * n_states * n_components
+        total += 8 * rows * d_model * 6 + 8 * paths + \
+            estimate_encoded_bytes(paths, encoding, dtype, round_, row_len=n_components) + \
+            tokens_bytes(T) + 64 * T
+    return total
+
+
+def links_bytes(lengths: list[int], top_k: int, n_heads: int) -> int:
+    """/v1/links per text: the head-mean weights ``[T, T]`` (float32 + a ranking copy) and
+    up to ``top_k`` link objects per query token."""
+    return sum(4 * T * T * 3 + LINK_BYTES * T * min(top_k, T) + tokens_bytes(T)
+               for T in lengths)
+
+
+def heads_bytes(lengths: list[int], n_layers: int, n_heads: int) -> int:
+    """/v1/heads: per text the score passes over ``[layer, head, T, T]`` (float64 work
+    copies, ~3 at once) and the response's one object per head."""
+    work = max((8 * 3 * n_layers * n_heads * T * T for T in lengths), default=0)
+    return work + HEAD_BYTES * n_layers * n_heads + sum(tokens_bytes(T) for T in lengths)
+
+
+def verify_bytes(lengths: list[int], n_layers: int, n_heads: int, d_model: int,
+                 projections: bool) -> int:
+    """/v1/verify: the selected layers' weights in float64 (q/k/v/output, ``4 d^2``), and for
+    one layer at a time the float64 q, k, v, scores, pattern and output of the recomputation
+    (``+`` the attention input and recomputed q/k/v with ``projections``)."""
+    params = 8 * n_layers * (4 * d_model * d_model + 4 * d_model)
+    longest = max(lengths, default=0)
+    per_layer = 8 * (3 * n_heads * longest * longest + (4 + (4 if projections else 0))
+                     * longest * d_model)
+    report = n_layers * n_heads * 200 + sum(tokens_bytes(T) for T in lengths)
+    return params + 2 * per_layer + report
+
+
+def scratch_bytes(n_heads: int, n_query: int, n_key: int, d_k: int, d_v: int, encoding: str,
+                  dtype: str, round_: int | None, pca_rows: int = 0, pca_cols: int = 0) -> int:
+    """/v1/scratch-attention: Q, K, V in float64, scores / masked / weights ``[head,
+    query_pos, key_pos]`` in float64, the output, their encodings; with ``project`` the PCA
+    fit of the embedding matrix ``[pca_rows, pca_cols]`` (float64 copy, centred copy, SVD)."""
+    hqk = n_heads * n_query * n_key
+    out = n_query * d_v
+    work = 8 * ((n_query + n_key) * d_k + n_key * d_v + 3 * hqk + out)
+    enc = (2 * estimate_encoded_bytes(hqk, encoding, dtype, round_, row_len=max(n_key, 1))
+           + estimate_encoded_bytes(out, encoding, dtype, round_, row_len=max(d_v, 1)))
+    pca = 8 * 4 * pca_rows * pca_cols
+    return work + enc + pca + tokens_bytes(n_query + n_key)
