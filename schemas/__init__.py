@@ -35,11 +35,21 @@ from attnscope.schemas.trajectories import (
     TrajectoriesResponse,
     TrajectoryResult,
 )
+from attnscope.schemas.interventions import (
+    AblateRequest, AblateResponse, PatchRequest, PatchResponse, PredictionsRequest,
+    PredictionsResponse,
+)
 from attnscope.schemas.norms import NormsRequest, NormsResponse, NormsResult
 from attnscope.schemas.rollout import RolloutRequest, RolloutResponse, RolloutResult
 from attnscope.schemas.verify import HeadDiff, LayerDiff, VerifyRequest, VerifyResponse, VerifyResult
 
 __all__ = [
+    "AblateRequest",
+    "AblateResponse",
+    "PatchRequest",
+    "PatchResponse",
+    "PredictionsRequest",
+    "PredictionsResponse",
     "AttentionRequest",
     "AttentionResponse",
     "AttentionResult",

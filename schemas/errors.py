@@ -14,6 +14,7 @@ ERROR_TYPES: dict[str, int] = {
     "out_of_range": 422,             # a layer or head index outside the model
     "batch_too_large": 422,          # more texts than max_batch
     "memory_limit_exceeded": 422,    # the memory estimate is over max_request_bytes
+    "unsupported_model": 422,        # predictions / ablate / patch on a model without an LM head
     "unsupported_model_config": 422,  # the model's config sets a switch an analysis lacks
     "unauthorized": 401,             # API keys configured, none or a wrong one given
     "not_found": 404,                # no such path

@@ -21,6 +21,7 @@ from attnscope.service.api import attention, health, model, tokenize
 from attnscope.service.api import heads as heads_api, links as links_api
 from attnscope.service.api import scratch as scratch_api, trajectories as trajectories_api
 from attnscope.service.api import verify as verify_api
+from attnscope.service.api import interventions as interventions_api
 from attnscope.service.api import norms as norms_api, rollout as rollout_api
 from attnscope.service.config import Settings
 from attnscope.service.encoding import ORJSONResponse
@@ -297,7 +298,8 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
     install_ops(app, settings)  # request id, logs, metrics, keys, CORS, time limit, /metrics
     for r in (health.router, model.router, tokenize.router, attention.router,
               heads_api.router, links_api.router,
-              trajectories_api.router, verify_api.router, scratch_api.router):
+              trajectories_api.router, verify_api.router, scratch_api.router,
+              interventions_api.router):
         app.include_router(r)
     for r in (norms_api.router, rollout_api.router):
         app.include_router(r)

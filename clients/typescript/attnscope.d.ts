@@ -45,6 +45,32 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/ablate": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Ablate attention heads
+         * @description Ablate ``heads`` ([[layer, head], ...]) together (``method`` zero / mean / resample,
+         *     on each head's z before the output projection, TransformerLens ``hook_z``) and report per
+         *     position KL(clean ‖ ablated) (nats), the change of loss on the actual next token, top-k
+         *     before/after, the logit difference of ``logit_diff`` before/after and optionally the
+         *     patterns after the ablation ``[layer, head, query_pos, key_pos]`` (any /v1/attention
+         *     encoding; ``Accept: application/x-safetensors`` too). ``scan``: every head ablated alone,
+         *     an effect grid ``[layer, head]`` on ``scan_metric``. Source: S004 (docs/sources.md).
+         */
+        post: operations["ablate_v1_ablate_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/attention": {
         parameters: {
             query?: never;
@@ -192,6 +218,55 @@ export interface paths {
         get: operations["model_info_v1_model_get"];
         put?: never;
         post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/patch": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Activation patching clean -> corrupted
+         * @description Patch the clean run's head outputs z into the corrupted run one head at a time ->
+         *     ``heads`` ``[layer, head]`` of the normalised metric ``(patched - corrupted) / (clean -
+         *     corrupted)`` (TransformerLens ``get_act_patch_attn_head_out_all_pos``), optionally
+         *     ``heads_per_position`` ``[layer, head, pos]`` and ``residual`` ``[layer, pos]``
+         *     (``get_act_patch_resid_pre``). ``method`` 'attribution': the linear approximation from one
+         *     backward (Nanda 2023; Kramár et al. 2024), said so in ``approximation``.
+         */
+        post: operations["patch_v1_patch_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/predictions": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Next-token predictions
+         * @description For each position p of ``text`` (or each of ``texts``): the ``top_k`` most probable next
+         *     tokens (probability, logit), the log-probability (nats) and rank (1 = top) of the token that
+         *     actually follows, the per-token loss ``-log p`` (nats), the entropy of the next-token
+         *     distribution (nats) and the mean loss. Equal to Hugging Face's ``GPT2LMHeadModel`` logits
+         *     and loss. Causal LMs only: an encoder answers 422 ``unsupported_model``.
+         */
+        post: operations["predictions_v1_predictions_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -355,6 +430,228 @@ export interface paths {
 export type webhooks = Record<string, never>;
 export interface components {
     schemas: {
+        /**
+         * AblateRequest
+         * @description Ablate chosen attention heads (or, with ``scan``, every head alone) of a causal LM on
+         *     one text and report what changes in the next-token predictions.
+         */
+        AblateRequest: {
+            /**
+             * Add Bos
+             * @description Prepend the BOS token (to every text of the request).
+             * @default false
+             */
+            add_bos?: boolean;
+            /**
+             * Dtype
+             * @description Element type for encoding 'base64' (ignored for 'json').
+             * @default float32
+             * @enum {string}
+             */
+            dtype?: "float32" | "float16";
+            /**
+             * Encoding
+             * @description 'json': nested lists of numbers (optionally rounded); 'base64': {dtype, shape, data} with little-endian bytes, far smaller and faster.
+             * @default json
+             * @enum {string}
+             */
+            encoding?: "json" | "base64";
+            /**
+             * Heads
+             * @description Heads to ablate together, as [layer, head] pairs (0-based, each once); required unless scan.
+             */
+            heads?: number[][] | null;
+            /**
+             * Include Patterns
+             * @description Return the attention patterns after the ablation [layer, head, query_pos, key_pos] (later layers change), in /v1/attention's encodings.
+             * @default false
+             */
+            include_patterns?: boolean;
+            /**
+             * Layout
+             * @description Patterns: 'tril' sends the lower triangle.
+             * @default full
+             * @enum {string}
+             */
+            layout?: "full" | "tril";
+            /** @description Also report logit[target] - logit[distractor] before and after. */
+            logit_diff?: components["schemas"]["LogitDiffOptions"] | null;
+            /**
+             * Method
+             * @description 'zero': z set to 0 (TransformerLens hook_z); 'mean': z replaced by its mean over the text's positions, or over reference_texts' positions; 'resample': z taken from resample_text (same token count) at each position.
+             * @default zero
+             * @enum {string}
+             */
+            method?: "zero" | "mean" | "resample";
+            /**
+             * Positions
+             * @description Positions to report / score (each < token count, once); null = all.
+             */
+            positions?: number[] | null;
+            /**
+             * Reference Texts
+             * @description method 'mean': texts whose z, pooled over all their positions, give the mean (default: the text itself).
+             */
+            reference_texts?: string[] | null;
+            /**
+             * Resample Text
+             * @description method 'resample': the text whose z replaces the ablated heads' (same token count as text).
+             */
+            resample_text?: string | null;
+            /**
+             * Round
+             * @description Decimal places for encoding 'json' (numpy round-half-even); null = full float32 precision (shortest repr that round-trips).
+             */
+            round?: number | null;
+            /**
+             * Scan
+             * @description Ablate every head alone instead (heads must be null): an effect grid [layer, head] on scan_metric.
+             * @default false
+             */
+            scan?: boolean;
+            /**
+             * Scan Metric
+             * @description scan: 'loss' = mean loss at positions; 'kl' = mean KL(clean ‖ ablated) over positions; 'logit_diff' (needs logit_diff).
+             * @default loss
+             * @enum {string}
+             */
+            scan_metric?: "loss" | "kl" | "logit_diff";
+            /**
+             * Text
+             * @description The text to run.
+             */
+            text: string;
+            /**
+             * Top K
+             * @description Top next tokens before/after per position.
+             * @default 5
+             */
+            top_k?: number;
+        };
+        /** AblateResponse */
+        AblateResponse: {
+            /**
+             * Heads
+             * @description The heads ablated together (null in a scan).
+             */
+            heads: number[][] | null;
+            /** @description The logit difference before/after (if asked). */
+            logit_diff?: components["schemas"]["LogitDiff"] | null;
+            /**
+             * Mean Kl
+             * @description Mean KL over the reported positions.
+             */
+            mean_kl?: number | null;
+            /**
+             * Mean Loss Ablated
+             * @description The same with the heads ablated.
+             */
+            mean_loss_ablated?: number | null;
+            /**
+             * Mean Loss Clean
+             * @description Mean loss over the reported positions with a next token.
+             */
+            mean_loss_clean?: number | null;
+            /**
+             * Method
+             * @description The ablation method, as requested.
+             * @enum {string}
+             */
+            method: "zero" | "mean" | "resample";
+            model: components["schemas"]["ModelRef"];
+            /**
+             * Patterns
+             * @description include_patterns: patterns after the ablation [layer, head, query_pos, key_pos].
+             */
+            patterns?: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[] | null;
+            /**
+             * Positions
+             * @description Single ablation: per reported position.
+             */
+            positions?: components["schemas"]["AblatedPosition"][] | null;
+            /** @description scan: the effect grid. */
+            scan?: components["schemas"]["AblateScan"] | null;
+            /**
+             * Tokens
+             * @description The analysed tokens of text.
+             */
+            tokens: components["schemas"]["Token"][];
+        } & {
+            [key: string]: unknown;
+        };
+        /** AblateScan */
+        AblateScan: {
+            /**
+             * Clean
+             * @description The metric on the clean run (KL: 0).
+             */
+            clean: number | null;
+            /**
+             * Effect
+             * @description [layer][head]: grid - clean (loss/logit_diff change; KL itself).
+             */
+            effect: (number | null)[][];
+            /**
+             * Grid
+             * @description [layer][head]: the metric with that head ablated alone.
+             */
+            grid: (number | null)[][];
+            /**
+             * Metric
+             * @description The scan metric, as requested.
+             * @enum {string}
+             */
+            metric: "loss" | "kl" | "logit_diff";
+        } & {
+            [key: string]: unknown;
+        };
+        /** AblatedPosition */
+        AblatedPosition: {
+            /**
+             * Delta Loss
+             * @description loss_ablated - loss_clean, nats.
+             */
+            delta_loss: number | null;
+            /**
+             * Kl
+             * @description KL(clean ‖ ablated) of the next-token distributions, nats (>= 0); null if not finite.
+             */
+            kl: number | null;
+            /**
+             * Loss Ablated
+             * @description The same with the heads ablated.
+             */
+            loss_ablated: number | null;
+            /**
+             * Loss Clean
+             * @description -log p(next token), clean run, nats.
+             */
+            loss_clean: number | null;
+            /** @description The actual next token (null at the end). */
+            next_token: components["schemas"]["TokenRef"] | null;
+            /**
+             * Position
+             * @description Position p (its logits predict token p + 1).
+             */
+            position: number;
+            /**
+             * Token
+             * @description Label of the token at the position.
+             */
+            token: string;
+            /**
+             * Top Ablated
+             * @description The top_k next tokens with the heads ablated.
+             */
+            top_ablated: components["schemas"]["TopToken"][];
+            /**
+             * Top Clean
+             * @description The top_k next tokens of the clean run.
+             */
+            top_clean: components["schemas"]["TopToken"][];
+        } & {
+            [key: string]: unknown;
+        };
         /**
          * AttentionRequest
          * @description Attention of the resident model for one text or a batch of texts.
@@ -589,7 +886,7 @@ export interface components {
             param?: string | null;
             /**
              * Type
-             * @description Machine-readable error type (branch on this): validation_error (422), context_length_exceeded (422), out_of_range (422), batch_too_large (422), memory_limit_exceeded (422), unsupported_model_config (422), unauthorized (401), not_found (404), method_not_allowed (405), not_acceptable (406), payload_too_large (413), overloaded (429), internal_error (500), non_finite_values (500), not_ready (503), timeout (504).
+             * @description Machine-readable error type (branch on this): validation_error (422), context_length_exceeded (422), out_of_range (422), batch_too_large (422), memory_limit_exceeded (422), unsupported_model (422), unsupported_model_config (422), unauthorized (401), not_found (404), method_not_allowed (405), not_acceptable (406), payload_too_large (413), overloaded (429), internal_error (500), non_finite_values (500), not_ready (503), timeout (504).
              */
             type: string;
         } & {
@@ -1170,6 +1467,50 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /** LogitDiff */
+        LogitDiff: {
+            /**
+             * Ablated
+             * @description The same after the ablation (not in a scan).
+             */
+            ablated?: number | null;
+            /**
+             * Clean
+             * @description logit[target] - logit[distractor], clean run.
+             */
+            clean: number;
+            distractor: components["schemas"]["TokenRef"];
+            /**
+             * Position
+             * @description Position whose logits were read.
+             */
+            position: number;
+            target: components["schemas"]["TokenRef"];
+        } & {
+            [key: string]: unknown;
+        };
+        /**
+         * LogitDiffOptions
+         * @description ``target`` and ``distractor`` must each be exactly one token of the model's tokenizer
+         *     (GPT-2: mind the leading space, ``" Mary"``); else 422.
+         */
+        LogitDiffOptions: {
+            /**
+             * Distractor
+             * @description The competing token.
+             */
+            distractor: string;
+            /**
+             * Position
+             * @description Position whose logits are read (predicting the next token); null = the last position.
+             */
+            position?: number | null;
+            /**
+             * Target
+             * @description The token the model should predict.
+             */
+            target: string;
+        };
         /**
          * ModelInfo
          * @description GET /v1/model: the resident model.
@@ -1437,6 +1778,240 @@ export interface components {
              * @description ||f_h(x_j)|| float32 [layer, head, key_pos], >= 0 (the transformed value vector's norm, b_O never included).
              */
             value_norms?: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[] | null;
+        } & {
+            [key: string]: unknown;
+        };
+        /**
+         * PatchRequest
+         * @description Activation patching clean -> corrupted (TransformerLens ``patching``): the clean run's
+         *     head outputs (and residual stream) patched into the corrupted run one at a time.
+         */
+        PatchRequest: {
+            /**
+             * Add Bos
+             * @description Prepend the BOS token to both.
+             * @default false
+             */
+            add_bos?: boolean;
+            /**
+             * Clean Text
+             * @description The clean prompt (the behaviour to restore).
+             */
+            clean_text: string;
+            /**
+             * Corrupted Text
+             * @description The corrupted prompt, same token count.
+             */
+            corrupted_text: string;
+            /** @description Metric 'logit_diff': the tokens. */
+            logit_diff?: components["schemas"]["LogitDiffOptions"] | null;
+            /**
+             * Method
+             * @description 'exact': one patched forward per cell (batched); 'attribution': the linear approximation grad . (z_clean - z_corrupted) from one clean forward, one corrupted forward and one backward (Nanda 2023; Kramár et al. 2024).
+             * @default exact
+             * @enum {string}
+             */
+            method?: "exact" | "attribution";
+            /**
+             * Metric
+             * @description 'logit_diff': logit[target] - logit[distractor] at logit_diff.position; 'loss': mean loss of the clean text's next tokens at positions.
+             * @default logit_diff
+             * @enum {string}
+             */
+            metric?: "logit_diff" | "loss";
+            /**
+             * Per Position
+             * @description Also the [layer, head, pos] grid (one position patched at a time).
+             * @default false
+             */
+            per_position?: boolean;
+            /**
+             * Positions
+             * @description Metric 'loss': the positions scored (each once); null = all with a next token.
+             */
+            positions?: number[] | null;
+            /**
+             * Residual
+             * @description Also residual-stream patching [layer, pos] (resid_pre; exact only).
+             * @default false
+             */
+            residual?: boolean;
+        };
+        /** PatchResponse */
+        PatchResponse: {
+            /**
+             * Approximation
+             * @description method 'attribution': what the numbers are (a linear approximation).
+             */
+            approximation?: string | null;
+            /**
+             * Clean Tokens
+             * @description The clean text's tokens.
+             */
+            clean_tokens: components["schemas"]["Token"][];
+            /**
+             * Clean Value
+             * @description The metric on the clean run.
+             */
+            clean_value: number;
+            /**
+             * Corrupted Tokens
+             * @description The corrupted text's tokens (same count).
+             */
+            corrupted_tokens: components["schemas"]["Token"][];
+            /**
+             * Corrupted Value
+             * @description The metric on the corrupted run.
+             */
+            corrupted_value: number;
+            /**
+             * Heads
+             * @description [layer][head]: normalised metric (patched - corrupted) / (clean - corrupted) with that head's z patched at every position; null when clean == corrupted.
+             */
+            heads: (number | null)[][];
+            /**
+             * Heads Per Position
+             * @description per_position: [layer][head][pos] normalised.
+             */
+            heads_per_position?: (number | null)[][][] | null;
+            /**
+             * Heads Raw
+             * @description [layer][head]: the patched metric itself.
+             */
+            heads_raw: (number | null)[][];
+            /** @description The metric's tokens and position. */
+            logit_diff?: components["schemas"]["LogitDiff"] | null;
+            /**
+             * Method
+             * @description The method, as requested.
+             * @enum {string}
+             */
+            method: "exact" | "attribution";
+            /**
+             * Metric
+             * @description The metric, as requested.
+             * @enum {string}
+             */
+            metric: "logit_diff" | "loss";
+            model: components["schemas"]["ModelRef"];
+            /**
+             * Residual
+             * @description residual: [layer][pos] normalised, the residual stream entering the layer patched at pos.
+             */
+            residual?: (number | null)[][] | null;
+        } & {
+            [key: string]: unknown;
+        };
+        /** PositionPrediction */
+        PositionPrediction: {
+            /**
+             * Entropy
+             * @description Entropy of the next-token distribution, nats.
+             */
+            entropy: number;
+            /**
+             * Loss
+             * @description Per-token loss -log p(next token), nats.
+             */
+            loss: number | null;
+            /**
+             * Next Logprob
+             * @description log p(actual next token), nats (<= 0).
+             */
+            next_logprob: number | null;
+            /**
+             * Next Rank
+             * @description Rank of the actual next token: 1 = top choice.
+             */
+            next_rank: number | null;
+            /** @description The token that actually follows (null at the last position). */
+            next_token: components["schemas"]["TokenRef"] | null;
+            /**
+             * Position
+             * @description Position p (its logits predict token p + 1).
+             */
+            position: number;
+            /**
+             * Token
+             * @description Label of the token at p.
+             */
+            token: string;
+            /**
+             * Top
+             * @description The top_k next tokens, most probable first.
+             */
+            top: components["schemas"]["TopToken"][];
+        } & {
+            [key: string]: unknown;
+        };
+        /** PredictionResult */
+        PredictionResult: {
+            /**
+             * Mean Loss
+             * @description Mean per-token loss over the reported positions that have a next token (nats; Hugging Face's GPT2LMHeadModel loss when all positions are reported); null when none has.
+             */
+            mean_loss: number | null;
+            /**
+             * N Loss Tokens
+             * @description Positions the mean loss averages over.
+             */
+            n_loss_tokens: number;
+            /**
+             * Positions
+             * @description One entry per reported position.
+             */
+            positions: components["schemas"]["PositionPrediction"][];
+            /**
+             * Tokens
+             * @description The analysed tokens.
+             */
+            tokens: components["schemas"]["Token"][];
+        } & {
+            [key: string]: unknown;
+        };
+        /**
+         * PredictionsRequest
+         * @description Next-token predictions of a causal LM at every position (or chosen ``positions``).
+         */
+        PredictionsRequest: {
+            /**
+             * Add Bos
+             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
+             * @default false
+             */
+            add_bos?: boolean;
+            /**
+             * Positions
+             * @description Positions to report (each < the text's token count, each once); null = all. Position p predicts token p + 1.
+             */
+            positions?: number[] | null;
+            /**
+             * Text
+             * @description One text. Always treated as text: strings that spell special tokens are tokenized as plain text.
+             */
+            text?: string | null;
+            /**
+             * Texts
+             * @description Several texts (a batch), analysed independently; results in order.
+             */
+            texts?: string[] | null;
+            /**
+             * Top K
+             * @description Most probable next tokens per position.
+             * @default 5
+             */
+            top_k?: number;
+        };
+        /** PredictionsResponse */
+        PredictionsResponse: {
+            model: components["schemas"]["ModelRef"];
+            /** @description For a 'text' request. */
+            predictions?: components["schemas"]["PredictionResult"] | null;
+            /**
+             * Results
+             * @description For 'texts', in order.
+             */
+            results?: components["schemas"]["PredictionResult"][] | null;
         } & {
             [key: string]: unknown;
         };
@@ -1973,6 +2548,21 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /** TokenRef */
+        TokenRef: {
+            /**
+             * Id
+             * @description Vocabulary id.
+             */
+            id: number;
+            /**
+             * Label
+             * @description Readable token text.
+             */
+            label: string;
+        } & {
+            [key: string]: unknown;
+        };
         /**
          * TokenizeRequest
          * @description Tokenize text(s) exactly as the analyses will (framing and add_bos included).
@@ -2020,6 +2610,31 @@ export interface components {
              * @description The tokens, in order.
              */
             tokens: components["schemas"]["Token"][];
+        } & {
+            [key: string]: unknown;
+        };
+        /** TopToken */
+        TopToken: {
+            /**
+             * Id
+             * @description Vocabulary id.
+             */
+            id: number;
+            /**
+             * Label
+             * @description Readable token text.
+             */
+            label: string;
+            /**
+             * Logit
+             * @description Raw LM-head logit.
+             */
+            logit: number;
+            /**
+             * Prob
+             * @description Probability in [0, 1] (softmax of the logits).
+             */
+            prob: number;
         } & {
             [key: string]: unknown;
         };
@@ -2422,6 +3037,94 @@ export interface operations {
             };
         };
     };
+    ablate_v1_ablate_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["AblateRequest"];
+            };
+        };
+        responses: {
+            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (the patterns as tensors). */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AblateResponse"];
+                    "application/x-safetensors": unknown;
+                };
+            };
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Accept names no media type we produce. */
+            406: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Request body too large. */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Invalid request: no LM head, heads/positions out of range or repeated, target/distractor not one token, resample_text of another token count, memory. */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Overloaded: the device queue is full. */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The model is not loaded yet. */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The request ran past request_timeout_s. */
+            504: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
     attention_v1_attention_post: {
         parameters: {
             query?: never;
@@ -2755,6 +3458,162 @@ export interface operations {
                 };
             };
             /** @description The request took longer than request_timeout_s (120 s). */
+            504: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    patch_v1_patch_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["PatchRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["PatchResponse"];
+                };
+            };
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Request body too large. */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Invalid request: no LM head, texts of different token counts, target/distractor not one token, too many patched forwards for max_request_bytes. */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Overloaded: the device queue is full. */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The model is not loaded yet. */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The request ran past request_timeout_s. */
+            504: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    predictions_v1_predictions_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["PredictionsRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["PredictionsResponse"];
+                };
+            };
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Request body too large. */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Invalid request: an encoder without an LM head (unsupported_model), positions out of range, too many tokens. */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Overloaded: the device queue is full. */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The model is not loaded yet. */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The request ran past request_timeout_s. */
             504: {
                 headers: {
                     [name: string]: unknown;

@@ -61,6 +61,10 @@ from attnscope.schemas import (
     TokenizeResponse,
 )
 from attnscope.schemas.heads import HeadsRequest, HeadsResponse
+from attnscope.schemas.interventions import (
+    AblateRequest, AblateResponse, PatchRequest, PatchResponse, PredictionsRequest,
+    PredictionsResponse,
+)
 from attnscope.schemas.links import LinksRequest, LinksResponse
 from attnscope.schemas.scratch import ScratchAttentionRequest, ScratchAttentionResponse
 from attnscope.schemas.trajectories import TrajectoriesRequest, TrajectoriesResponse
@@ -383,6 +387,43 @@ class _Endpoints:
         return self._post_model("/v1/rollout", RolloutRequest, RolloutResponse, text, texts,
                                 options)
 
+
+    def predictions(self, text: str | list[str] | None = None, *, texts: list[str] | None = None,
+                    **options) -> PredictionsResponse:
+        """``POST /v1/predictions`` (causal LMs): per position the ``top_k`` next tokens
+        (prob, logit), the actual next token's log-prob (nats) and rank (1 = top), its loss,
+        the entropy, and the mean loss (``.predictions`` / ``.results``). Options
+        (``PredictionsRequest``): ``top_k``, ``positions``, ``add_bos``."""
+        return self._post_model("/v1/predictions", PredictionsRequest, PredictionsResponse,
+                                text, texts, options)
+
+    def ablate(self, text: str, *, heads: list[list[int]] | list[tuple[int, int]] | None = None,
+               **options) -> AblateResponse:
+        """``POST /v1/ablate``: ``heads`` ([[layer, head], ...]) ablated together, ``method``
+        'zero' | 'mean' (``reference_texts``) | 'resample' (``resample_text``); per position
+        KL(clean ‖ ablated), delta loss (nats), top-k before/after (``.positions``),
+        ``logit_diff={"target", "distractor"}`` before/after, ``include_patterns`` (encodings
+        as /v1/attention; ``binary=True``). ``scan=True`` (no heads): every head alone ->
+        ``.scan.grid`` / ``.scan.effect`` ``[layer][head]`` on ``scan_metric`` 'loss' | 'kl' |
+        'logit_diff'. Source: S004, verify by intervention."""
+        fields = dict(options)
+        binary = bool(fields.pop("binary", False))
+        if heads is not None:
+            fields["heads"] = [list(h) for h in heads]
+        req = AblateRequest(text=text, **fields)
+        return self._call("POST", "/v1/ablate", req.model_dump(mode="json", exclude_unset=True),
+                          AblateResponse, binary)
+
+    def patch(self, clean_text: str, corrupted_text: str, **options) -> PatchResponse:
+        """``POST /v1/patch``: activation patching clean -> corrupted, ``.heads`` ``[layer][head]``
+        of the normalised metric ``(patched - corrupted) / (clean - corrupted)`` (TransformerLens
+        ``get_act_patch_attn_head_out_all_pos``); ``per_position`` -> ``.heads_per_position``,
+        ``residual`` -> ``.residual`` ``[layer][pos]``; ``metric`` 'logit_diff' (with
+        ``logit_diff={"target", "distractor"}``) or 'loss'; ``method='attribution'`` for the
+        linear approximation from one backward (``.approximation`` says so)."""
+        req = PatchRequest(clean_text=clean_text, corrupted_text=corrupted_text, **options)
+        return self._call("POST", "/v1/patch", req.model_dump(mode="json", exclude_unset=True),
+                          PatchResponse)
 
 class Client(BaseClient, _Endpoints):
     """Synchronous client. Use as a context manager or call :meth:`close`.

@@ -4,6 +4,9 @@
     attnscope attention "Then I tried" --layers 0 --head-mean [--plot attn.png]
     attnscope links "Then I tried to find"            # query --> key  weight
     attnscope heads "..." ; attnscope trajectories "..." --plot paths.png ; attnscope verify "..."
+    attnscope predict "The cat sat on the"            # top-k next tokens, loss, rank, entropy
+    attnscope ablate "..." --heads 1:0,1:1 ; attnscope ablate "..." --scan --plot grid.png
+    attnscope patch "clean ..." "corrupted ..." --target " m" --distractor " r"
     attnscope batch in.jsonl -o out.jsonl -a attention -a trajectories
     attnscope serve --model bundled --port 8000       # needs the service installed
 
@@ -88,6 +91,18 @@ def _ints(s: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
 
 
+def _heads(s: str) -> list[list[int]]:
+    try:
+        out = []
+        for part in s.replace(" ", "").split(","):
+            if part:
+                layer, head = part.split(":")
+                out.append([int(layer), int(head)])
+        return out
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LAYER:HEAD pairs, comma-separated, got {s!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="attnscope",
@@ -158,6 +173,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore", type=_ints, default=None,
                    help="key positions never chosen, e.g. 0 for the first-token sink")
 
+    p = sub.add_parser("predict", help="next-token predictions: top-k, loss, rank, entropy")
+    _common(p)
+    _text_args(p, plot=False)
+    p.add_argument("--top-k", type=int, default=None, help="next tokens per position (5)")
+    p.add_argument("--positions", type=_ints, default=None, help="positions to report (all)")
+
+    p = sub.add_parser("ablate", help="ablate heads (or --scan every head) and see what changes")
+    _common(p)
+    _text_args(p)
+    p.add_argument("--heads", type=_heads, default=None,
+                   help="heads to ablate together as LAYER:HEAD, comma-separated (e.g. 1:0,1:1)")
+    p.add_argument("--method", choices=["zero", "mean", "resample"], default=None,
+                   help="zero (default) / mean / resample")
+    p.add_argument("--resample-text", default=None, help="method resample: the other text")
+    p.add_argument("--positions", type=_ints, default=None, help="positions to report/score")
+    p.add_argument("--top-k", type=int, default=None, help="top next tokens before/after (5)")
+    p.add_argument("--target", default=None, help="logit difference: target token")
+    p.add_argument("--distractor", default=None, help="logit difference: distractor token")
+    p.add_argument("--scan", action="store_true", default=None, help="every head alone: effect grid")
+    p.add_argument("--metric", choices=["loss", "kl", "logit_diff"], default=None,
+                   help="scan metric (loss)")
+
+    p = sub.add_parser("patch", help="activation patching clean -> corrupted: [layer, head] grid")
+    _common(p)
+    p.add_argument("clean_text", help="the clean prompt")
+    p.add_argument("corrupted_text", help="the corrupted prompt (same token count)")
+    p.add_argument("--add-bos", action="store_true", default=None, help="prepend the BOS token")
+    p.add_argument("--target", default=None, help="logit difference: target token")
+    p.add_argument("--distractor", default=None, help="logit difference: distractor token")
+    p.add_argument("--metric", choices=["logit_diff", "loss"], default=None, help="(logit_diff)")
+    p.add_argument("--method", choices=["exact", "attribution"], default=None, help="(exact)")
+    p.add_argument("--residual", action="store_true", default=None, help="also [layer, pos]")
+    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=JSON",
+                   help="any request option, value as JSON; repeatable")
+    p.add_argument("--plot", metavar="FILE", default=None, help="save the effect grid figure")
     p = sub.add_parser("norms", help="contribution norms ||alpha f(x)|| (Kobayashi et al. 2020)")
     _common(p)
     _text_args(p)
@@ -495,6 +545,102 @@ def cmd_links(args) -> int:
     return EXIT_OK
 
 
+def _ld(args) -> dict | None:
+    if args.target is None and args.distractor is None:
+        return None
+    if args.target is None or args.distractor is None:
+        raise UsageError("--target and --distractor go together")
+    return {"target": args.target, "distractor": args.distractor}
+
+
+def _grid_table(grid, fmt="{:+.3f}") -> str:
+    rows = [[layer] + ["" if v is None else fmt.format(v) for v in row] for layer, row in enumerate(grid)]
+    return _table(rows, ["layer"] + [f"H{h}" for h in range(len(grid[0]) if grid else 0)])
+
+
+def cmd_predict(args) -> int:
+    opts = _options(args, {"top_k": "top_k", "positions": "positions"})
+    with _client(args) as c:
+        res = c.predictions(_read_text(args.text), **opts)
+    if args.json:
+        _print_json(res)
+        return EXIT_OK
+    r = res.predictions
+    rows = []
+    for p in r.positions:
+        top = " ".join(f"{t.label!r}:{t.prob:.2f}" for t in p.top)
+        rows.append([p.position, repr(p.token), "" if p.next_token is None else repr(p.next_token.label),
+                     _fmt(p.loss, blank=True), "" if p.next_rank is None else p.next_rank,
+                     _fmt(p.entropy), top])
+    print(f"model {res.model.id}  mean loss {_fmt(r.mean_loss)} nats over {r.n_loss_tokens} tokens")
+    print(_table(rows, ["pos", "token", "next", "loss", "rank", "entropy", "top (prob)"]))
+    return EXIT_OK
+
+
+def cmd_ablate(args) -> int:
+    opts = _options(args, {"method": "method", "resample_text": "resample_text",
+                           "positions": "positions", "top_k": "top_k", "scan": "scan",
+                           "metric": "scan_metric"})
+    if _ld(args):
+        opts["logit_diff"] = _ld(args)
+    text = _read_text(args.text)
+    with _client(args) as c:
+        res = c.ablate(text, heads=args.heads, **opts)
+    if args.json:
+        _print_json(res)
+    elif res.scan is not None:
+        s = res.scan
+        print(f"model {res.model.id}  method {res.method}  scan metric {s.metric}  clean {_fmt(s.clean)}")
+        print("effect of ablating each head alone (metric - clean):")
+        print(_grid_table(s.effect))
+    else:
+        heads = ", ".join(f"L{l}H{h}" for l, h in res.heads or [])
+        print(f"model {res.model.id}  ablated {heads} ({res.method})  mean loss "
+              f"{_fmt(res.mean_loss_clean)} -> {_fmt(res.mean_loss_ablated)} nats  mean KL {_fmt(res.mean_kl)}")
+        rows = [[p.position, repr(p.token), _fmt(p.loss_clean, blank=True),
+                 _fmt(p.loss_ablated, blank=True), _fmt(p.delta_loss, blank=True), _fmt(p.kl),
+                 repr(p.top_clean[0].label), repr(p.top_ablated[0].label)] for p in res.positions]
+        print(_table(rows, ["pos", "token", "loss", "ablated", "delta", "KL", "top", "top after"]))
+        if res.logit_diff is not None:
+            ld = res.logit_diff
+            print(f"logit diff {ld.target.label!r} - {ld.distractor.label!r} at {ld.position}: "
+                  f"{_fmt(ld.clean)} -> {_fmt(ld.ablated)}")
+    if args.plot:
+        if res.scan is None:
+            raise UsageError("--plot draws the scan's effect grid: add --scan")
+        _save(_plots().effect_grid(res.scan.effect, title=f"{res.model.id}: ablating each head "
+                                   f"({res.method}), change of {res.scan.metric}",
+                                   label=f"{res.scan.metric} change" if res.scan.metric != "kl"
+                                   else "KL(clean ‖ ablated), nats", text=text), args.plot)
+    return EXIT_OK
+
+
+def cmd_patch(args) -> int:
+    opts = _options(args, {"metric": "metric", "method": "method", "residual": "residual"})
+    if _ld(args):
+        opts["logit_diff"] = _ld(args)
+    with _client(args) as c:
+        res = c.patch(args.clean_text, args.corrupted_text, **opts)
+    if args.json:
+        _print_json(res)
+    else:
+        print(f"model {res.model.id}  metric {res.metric}  method {res.method}  clean "
+              f"{_fmt(res.clean_value)}  corrupted {_fmt(res.corrupted_value)}")
+        if res.approximation:
+            print(f"note: {res.approximation}")
+        print("normalised metric (patched - corrupted) / (clean - corrupted), one head patched:")
+        print(_grid_table(res.heads))
+        if res.residual is not None:
+            print("residual stream [layer, pos]:")
+            print(_grid_table(res.residual))
+    if args.plot:
+        _save(_plots().effect_grid(res.heads, title=f"{res.model.id}: activation patching "
+                                   f"({res.method}), {res.metric}",
+                                   label="(patched - corrupted) / (clean - corrupted)",
+                                   text=f"{args.clean_text!r} -> {args.corrupted_text!r}"), args.plot)
+    return EXIT_OK
+
+
 def cmd_norms(args) -> int:
     opts = _options(args, {"layers": "layers", "heads": "heads", "round": "round"})
     opts.setdefault("value_norms", False)
@@ -565,7 +711,8 @@ def _fmt(x, blank: bool = False) -> str:
 
 COMMANDS = {"model": cmd_model, "tokenize": cmd_tokenize, "attention": cmd_attention,
             "trajectories": cmd_trajectories, "verify": cmd_verify, "heads": cmd_heads,
-            "links": cmd_links, "norms": cmd_norms, "rollout": cmd_rollout}
+            "links": cmd_links, "norms": cmd_norms, "rollout": cmd_rollout,
+            "predict": cmd_predict, "ablate": cmd_ablate, "patch": cmd_patch}
 
 
 SERVICE_CLI = "attnscope.service.cli"

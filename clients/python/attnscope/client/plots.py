@@ -464,6 +464,63 @@ def head_classification_grid(result: Any = None, *, labels: Any = None,
     return fig
 
 
+def effect_grid(grid: Any, *, title: str | None = None, label: str = "effect",
+                text: str | None = None, model: str | None = None, annotate: bool | None = None,
+                figsize=None) -> Figure:
+    """An effect grid ``[layer, head]`` (an ablation scan's ``effect``, a patching response's
+    ``heads``) as a diverging heat map centred on 0: blue below, red above, white at 0, the
+    colour scale symmetric at the largest |value| (nothing clipped), a labelled colour bar,
+    layer and head on the axes, the model and text in the title. ``grid`` may be nested
+    lists with None (drawn blank: no scale) or an array; a ``PatchResponse`` / ``AblateResponse``
+    is unwrapped (``heads`` / ``scan.effect``). ``annotate``: write the values in the cells
+    (default when the grid has at most 16 x 16 cells)."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    if hasattr(grid, "scan") and getattr(grid, "scan", None) is not None:
+        model = model or grid.model.id
+        grid = grid.scan.effect
+    elif hasattr(grid, "heads") and hasattr(grid, "heads_raw"):
+        model = model or grid.model.id
+        grid = grid.heads
+    if isinstance(grid, np.ndarray):
+        a = grid.astype(float)
+    else:
+        a = np.array(grid, dtype=object)
+        a = np.where(a == None, np.nan, a).astype(float)  # noqa: E711 (None = no value)
+    if a.ndim != 2:
+        raise ValueError(f"effect_grid draws a [layer, head] grid; got shape {a.shape}")
+    n_l, n_h = a.shape
+    finite = a[np.isfinite(a)]
+    vmax = float(np.abs(finite).max()) if finite.size else 1.0
+    vmax = vmax if vmax > 0 else 1.0
+    fig = _new_figure(figsize or (max(4.0, 0.55 * n_h + 2.8), max(2.6, 0.45 * n_l + 1.8)))
+    ax = fig.add_subplot()
+    im = ax.imshow(np.ma.masked_invalid(a), cmap="RdBu_r",
+                   norm=TwoSlopeNorm(vcenter=0.0, vmin=-vmax, vmax=vmax),
+                   aspect="auto", interpolation="nearest")
+    cb = fig.colorbar(im, ax=ax)
+    cb.set_label(label)
+    if annotate is None:
+        annotate = n_l * n_h <= 256
+    if annotate:
+        for l in range(n_l):
+            for h in range(n_h):
+                if np.isfinite(a[l, h]):
+                    ax.text(h, l, f"{a[l, h]:.2g}", ha="center", va="center", fontsize=7,
+                            color="white" if abs(a[l, h]) > 0.6 * vmax else "black")
+    ax.set_xticks(range(n_h))
+    ax.set_xticklabels([str(h) for h in range(n_h)])
+    ax.set_yticks(range(n_l))
+    ax.set_yticklabels([str(l) for l in range(n_l)])
+    ax.set(xlabel="head", ylabel="layer")
+    parts = [p for p in (title, f"model {model}" if model else None) if p]
+    if text:
+        parts.append(text if len(text) <= 60 else text[:57] + "...")
+    ax.set_title("\n".join(parts) or "effect grid", fontsize=9)
+    return fig
+__all__.append("effect_grid")
+
+
 # -- contribution norms and rollout (Kobayashi et al. 2020; Abnar & Zuidema 2020) -----------
 # (kept out of __all__ above so the list merges cleanly; add them there when merging)
 __all__ += ["norm_heatmap", "rollout_heatmap"]

@@ -1,0 +1,261 @@
+"""POST /v1/predictions, /v1/ablate and /v1/patch: next-token predictions and interventions.
+
+S004 (004_e7341cee07d297e4.txt, docs/sources.md): attention is a map of where the model looks,
+not of what decides; "verify with an intervention — ablate the head or patch its activation and
+see whether the behaviour changes". Units: log-probabilities, losses, entropies and KL
+divergences in nats; logits are the LM head's raw scores. A head's output ``z`` is its
+attention-weighted values before the output projection (TransformerLens ``hook_z``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from attnscope.schemas.common import (
+    LenientModel, ModelRef, NonBlankText, StrictModel, TensorField, TensorOptions, TextOrTexts, Token,
+)
+
+Index = Annotated[int, Field(ge=0)]
+HeadRef = Annotated[list[Index], Field(min_length=2, max_length=2)]
+
+
+class TokenRef(LenientModel):
+    id: int = Field(description="Vocabulary id.")
+    label: str = Field(description="Readable token text.")
+
+
+class TopToken(LenientModel):
+    id: int = Field(description="Vocabulary id.")
+    label: str = Field(description="Readable token text.")
+    prob: float = Field(description="Probability in [0, 1] (softmax of the logits).")
+    logit: float = Field(description="Raw LM-head logit.")
+
+
+# ------------------------------------------------------------------------ predictions
+class PredictionsRequest(TextOrTexts):
+    """Next-token predictions of a causal LM at every position (or chosen ``positions``)."""
+
+    top_k: int = Field(5, ge=1, le=100, description="Most probable next tokens per position.")
+    positions: list[Index] | None = Field(
+        None, description="Positions to report (each < the text's token count, each once); "
+        "null = all. Position p predicts token p + 1."
+    )
+
+
+class PositionPrediction(LenientModel):
+    position: int = Field(description="Position p (its logits predict token p + 1).")
+    token: str = Field(description="Label of the token at p.")
+    next_token: TokenRef | None = Field(description="The token that actually follows (null at the last position).")
+    next_logprob: float | None = Field(description="log p(actual next token), nats (<= 0).")
+    next_rank: int | None = Field(description="Rank of the actual next token: 1 = top choice.")
+    loss: float | None = Field(description="Per-token loss -log p(next token), nats.")
+    entropy: float = Field(description="Entropy of the next-token distribution, nats.")
+    top: list[TopToken] = Field(description="The top_k next tokens, most probable first.")
+
+
+class PredictionResult(LenientModel):
+    tokens: list[Token] = Field(description="The analysed tokens.")
+    positions: list[PositionPrediction] = Field(description="One entry per reported position.")
+    mean_loss: float | None = Field(
+        description="Mean per-token loss over the reported positions that have a next token "
+        "(nats; Hugging Face's GPT2LMHeadModel loss when all positions are reported); null "
+        "when none has."
+    )
+    n_loss_tokens: int = Field(description="Positions the mean loss averages over.")
+
+
+class PredictionsResponse(LenientModel):
+    model: ModelRef
+    predictions: PredictionResult | None = Field(None, description="For a 'text' request.")
+    results: list[PredictionResult] | None = Field(None, description="For 'texts', in order.")
+
+
+# ------------------------------------------------------------------------ ablation
+AblationMethod = Literal["zero", "mean", "resample"]
+ScanMetric = Literal["loss", "kl", "logit_diff"]
+
+
+class LogitDiffOptions(StrictModel):
+    """``target`` and ``distractor`` must each be exactly one token of the model's tokenizer
+    (GPT-2: mind the leading space, ``" Mary"``); else 422."""
+
+    target: str = Field(min_length=1, description="The token the model should predict.")
+    distractor: str = Field(min_length=1, description="The competing token.")
+    position: Index | None = Field(
+        None, description="Position whose logits are read (predicting the next token); null = "
+        "the last position."
+    )
+
+
+class AblateRequest(TensorOptions):
+    """Ablate chosen attention heads (or, with ``scan``, every head alone) of a causal LM on
+    one text and report what changes in the next-token predictions."""
+
+    text: NonBlankText = Field(description="The text to run.")
+    add_bos: bool = Field(False, description="Prepend the BOS token (to every text of the request).")
+    heads: list[HeadRef] | None = Field(
+        None, description="Heads to ablate together, as [layer, head] pairs (0-based, each "
+        "once); required unless scan."
+    )
+    method: AblationMethod = Field(
+        "zero", description="'zero': z set to 0 (TransformerLens hook_z); 'mean': z replaced by "
+        "its mean over the text's positions, or over reference_texts' positions; 'resample': z "
+        "taken from resample_text (same token count) at each position."
+    )
+    reference_texts: list[NonBlankText] | None = Field(
+        None, description="method 'mean': texts whose z, pooled over all their positions, give "
+        "the mean (default: the text itself)."
+    )
+    resample_text: NonBlankText | None = Field(
+        None, description="method 'resample': the text whose z replaces the ablated heads' (same "
+        "token count as text)."
+    )
+    positions: list[Index] | None = Field(
+        None, description="Positions to report / score (each < token count, once); null = all."
+    )
+    top_k: int = Field(5, ge=1, le=100, description="Top next tokens before/after per position.")
+    logit_diff: LogitDiffOptions | None = Field(
+        None, description="Also report logit[target] - logit[distractor] before and after."
+    )
+    include_patterns: bool = Field(
+        False, description="Return the attention patterns after the ablation [layer, head, "
+        "query_pos, key_pos] (later layers change), in /v1/attention's encodings."
+    )
+    layout: Literal["full", "tril"] = Field("full", description="Patterns: 'tril' sends the lower triangle.")
+    scan: bool = Field(
+        False, description="Ablate every head alone instead (heads must be null): an effect grid "
+        "[layer, head] on scan_metric."
+    )
+    scan_metric: ScanMetric = Field(
+        "loss", description="scan: 'loss' = mean loss at positions; 'kl' = mean KL(clean ‖ "
+        "ablated) over positions; 'logit_diff' (needs logit_diff)."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.scan and self.heads is not None:
+            raise ValueError("scan ablates every head alone: leave heads null")
+        if not self.scan and self.heads is None:
+            raise ValueError("heads is required (a list of [layer, head] pairs) unless scan is true")
+        if self.heads is not None and len(self.heads) == 0:
+            raise ValueError("heads must hold at least one [layer, head] pair")
+        if self.method != "resample" and self.resample_text is not None:
+            raise ValueError("resample_text applies to method 'resample' only")
+        if self.method == "resample" and self.resample_text is None:
+            raise ValueError("method 'resample' needs resample_text")
+        if self.method != "mean" and self.reference_texts is not None:
+            raise ValueError("reference_texts applies to method 'mean' only")
+        if self.reference_texts is not None and len(self.reference_texts) == 0:
+            raise ValueError("reference_texts must hold at least one text (or be null)")
+        if self.scan_metric == "logit_diff" and self.scan and self.logit_diff is None:
+            raise ValueError("scan_metric 'logit_diff' needs logit_diff {target, distractor}")
+        if self.include_patterns and self.scan:
+            raise ValueError("include_patterns applies to a single ablation, not a scan")
+        return self
+
+
+class AblatedPosition(LenientModel):
+    position: int = Field(description="Position p (its logits predict token p + 1).")
+    token: str = Field(description="Label of the token at the position.")
+    next_token: TokenRef | None = Field(description="The actual next token (null at the end).")
+    loss_clean: float | None = Field(description="-log p(next token), clean run, nats.")
+    loss_ablated: float | None = Field(description="The same with the heads ablated.")
+    delta_loss: float | None = Field(description="loss_ablated - loss_clean, nats.")
+    kl: float | None = Field(description="KL(clean ‖ ablated) of the next-token distributions, nats (>= 0); null if not finite.")
+    top_clean: list[TopToken] = Field(description="The top_k next tokens of the clean run.")
+    top_ablated: list[TopToken] = Field(description="The top_k next tokens with the heads ablated.")
+
+
+class LogitDiff(LenientModel):
+    target: TokenRef
+    distractor: TokenRef
+    position: int = Field(description="Position whose logits were read.")
+    clean: float = Field(description="logit[target] - logit[distractor], clean run.")
+    ablated: float | None = Field(None, description="The same after the ablation (not in a scan).")
+
+
+class AblateScan(LenientModel):
+    metric: ScanMetric = Field(description="The scan metric, as requested.")
+    clean: float | None = Field(description="The metric on the clean run (KL: 0).")
+    grid: list[list[float | None]] = Field(description="[layer][head]: the metric with that head ablated alone.")
+    effect: list[list[float | None]] = Field(
+        description="[layer][head]: grid - clean (loss/logit_diff change; KL itself)."
+    )
+
+
+class AblateResponse(LenientModel):
+    model: ModelRef
+    tokens: list[Token] = Field(description="The analysed tokens of text.")
+    method: AblationMethod = Field(description="The ablation method, as requested.")
+    heads: list[list[int]] | None = Field(description="The heads ablated together (null in a scan).")
+    positions: list[AblatedPosition] | None = Field(None, description="Single ablation: per reported position.")
+    mean_loss_clean: float | None = Field(None, description="Mean loss over the reported positions with a next token.")
+    mean_loss_ablated: float | None = Field(None, description="The same with the heads ablated.")
+    mean_kl: float | None = Field(None, description="Mean KL over the reported positions.")
+    logit_diff: LogitDiff | None = Field(None, description="The logit difference before/after (if asked).")
+    patterns: TensorField | None = Field(
+        None, description="include_patterns: patterns after the ablation [layer, head, query_pos, key_pos]."
+    )
+    scan: AblateScan | None = Field(None, description="scan: the effect grid.")
+
+
+# ------------------------------------------------------------------------ patching
+class PatchRequest(StrictModel):
+    """Activation patching clean -> corrupted (TransformerLens ``patching``): the clean run's
+    head outputs (and residual stream) patched into the corrupted run one at a time."""
+
+    clean_text: NonBlankText = Field(description="The clean prompt (the behaviour to restore).")
+    corrupted_text: NonBlankText = Field(description="The corrupted prompt, same token count.")
+    add_bos: bool = Field(False, description="Prepend the BOS token to both.")
+    metric: Literal["logit_diff", "loss"] = Field(
+        "logit_diff", description="'logit_diff': logit[target] - logit[distractor] at "
+        "logit_diff.position; 'loss': mean loss of the clean text's next tokens at positions."
+    )
+    logit_diff: LogitDiffOptions | None = Field(None, description="Metric 'logit_diff': the tokens.")
+    positions: list[Index] | None = Field(
+        None, description="Metric 'loss': the positions scored (each once); null = all with a next token."
+    )
+    method: Literal["exact", "attribution"] = Field(
+        "exact", description="'exact': one patched forward per cell (batched); 'attribution': "
+        "the linear approximation grad . (z_clean - z_corrupted) from one clean forward, one "
+        "corrupted forward and one backward (Nanda 2023; Kramár et al. 2024)."
+    )
+    per_position: bool = Field(False, description="Also the [layer, head, pos] grid (one position patched at a time).")
+    residual: bool = Field(False, description="Also residual-stream patching [layer, pos] (resid_pre; exact only).")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.metric == "logit_diff" and self.logit_diff is None:
+            raise ValueError("metric 'logit_diff' needs logit_diff {target, distractor}")
+        if self.metric != "loss" and self.positions is not None:
+            raise ValueError("positions applies to metric 'loss' only")
+        if self.residual and self.method == "attribution":
+            raise ValueError("residual patching is exact only (method 'exact')")
+        return self
+
+
+class PatchResponse(LenientModel):
+    model: ModelRef
+    clean_tokens: list[Token] = Field(description="The clean text's tokens.")
+    corrupted_tokens: list[Token] = Field(description="The corrupted text's tokens (same count).")
+    metric: Literal["logit_diff", "loss"] = Field(description="The metric, as requested.")
+    method: Literal["exact", "attribution"] = Field(description="The method, as requested.")
+    logit_diff: LogitDiff | None = Field(None, description="The metric's tokens and position.")
+    clean_value: float = Field(description="The metric on the clean run.")
+    corrupted_value: float = Field(description="The metric on the corrupted run.")
+    heads: list[list[float | None]] = Field(
+        description="[layer][head]: normalised metric (patched - corrupted) / (clean - "
+        "corrupted) with that head's z patched at every position; null when clean == corrupted."
+    )
+    heads_raw: list[list[float | None]] = Field(description="[layer][head]: the patched metric itself.")
+    heads_per_position: list[list[list[float | None]]] | None = Field(
+        None, description="per_position: [layer][head][pos] normalised."
+    )
+    residual: list[list[float | None]] | None = Field(
+        None, description="residual: [layer][pos] normalised, the residual stream entering the layer patched at pos."
+    )
+    approximation: str | None = Field(
+        None, description="method 'attribution': what the numbers are (a linear approximation)."
+    )

@@ -1,0 +1,426 @@
+"""/v1/predictions, /v1/ablate and /v1/patch: next-token predictions and interventions.
+
+Each ``plan`` makes the model-aware checks (an LM head, heads and positions in range, single
+target/distractor tokens, equal token counts), estimates the memory of its intervention
+forwards (counted against ``max_request_bytes`` by the engine before any forward runs) and
+returns the job, which runs on the device thread after the recorded forwards: the intervention
+forwards themselves (service/runtime/interventions.py) and the metric math
+(service/analysis/interventions.py). Source: S004, "verify with an intervention"
+(docs/sources.md); TransformerLens ``patching``; Nanda 2023 and Kramár et al. 2024 (attribution).
+
+``/v1/ablate`` and ``/v1/patch`` name their texts ``text``/``resample_text``/
+``reference_texts`` and ``clean_text``/``corrupted_text``, so they are tokenized here (the
+runtime's tokenize cache makes a repeated text free) rather than by the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from attnscope.schemas.interventions import AblateRequest, PatchRequest, PredictionsRequest
+from attnscope.service.analysis import interventions as A
+from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
+from attnscope.service.errors import BatchTooLarge, InvalidRequest, OutOfRange
+from attnscope.service.runtime import interventions as I
+from attnscope.service.runtime.engine import Plan
+from attnscope.service.serving.checks import check_distinct, check_index
+
+ATTRIBUTION_NOTE = (
+    "attribution patching (Nanda 2023; Kramár et al. 2024, AtP): a linear approximation "
+    "(first-order Taylor) of activation patching, grad_z(metric) on the corrupted run times (z_clean - "
+    "z_corrupted), from one clean forward, one corrupted forward and one backward; it can be far "
+    "off where the metric is not linear in a head's output (e.g. saturated softmax); verify top "
+    "heads with method 'exact'"
+)
+
+
+# ------------------------------------------------------------------ helpers
+def _num(x) -> float | None:
+    """A float32 value as its shortest round-tripping decimal; NaN/inf -> None."""
+    v = float(x)
+    if not math.isfinite(v):
+        return None
+    return float(str(np.float32(v)))
+
+
+def _grid(t: torch.Tensor) -> list:
+    """A tensor as nested lists of :func:`_num` (null where not finite)."""
+    if t.ndim == 0:
+        return _num(t)
+    return [_grid(x) for x in t]
+
+
+def _labels(rt, ids: Sequence[int]) -> list[str]:
+    tok = rt.tokenizer
+    special = set(tok.all_special_ids)
+    pieces = tok.convert_ids_to_tokens([int(i) for i in ids])
+    return [rt._label(p, int(i) in special) for p, i in zip(pieces, ids)]
+
+
+def _top(rt, ids: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor) -> list[dict]:
+    labels = _labels(rt, ids.tolist())
+    return [{"id": int(i), "label": lab, "prob": _num(p), "logit": _num(lg)}
+            for i, lab, p, lg in zip(ids.tolist(), labels, probs, logits)]
+
+
+def _tokref(rt, tid: int) -> dict:
+    return {"id": int(tid), "label": _labels(rt, [tid])[0]}
+
+
+def check_lm(rt, req=None) -> None:
+    """422 ``unsupported_model`` unless the model is a causal LM with an LM head."""
+    I.lm_parts(rt)
+
+
+def _positions(positions: list[int] | None, T: int, field: str, where: str) -> list[int]:
+    """The requested positions (each < T, each once), or all ``range(T)``."""
+    if positions is None:
+        return list(range(T))
+    if len(positions) == 0:
+        raise InvalidRequest(f"{field} must hold at least one position (or be null for all)", field)
+    check_distinct(positions, field)
+    for i, p in enumerate(positions):
+        if p >= T:
+            raise OutOfRange(f"{field}[{i}] = {p} is out of range: {where} has {T} tokens "
+                             f"(valid positions 0..{T - 1})", f"{field}.{i}")
+    return list(positions)
+
+
+def _single_token(rt, s: str, param: str) -> int:
+    """The id of ``s`` when it is exactly one token (as plain text, no BOS), else 422."""
+    tt = rt.tokenize(s, False, param)
+    if len(tt) != 1:
+        pieces = [t.label for t in tt.tokens]
+        raise InvalidRequest(
+            f"{param} {s!r} is {len(tt)} tokens {pieces}, not one; give a string that is a single "
+            "token of this model's vocabulary (GPT-2: mind the leading space, e.g. ' Mary')", param,
+        )
+    return tt.input_ids[0]
+
+
+def _logit_diff_tokens(rt, opts, T: int, where: str) -> tuple[int, int, int]:
+    tgt = _single_token(rt, opts.target, "logit_diff.target")
+    dis = _single_token(rt, opts.distractor, "logit_diff.distractor")
+    if tgt == dis:
+        raise InvalidRequest("logit_diff.target and logit_diff.distractor are the same token",
+                             "logit_diff.distractor")
+    pos = T - 1 if opts.position is None else opts.position
+    if pos >= T:
+        raise OutOfRange(f"logit_diff.position = {pos} is out of range: {where} has {T} tokens "
+                         f"(valid positions 0..{T - 1})", "logit_diff.position")
+    return tgt, dis, pos
+
+
+def _check_heads(rt, heads: list[list[int]]) -> list[tuple[int, int]]:
+    a = rt.adapter
+    out = []
+    seen: dict[tuple[int, int], int] = {}
+    for i, (layer, head) in enumerate(heads):
+        check_index(layer, a.n_layers, "layer", f"heads[{i}][0]", f"heads.{i}.0")
+        check_index(head, a.n_heads, "head", f"heads[{i}][1]", f"heads.{i}.1")
+        if (layer, head) in seen:
+            raise InvalidRequest(f"heads[{i}] = [{layer}, {head}] repeats heads[{seen[(layer, head)]}]",
+                                 f"heads.{i}")
+        seen[(layer, head)] = i
+        out.append((layer, head))
+    return out
+
+
+def _vocab(rt) -> int:
+    return int(rt.info.get("vocab_size") or rt.model.config.vocab_size)
+
+
+# ------------------------------------------------------------------ /v1/predictions
+def predictions_plan(rt, req: PredictionsRequest, items) -> Plan:
+    """Per text and reported position: the top_k next tokens (probability, logit), the actual
+    next token's log-probability and rank, its loss (nats), the entropy; the mean loss. Logits
+    from the recorded forward's cached residual stream through the last block, ``ln_f`` and
+    the LM head (= Hugging Face's ``GPT2LMHeadModel`` logits)."""
+    check_lm(rt)
+    chosen = []
+    for i, it in enumerate(items):
+        where = "text" if req.text is not None else f"texts.{i}"
+        chosen.append(_positions(req.positions, len(it), "positions", where))
+    V = _vocab(rt)
+    longest = max(len(it) for it in items)
+    est = I.variant_batch_bytes(rt, 1, longest, longest) + 4 * V * longest  # + top-k gather
+
+    def job(forwards) -> dict:
+        out = []
+        for fw, pos in zip(forwards, chosen):
+            ids = fw.tokens.input_ids
+            s = A.next_token_stats(I.recorded_logits(rt, fw.tensors), ids, req.top_k)
+            labels = [t.label for t in fw.tokens.tokens]
+            rows, losses = [], []
+            for p in pos:
+                has_next = p + 1 < len(ids)
+                if has_next:
+                    losses.append(float(s.loss[p]))
+                rows.append({
+                    "position": p, "token": labels[p],
+                    "next_token": _tokref(rt, ids[p + 1]) if has_next else None,
+                    "next_logprob": _num(s.next_logprob[p]) if has_next else None,
+                    "next_rank": int(s.next_rank[p]) if has_next else None,
+                    "loss": _num(s.loss[p]) if has_next else None,
+                    "entropy": _num(s.entropy[p]),
+                    "top": _top(rt, s.top_ids[p], s.top_logits[p], s.top_probs[p]),
+                })
+            out.append({
+                "tokens": [t.as_dict() for t in fw.tokens.tokens],
+                "positions": rows,
+                "mean_loss": _num(np.mean(losses, dtype=np.float64)) if losses else None,
+                "n_loss_tokens": len(losses),
+            })
+        body: dict = {"model": rt.model_ref()}
+        if req.text is not None:
+            body["predictions"] = out[0]
+        else:
+            body["results"] = out
+        return body
+
+    return Plan(items, job, est, detail=", with the LM head's logits at every position")
+
+
+# ------------------------------------------------------------------ /v1/ablate
+def ablate_check(rt, req: AblateRequest) -> None:
+    """Before tokenizing: an LM head, heads in range and distinct, reference count."""
+    check_lm(rt)
+    if req.heads is not None:
+        _check_heads(rt, req.heads)
+    if req.reference_texts is not None and len(req.reference_texts) > rt.settings.max_batch:
+        raise BatchTooLarge(f"reference_texts holds {len(req.reference_texts)} texts; the limit "
+                            f"is {rt.settings.max_batch} (max_batch)", "reference_texts")
+
+
+def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
+    """Tokenize the texts, check positions / target tokens / the resample text's length, and
+    estimate the ablated forwards (a scan: one batch of n_heads variants per layer)."""
+    a = rt.adapter
+    main = rt.tokenize(req.text, req.add_bos, "text")
+    items = [main]
+    refs = [rt.tokenize(t, req.add_bos, f"reference_texts.{i}")
+            for i, t in enumerate(req.reference_texts or [])]
+    items += refs
+    resample = None
+    T = len(main)
+    if req.method == "resample":
+        resample = rt.tokenize(req.resample_text, req.add_bos, "resample_text")
+        if len(resample) != T:
+            raise InvalidRequest(
+                f"resample_text has {len(resample)} tokens but text has {T}; method 'resample' "
+                "needs texts of the same token count", "resample_text")
+        items.append(resample)
+    heads = _check_heads(rt, req.heads) if req.heads is not None else None
+    positions = _positions(req.positions, T, "positions", "text")
+    ld = _logit_diff_tokens(rt, req.logit_diff, T, "text") if req.logit_diff is not None else None
+    encoding = "binary" if binary else req.encoding
+    V = _vocab(rt)
+    if req.scan and req.scan_metric == "loss" and not any(p + 1 < T for p in positions):
+        raise InvalidRequest("scan_metric 'loss' needs a position with a next token (the text has "
+                             f"{T} token{'s' if T != 1 else ''}; the last position has none)",
+                             "positions")
+    if req.scan:
+        n_pos = 1 if req.scan_metric == "logit_diff" else len(positions)
+        est = I.variant_batch_bytes(rt, a.n_heads, T, n_pos) + 4 * V * T * 3
+        detail = (f", plus the scan's {a.n_layers * a.n_heads} ablated forwards in batches of "
+                  f"{a.n_heads}")
+    else:
+        est = I.variant_batch_bytes(rt, 2, T, T)
+        detail = ", plus the ablated forward"
+        if req.include_patterns:
+            est += 4 * a.n_layers * a.n_heads * T * T * 2 + estimate_encoded_bytes(
+                a.n_layers * a.n_heads * T * T, encoding, req.dtype, req.round, req.layout, None, T)
+
+    def job(forwards) -> dict:
+        ft = forwards[0].tensors
+        value = I.ablation_value(req.method, ft, [f.tensors for f in forwards[1:1 + len(refs)]],
+                                 forwards[-1].tensors if resample is not None else None)
+        ids = main.input_ids
+        labels = [t.label for t in main.tokens]
+        body: dict = {"model": rt.model_ref(), "tokens": [t.as_dict() for t in main.tokens],
+                      "method": req.method, "heads": [list(h) for h in heads] if heads else None}
+        clean = I.recorded_logits(rt, ft)  # [pos, vocab]
+        ld_body = None
+        if ld is not None:
+            tgt, dis, lpos = ld
+            ld_body = {"target": _tokref(rt, tgt), "distractor": _tokref(rt, dis), "position": lpos,
+                       "clean": _num(A.logit_diff(clean[lpos], tgt, dis)), "ablated": None}
+        if req.scan:
+            body["scan"] = _scan(rt, req, ft, value, clean, ids, positions, ld)
+            body["logit_diff"] = ld_body
+            return body
+        run = I.ablate(rt, ft, heads, value, capture_patterns=req.include_patterns)
+        abl = run.logits[0]
+        lc, la = A.log_softmax(clean), A.log_softmax(abl)
+        kl = A.kl_divergence(lc, la)
+        ci, cl, cp = A.topk(clean, req.top_k)
+        ai, al, ap = A.topk(abl, req.top_k)
+        rows, loss_c, loss_a, kls = [], [], [], []
+        for p in positions:
+            has_next = p + 1 < T
+            row = {"position": p, "token": labels[p],
+                   "next_token": _tokref(rt, ids[p + 1]) if has_next else None,
+                   "loss_clean": None, "loss_ablated": None, "delta_loss": None,
+                   "kl": _num(kl[p]),
+                   "top_clean": _top(rt, ci[p], cl[p], cp[p]),
+                   "top_ablated": _top(rt, ai[p], al[p], ap[p])}
+            kls.append(float(kl[p]))
+            if has_next:
+                c_, a_ = -float(lc[p, ids[p + 1]]), -float(la[p, ids[p + 1]])
+                loss_c.append(c_)
+                loss_a.append(a_)
+                row.update(loss_clean=_num(c_), loss_ablated=_num(a_), delta_loss=_num(a_ - c_))
+            rows.append(row)
+        body.update(
+            positions=rows,
+            mean_loss_clean=_num(np.mean(loss_c)) if loss_c else None,
+            mean_loss_ablated=_num(np.mean(loss_a)) if loss_a else None,
+            mean_kl=_num(np.mean(kls)),
+        )
+        if ld_body is not None:
+            ld_body["ablated"] = _num(A.logit_diff(abl[ld[2]], ld[0], ld[1]))
+        body["logit_diff"] = ld_body
+        if req.include_patterns:
+            pattern = ft.pattern.clone()  # layers below the first ablated one are unchanged
+            for i, pat in enumerate(run.patterns):
+                pattern[run.start + i] = pat[0].to(pattern.dtype).cpu()
+            body["patterns"] = encode_tensor(pattern, encoding, req.dtype, req.round, "patterns",
+                                             layout=req.layout)
+        return body
+
+    return Plan(items, job, est, detail=detail)
+
+
+def _scan(rt, req, ft, value, clean, ids, positions, ld) -> dict:
+    """Every head ablated alone -> ``grid`` [layer, head] of the scan metric, ``effect`` =
+    grid - clean."""
+    T = len(ids)
+    if req.scan_metric == "logit_diff":
+        tgt, dis, lpos = ld
+        P = [lpos]
+        clean_v = float(A.logit_diff(clean[lpos], tgt, dis))
+
+        def metric(lg):
+            return A.logit_diff(lg[:, 0], tgt, dis)
+    elif req.scan_metric == "loss":
+        P = [p for p in positions if p + 1 < T]
+        if not P:
+            raise InvalidRequest("scan_metric 'loss' needs a position with a next token (not only "
+                                 "the last)", "positions")
+        nxt = torch.tensor([ids[p + 1] for p in P])
+        clean_v = float(A.token_loss(A.log_softmax(clean[P]), nxt).mean())
+
+        def metric(lg):
+            return A.token_loss(A.log_softmax(lg), nxt).mean(-1)
+    else:  # kl
+        P = positions
+        lc = A.log_softmax(clean[P]).to(rt.device)
+        clean_v = 0.0
+
+        def metric(lg):
+            return A.kl_divergence(lc[None], A.log_softmax(lg)).mean(-1)
+    grid = I.ablation_scan(rt, ft, value, metric, P)
+    return {"metric": req.scan_metric, "clean": _num(clean_v), "grid": _grid(grid),
+            "effect": _grid(grid - clean_v)}
+
+
+# ------------------------------------------------------------------ /v1/patch
+def patch_check(rt, req: PatchRequest) -> None:
+    check_lm(rt)
+
+
+def patch_plan(rt, req: PatchRequest, items) -> Plan:
+    """Tokenize both texts (equal token counts, else 422 naming both), resolve the metric,
+    estimate the largest batch of patched forwards (per layer: n_heads variants, n_heads x T
+    per position, T for the residual stream; attribution: one forward with every activation
+    kept for the backward) and return the job."""
+    a = rt.adapter
+    clean_t = rt.tokenize(req.clean_text, req.add_bos, "clean_text")
+    corr_t = rt.tokenize(req.corrupted_text, req.add_bos, "corrupted_text")
+    T = len(clean_t)
+    if len(corr_t) != T:
+        raise InvalidRequest(
+            f"clean_text has {T} tokens and corrupted_text has {len(corr_t)}; activation "
+            "patching needs the same token count (pad or reword one of them)", "corrupted_text")
+    ids = clean_t.input_ids
+    ld = None
+    if req.metric == "logit_diff":
+        ld = _logit_diff_tokens(rt, req.logit_diff, T, "clean_text")
+        P = [ld[2]]
+    else:
+        P = [p for p in _positions(req.positions, T, "positions", "clean_text") if p + 1 < T]
+        if not P:
+            raise InvalidRequest("metric 'loss' needs a position with a next token (not only the "
+                                 "last)", "positions")
+    if req.method == "attribution":
+        est = I.variant_batch_bytes(rt, 1, T, len(P), grad=True)
+        detail = ", plus the attribution forward and backward"
+    else:
+        widest = max(a.n_heads * (T if req.per_position else 1), T if req.residual else 0)
+        n_fwd = a.n_layers * (a.n_heads + (a.n_heads * T if req.per_position else 0)
+                              + (T if req.residual else 0))
+        est = I.variant_batch_bytes(rt, widest, T, len(P))
+        detail = (f", plus {n_fwd} patched forwards in batches of up to {widest} variants "
+                  f"(est. {est} bytes for the widest batch)")
+
+    attribution = req.method == "attribution"
+
+    def job(forwards) -> dict:
+        fc = forwards[0].tensors
+        if ld is not None:
+            tgt, dis, _ = ld
+
+            def raw(lg):  # [batch, 1, vocab] -> [batch]
+                return A.logit_diff(lg[:, 0], tgt, dis)
+        else:
+            nxt = torch.tensor([ids[p + 1] for p in P])
+
+            def raw(lg):
+                return A.token_loss(A.log_softmax(lg), nxt).mean(-1)
+        c_val = float(raw(I.recorded_logits(rt, fc, P)[None])[0])
+        if attribution:
+            # the corrupted run is the attribution forward itself (metric, z, gradients): one
+            # recorded forward (clean), one forward and one backward (corrupted)
+            m, grads, zk = I.attribution_grads(
+                rt, I.embedding_output(rt, corr_t.input_ids), lambda lg: raw(lg)[0], P, with_z=True)
+            k_val = float(m)
+        else:
+            fk = forwards[1].tensors
+            k_val = float(raw(I.recorded_logits(rt, fk, P)[None])[0])
+        body: dict = {
+            "model": rt.model_ref(),
+            "clean_tokens": [t.as_dict() for t in clean_t.tokens],
+            "corrupted_tokens": [t.as_dict() for t in corr_t.tokens],
+            "metric": req.metric, "method": req.method,
+            "logit_diff": None if ld is None else {
+                "target": _tokref(rt, ld[0]), "distractor": _tokref(rt, ld[1]),
+                "position": ld[2], "clean": _num(c_val), "ablated": None},
+            "clean_value": _num(c_val), "corrupted_value": _num(k_val),
+            "heads_per_position": None, "residual": None, "approximation": None,
+        }
+
+        def norm(x):
+            return A.normalized(x, c_val, k_val)
+        if attribution:
+            g = torch.stack(grads).cpu()
+            zc = I.head_z(fc.pattern, fc.v)
+            zk = zk.cpu()
+            heads_raw = k_val + A.attribution(g, zc, zk)
+            if req.per_position:
+                body["heads_per_position"] = _grid(norm(k_val + A.attribution(g, zc, zk, True)))
+            body["approximation"] = ATTRIBUTION_NOTE
+        else:
+            heads_raw = I.head_patch_grid(rt, fc, fk, raw, P)
+            if req.per_position:
+                body["heads_per_position"] = _grid(norm(I.head_patch_grid(rt, fc, fk, raw, P, True)))
+            if req.residual:
+                body["residual"] = _grid(norm(I.resid_patch_grid(rt, fc, fk, raw, P)))
+        body["heads"] = _grid(norm(heads_raw))
+        body["heads_raw"] = _grid(heads_raw)
+        return body
+
+    return Plan([clean_t] if attribution else [clean_t, corr_t], job, est, detail=detail)
