@@ -497,3 +497,41 @@ def test_batch_in_process_timeouts_recorded_connection_loss_stops(gpt2_runtime, 
     assert (s.done, s.skipped) == (2, 4)
     ids = [json.loads(l)["id"] for p in (out, fails) for l in open(p)]
     assert sorted(ids) == [0, 1, 2, 3, 9, 10]
+
+
+# ------------------------------------------------------------------ the Python client
+LONG = "The" + " cat sat on the mat." * 31  # 249 tokens: > 4 MB of base64 with scores
+
+
+def _expect_sparse(p: np.ndarray, k: int, thr: float | None) -> np.ndarray:
+    """Independent rule (encode_sparse docstring): per row the k largest, ties to the lower
+    key_pos, zeros never kept, then the threshold."""
+    order = np.argsort(-p, axis=-1, kind="stable")[..., :k]
+    kept = np.take_along_axis(p, order, -1)
+    ok = kept > 0
+    if thr is not None:
+        ok &= kept >= thr
+    out = np.zeros_like(p)
+    np.put_along_axis(out, order, np.where(ok, kept, 0), -1)
+    return out
+
+
+def _fw(rt, text, add_bos=False):
+    return rt.forward_many([rt.tokenize(text, add_bos)])[0]
+
+
+@pytest.mark.regression
+def test_client_decodes_base64_batches_exactly(client, gpt2_runtime):
+    api = Client("http://testserver", http_client=client, max_retries=0)
+    texts = [SENTENCE, LONG, "x y"]
+    res = api.attention(texts, encoding="base64", layout="tril", include_scores=True)
+    for text, r in zip(texts, res.results):
+        fw = _fw(gpt2_runtime, text)
+        assert np.array_equal(r.pattern.numpy(), fw.pattern.numpy())
+        s, sw = r.scores.numpy(), fw.scores().numpy()
+        assert np.array_equal(np.isneginf(s), np.isneginf(sw))
+        assert np.array_equal(s[np.isfinite(sw)], sw[np.isfinite(sw)])
+    sp = api.attention(texts, encoding="base64", sparse={"top_k": 2, "threshold": 0.05})
+    for text, r in zip(texts, sp.results):
+        p = _fw(gpt2_runtime, text).pattern.numpy()
+        assert np.array_equal(r.pattern.numpy(), _expect_sparse(p, 2, 0.05))

@@ -5,6 +5,8 @@ against a direct computation from Hugging Face's own attentions, and the edge ca
 from __future__ import annotations
 
 import math
+import threading
+from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
@@ -489,3 +491,42 @@ def test_head_scores_equal_the_reference_on_awkward_patterns(opts, monkeypatch):
         _assert_same_scores(sink, ids, True, **opts)
         _assert_same_scores(torch.ones(1, 1, 1, 1), [7], True, **opts)
         _assert_same_scores(torch.full((1, 2, 1, 1), 1.0), [7], False, **opts)
+
+
+# ------------------------------------------------------------------ heads probe memo
+@pytest.mark.regression
+def test_probe_memo_is_safe_under_concurrent_heads_requests(gpt2_runtime, monkeypatch):
+    """Bug: probe_tokens (run in worker threads) counted the memo's keys by iterating the
+    shared dict while another thread could insert into it: 'dictionary changed size during
+    iteration' -> 500. The iteration is slowed down here to make the race certain."""
+    from attnscope.service.serving import heads as api_heads
+
+    started = threading.Event()
+
+    class SlowIterDict(dict):
+        def __iter__(self):
+            for k in super().__iter__():
+                if threading.current_thread().name == "slow":
+                    started.set()
+                    threading.Event().wait(0.02)
+                yield k
+
+    memo = SlowIterDict({("induction_probe", 1000 + i, 2, 0): None for i in range(10)})
+    monkeypatch.setattr(gpt2_runtime, "memo", memo)
+    errors = []
+
+    def run(probe, wait):
+        try:
+            if wait:
+                started.wait(5)
+            api_heads.probe_tokens(gpt2_runtime, probe)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    a = threading.Thread(target=run, name="slow", args=(NS(segment_length=5, repeats=2, seed=1), False))
+    b = threading.Thread(target=run, args=(NS(segment_length=6, repeats=2, seed=2), True))
+    a.start(), b.start()
+    a.join(10), b.join(10)
+    assert not errors, errors
+    assert ("induction_probe", 5, 2, 1) in dict.keys(memo)
+    assert ("induction_probe", 6, 2, 2) in dict.keys(memo)

@@ -149,3 +149,38 @@ def test_links_errors(client, payload, etype, param, words):
     assert err["type"] == etype and err["param"] == param, err
     for w in words:
         assert w in err["message"], err["message"]
+
+
+# --- links: ranking ran on the event loop (/healthz waited 12 s behind one request) --------
+
+def _naive_links(w, top_k, exclude_self, ignore, direction):
+    from attnscope.service.analysis.links import eligible_keys
+
+    ok = eligible_keys(w.shape[0], exclude_self, ignore, direction)
+    out = []
+    for q in range(w.shape[0]):
+        keys = ok[q].nonzero().squeeze(-1)
+        if keys.numel() == 0:
+            continue
+        vals = w[q, keys]
+        order = __import__("torch").sort(vals, descending=True, stable=True).indices[:top_k]
+        out.append((q, tuple((int(keys[i]), float(vals[i])) for i in order)))
+    return out
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("top_k,exclude_self,ignore,direction", [
+    (1, True, (), "earlier"), (3, False, (0,), "earlier"), (50, True, (1, 4), "any"),
+    (2, True, tuple(range(12)), "earlier"),
+])
+def test_vectorised_links_equal_the_per_row_rule(top_k, exclude_self, ignore, direction):
+    import torch
+
+    from attnscope.service.analysis.links import strongest_links
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(0, 4, (12, 12), generator=g).float() / 4  # many ties
+    w = torch.softmax(w, -1)
+    got = [(ql.query_pos, tuple((k.key_pos, k.weight) for k in ql.links))
+           for ql in strongest_links(w, top_k, exclude_self, ignore, direction)]
+    assert got == _naive_links(w, top_k, exclude_self, ignore, direction)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import gc
+import sys
+from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
@@ -80,3 +82,110 @@ def test_freeze_startup_objects_freezes_what_is_alive_and_later_cycles_still_col
 def test_live_server_freezes_its_start_up_objects(live_server):
     text = live_server.log.read_text()
     assert "start-up objects frozen for the garbage collector" in text, text[-2000:]
+
+
+# ------------------------------------------------------------------ trim_free_bytes
+@pytest.mark.regression
+def test_trim_free_bytes_setting(make_client, gpt2_runtime, monkeypatch):
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import memory
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="trim_free_bytes"):
+        Settings(model="bundled", trim_free_bytes=-1)
+    monkeypatch.setenv("ATTNSCOPE_TRIM_FREE_BYTES", "-5")
+    with pytest.raises(ValidationError, match="trim_free_bytes"):
+        Settings(model="bundled")
+    monkeypatch.delenv("ATTNSCOPE_TRIM_FREE_BYTES")
+    saved = memory.TRIM_FREE_BYTES
+    try:
+        make_client(gpt2_runtime, trim_free_bytes=0)
+        assert memory.TRIM_FREE_BYTES == 0
+        calls = []
+        real = memory._libc()
+        monkeypatch.setattr(memory, "_libc", lambda: NS(
+            malloc_trim=lambda n: calls.append(n) or 1, mallinfo2=real.mallinfo2))
+        assert memory.release_memory() is True and calls == [0]  # 0 = always
+        memory.set_trim_free_bytes(1 << 62)
+        assert memory.release_memory() is False and calls == [0]  # huge: never
+        assert memory.release_memory(0) is True and calls == [0, 0]
+        free = memory.free_heap_bytes()
+        assert free is None or free >= 0
+    finally:
+        memory.set_trim_free_bytes(saved)
+
+
+@pytest.mark.regression
+def test_negative_trim_env_is_a_startup_error(tmp_path):
+    from conftest import start_server
+
+    s = start_server(tmp_path, env={"ATTNSCOPE_TRIM_FREE_BYTES": "-1"}, wait_ready=False)
+    try:
+        rc = s.proc.wait(timeout=60)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    assert rc != 0
+    assert "trim_free_bytes" in s.log.read_text().lower()
+
+
+@pytest.mark.regression
+def test_libc_is_published_only_with_mallinfo2_restype(monkeypatch):
+    """Bug: _libc() published the CDLL in the global before setting mallinfo2's restype; a
+    thread interleaving there called mallinfo2 as returning int (glibc then writes the struct
+    through a garbage return-slot pointer: memory corruption). Simulated by running the other
+    thread's call re-entrantly at the moment the restype is being set."""
+    from attnscope.service.runtime import memory
+
+    seen = []
+
+    class Fn:
+        restype = None
+
+        def __call__(self):
+            seen.append(self.restype)
+            return memory._MallInfo2(fordblks=123)
+
+    class FakeLib:
+        interleaved = False
+
+        def __init__(self, name):
+            self.fn = Fn()
+
+        @property
+        def mallinfo2(self):
+            if not FakeLib.interleaved:  # the first access: from _libc(), setting restype
+                FakeLib.interleaved = True
+                memory.free_heap_bytes()  # "another thread" interleaves here
+            return self.fn
+
+        def malloc_trim(self, n):
+            return 0
+
+    monkeypatch.setattr(memory, "_LIBC", None)
+    monkeypatch.setattr(memory.ctypes, "CDLL", FakeLib)
+    assert memory.free_heap_bytes() == 123
+    assert seen and all(r is memory._MallInfo2 for r in seen), seen
+
+
+@pytest.mark.regression
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_keep_freed_memory_serves_big_blocks_from_the_heap():
+    """With keep_freed_memory a 24 MiB block comes from glibc's heap, not from a fresh mmap
+    (glibc's default for big blocks, which unmaps it on free so the next request faults all
+    its pages in again): mmapped bytes (mallinfo2 hblkhd) do not grow while it is alive."""
+    from attnscope.service.runtime import memory as M
+
+    assert M.keep_freed_memory(M.TRIM_FREE_BYTES) is True
+    try:
+        mapped = lambda: M._libc().mallinfo2().hblkhd  # noqa: E731
+        before = mapped()
+    except AttributeError:
+        pytest.skip("mallinfo2 needs glibc >= 2.33")
+    a = np.ones(24 << 20, dtype=np.uint8)  # 24 MiB, below the 32 MiB threshold
+    assert mapped() - before < 1 << 20
+    del a
+    b = np.ones(40 << 20, dtype=np.uint8)  # over the threshold: mapped, as before
+    assert mapped() - before >= 40 << 20
+    del b
+    M.release_memory(0)  # 0: trim now; must not raise

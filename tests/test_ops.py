@@ -10,10 +10,13 @@ import sys
 import threading
 import time
 import uuid
+import re
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from attnscope.service.config import Settings
 
 from conftest import SENTENCE, start_server, stop_server
 
@@ -369,3 +372,32 @@ def test_undecodable_body_and_lone_surrogates_are_422(client):
         r = client.post(path, content=body.encode(), headers={"content-type": "application/json"})
         assert r.status_code == 422, (path, r.status_code, r.text[:300])
         assert "surrogate" in r.json()["error"]["message"], path
+
+
+def _ready(c, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if c.get("/readyz").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("not ready")
+
+
+@pytest.mark.regression
+def test_model_load_is_not_recorded_as_a_request_forward():
+    from fastapi.testclient import TestClient
+
+    from attnscope.service.app import create_app
+
+    app = create_app(Settings(model="bundled"))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        _ready(c)
+        m = c.get("/metrics").text
+        counts = {name: float(re.search(rf"^{name}_count (\S+)$", m, re.M).group(1))
+                  for name in ("attnscope_forward_seconds", "attnscope_queue_wait_seconds")}
+        assert counts == {"attnscope_forward_seconds": 0.0, "attnscope_queue_wait_seconds": 0.0}
+        text = f"Metrics {uuid.uuid4().hex[:6]} the cat sat."
+        assert c.post("/v1/heads", json={"text": text}).status_code == 200  # one forward
+        assert c.post("/v1/heads", json={"text": text}).status_code == 200  # cached: not timed
+        m = c.get("/metrics").text
+        assert re.search(r"^attnscope_forward_seconds_count 1\.0$", m, re.M)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import random
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -10,7 +15,7 @@ from attnscope.service.config import Settings
 from attnscope.service.errors import ContextLengthExceeded, InvalidRequest
 from attnscope.service.runtime import ModelLoadError, Runtime
 
-from conftest import SENTENCE
+from conftest import SENTENCE, minilm_dir
 
 TEXTS = [
     SENTENCE,
@@ -206,3 +211,192 @@ def test_probe_rejects_non_eager_attention(bundled_dir):
     with pytest.raises(ModelLoadError) as e:
         rt.probe()
     assert "attention layers" in str(e.value)
+
+
+# ------------------------------------------------------------------ recorded tensors, concurrency
+@pytest.mark.regression
+def test_recorded_tensors_read_concurrently_are_one_object_and_equal_a_batch_copy(gpt2_runtime):
+    text = f"A fresh text for the lazy stacking race {threading.get_ident()} zebra quartz."
+    ref = gpt2_runtime.forward_many([gpt2_runtime.tokenize(text), gpt2_runtime.tokenize("ab")])
+    ref = ref[0].tensors  # a batch of 2: its rows are copies (clone), stacked serially below
+    serial = {n: getattr(ref, n).clone() for n in ref._NAMES}
+    gpt2_runtime.cache.clear() if hasattr(gpt2_runtime.cache, "clear") else None
+    fresh = gpt2_runtime.forward_many([gpt2_runtime.tokenize(text + " again")])[0].tensors
+    fresh2 = gpt2_runtime.forward_many([gpt2_runtime.tokenize(text + " again")])[0].tensors
+    barrier = threading.Barrier(8)
+
+    def grab(i):
+        barrier.wait()
+        return {n: getattr(fresh, n) for n in (fresh._NAMES[i % 6:] + fresh._NAMES[: i % 6])}
+
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(grab, range(8)))
+    for g in got:
+        for n in fresh._NAMES:
+            assert g[n] is got[0][n]  # stacked once
+            assert torch.equal(g[n], getattr(fresh2, n))
+    nb = fresh.nbytes
+    assert nb == sum(t.numel() * t.element_size() for t in
+                     [fresh.pattern, fresh.final_state] + [getattr(fresh, n) for n in fresh._NAMES])
+    assert all(torch.equal(serial[n][:, :0], getattr(ref, n)[:, :0]) for n in ref._NAMES)
+
+
+@pytest.mark.regression
+def test_batch_equals_single_forwards(gpt2_runtime, bert_runtime):
+    for rt, tol in ((gpt2_runtime, 1e-5), (bert_runtime, 1e-5)):
+        texts = ["one two three four", "five six seven eight", "nine", "ten eleven"]
+        rt.cache.clear()
+        batch = rt.forward_many([rt.tokenize(t) for t in texts])
+        rt.cache.clear()
+        for t, fb in zip(texts, batch):
+            fs = rt.forward_many([rt.tokenize(t)])[0]
+            rt.cache.clear()
+            for n in ("pattern", "hidden_states", "q", "k", "v", "attn_input", "attn_output"):
+                x, y = getattr(fb.tensors, n), getattr(fs.tensors, n)
+                assert x.shape == y.shape, n
+                torch.testing.assert_close(x, y, atol=tol, rtol=tol, msg=n)
+
+
+# --------------------------------------------------------------- buffers: batches, padding
+NAMES = ("pattern", "hidden_states", "q", "k", "v", "attn_input", "attn_output",
+         "final_hidden_state")
+
+
+def hf_reference_with_qkv(rt: Runtime, ids: list[int]):
+    """Hugging Face's own forward of one unpadded text, with q/k/v from manual hooks on the
+    q/k/v modules (split into heads here) and the last block's output from a hook on it: the
+    recorded tensors (hidden_states = the L+1 residual-stream states, the last pre-ln_f;
+    final_hidden_state = HF's last hidden_states entry)."""
+    caps: list[list] = [[None] * len(h.qkv) for h in rt._handles]
+    base = rt.adapter.base()
+    last_block = (base.h if rt.adapter.causal else base.encoder.layer)[-1]
+    last = []
+    hooks = [last_block.register_forward_hook(
+        lambda m, a, o: last.append((o[0] if isinstance(o, tuple) else o)[0].clone()))]
+    for i, h in enumerate(rt._handles):
+        for j, m in enumerate(h.qkv):
+            def hook(mod, args, out, i=i, j=j):
+                caps[i][j] = out[0].clone()
+            hooks.append(m.register_forward_hook(hook))
+    kw = dict(input_ids=torch.tensor([ids]), output_attentions=True, output_hidden_states=True)
+    if rt.adapter.family == "bert":
+        kw["token_type_ids"] = torch.zeros_like(kw["input_ids"])
+    try:
+        with torch.inference_mode():
+            out = rt.adapter.base()(**kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    H, dh = rt.adapter.n_heads, rt.adapter.d_head
+    qs, ks, vs = [], [], []
+    for layer in caps:
+        parts = layer[0].split(rt.adapter.d_model, dim=-1) if len(layer) == 1 else layer
+        q, k, v = (p.reshape(len(ids), H, dh).transpose(0, 1) for p in parts)
+        qs.append(q), ks.append(k), vs.append(v)
+    return dict(pattern=torch.stack([a[0] for a in out.attentions]),
+                hidden_states=torch.stack([h[0] for h in out.hidden_states[:-1]] + last),
+                final_hidden_state=out.hidden_states[-1][0],
+                q=torch.stack(qs), k=torch.stack(ks), v=torch.stack(vs))
+
+
+WORDS = "the cat sat on a mat and then it ran far away from home".split()
+
+
+def words(n: int, seed) -> str:
+    r = random.Random(str(seed))
+    return " ".join(r.choice(WORDS) for _ in range(n))
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("family,side", [("gpt2", "right"), ("gpt2", "left"),
+                                         ("bert", "right"), ("bert", "left")])
+def test_padded_batch_equals_single_and_hugging_face(family, side, gpt2_runtime, bert_runtime):
+    single = gpt2_runtime if family == "gpt2" else bert_runtime
+    model = "bundled" if family == "gpt2" else str(minilm_dir())
+    rb = Runtime.load(Settings(model=model, forward_batch_size=3, padding_side=side))
+    tag = uuid.uuid4().hex[:6]
+    texts = [f"{tag} " + words(n, (tag, n)) for n in (3, 40, 11, 40, 1)]  # two of equal length
+    items = [rb.tokenize(t) for t in texts]
+    assert len({len(it) for it in items}) >= 3
+    got = rb.forward_many(items)
+    hits = rb.cached_forwards(items)
+    assert hits is not None
+    for t, fw, hit in zip(texts, got, hits):
+        ref = single.forward_many([single.tokenize(t)])[0].tensors
+        hf = hf_reference_with_qkv(single, list(fw.tokens.input_ids))
+        for name in NAMES:
+            a, b = getattr(fw.tensors, name), getattr(ref, name)
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            assert (a - b).abs().max().item() <= 2e-5, (name, t)
+            assert torch.equal(getattr(hit.tensors, name), a), name  # the cached entry is it
+            if name in hf:  # the single forward equals HF's own numbers bit for bit
+                assert torch.equal(b, hf[name]), name
+        for name in ("pattern", "hidden_states", "attn_input", "attn_output"):
+            assert getattr(fw.tensors, name).is_contiguous()
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_model_records_its_own_numbers_bit_for_bit(dtype, make_client):
+    rt = Runtime.load(Settings(model="bundled", dtype=dtype, forward_batch_size=2))
+    texts = [f"Low precision {uuid.uuid4().hex[:4]} " + words(n, n) for n in (5, 17)]
+    got = rt.forward_many([rt.tokenize(t) for t in texts])  # one padded batch
+    for fw in got:
+        hf = hf_reference_with_qkv(rt, list(fw.tokens.input_ids))
+        for name in NAMES:
+            assert getattr(fw.tensors, name).dtype == getattr(torch, dtype), name
+        single = rt._forward_batch([fw.tokens.input_ids])[0]
+        for name, ref in hf.items():
+            assert torch.equal(getattr(single, name), ref), name
+            assert (getattr(fw.tensors, name).float() - ref.float()).abs().max() <= 2e-2, name
+    c = make_client(rt, dtype=dtype, forward_batch_size=2)  # the recorded views through the API
+    r = c.post("/v1/verify", json={"texts": texts, "projections": True, "mode": "recorded_qkv"})
+    assert r.status_code == 200, r.text[:300]
+    assert all(x["passed"] and x["dtype"] == dtype for x in r.json()["results"])
+    r = c.post("/v1/verify", json={"texts": texts})  # from scratch, at the dtype's tolerance
+    assert r.status_code == 200, r.text[:300]
+    assert all(x["passed"] and x["dtype"] == dtype and x["mode"] == "from_scratch"
+               for x in r.json()["results"]), [x["message"] for x in r.json()["results"]]
+
+
+# --------------------------------------------------------------- reserve edge cases
+@pytest.mark.regression
+@pytest.mark.parametrize("limits", [dict(cache_entries=0), dict(cache_entries=1),
+                                    dict(cache_bytes=1), dict(cache_bytes="one_and_half")])
+def test_tiny_caches_give_right_results_and_stay_bounded(limits, gpt2_runtime):
+    if limits.get("cache_bytes") == "one_and_half":
+        one = gpt2_runtime.forward_many([gpt2_runtime.tokenize(words(20, 1))])[0].tensors.nbytes
+        limits = dict(cache_bytes=one + one // 2)
+    rt = Runtime.load(Settings(model="bundled", forward_batch_size=2, **limits))
+    tag = uuid.uuid4().hex[:6]
+    texts = [f"{tag} " + words(n, (tag, n)) for n in (20, 7, 20, 30)]
+    for rounds in range(2):
+        items = [rt.tokenize(t) for t in texts + texts[:1]]  # a repeat in one request
+        got = rt.forward_many(items)
+        for it, fw in zip(items, got):
+            hf = hf_reference_with_qkv(gpt2_runtime, list(it.input_ids))
+            assert fw.tokens is it
+            for name in ("q", "k", "v"):
+                assert (getattr(fw.tensors, name) - hf[name]).abs().max() <= 2e-5
+            assert (fw.tensors.pattern - hf["pattern"]).abs().max() <= 2e-5
+        assert len(rt.cache) <= rt.cache.max_entries
+        assert rt.cache.nbytes <= rt.cache.max_bytes
+        assert rt.cache.nbytes == sum(v[1] for v in rt.cache._data.values())
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_batch_holding_a_text_at_n_ctx(side, gpt2_runtime):
+    rt = Runtime.load(Settings(model="bundled", forward_batch_size=3, padding_side=side,
+                               cache_entries=2))
+    n_ctx = rt.adapter.n_ctx
+    ids = rt.tokenizer(" cat" * (n_ctx + 10))["input_ids"][:n_ctx]
+    full = rt.tokenizer.decode(ids)
+    texts = [f"Short {uuid.uuid4().hex[:4]}", full, words(30, side)]
+    items = [rt.tokenize(t) for t in texts]
+    assert len(items[1]) == n_ctx
+    for fw in rt.forward_many(items):
+        hf = hf_reference_with_qkv(gpt2_runtime, list(fw.tokens.input_ids))
+        for name, ref in hf.items():
+            assert (getattr(fw.tensors, name) - ref).abs().max() <= 2e-5, name
+    assert len(rt.cache) == 2

@@ -13,8 +13,9 @@ import torch
 from attnscope.schemas import ScratchAttentionResponse
 from attnscope.service.analysis.scratch import attention, scratch_attention
 from attnscope.service.errors import InvalidRequest
+from attnscope.client import wire
 
-from conftest import SENTENCE
+from conftest import SENTENCE, assert_error, assert_error as _err
 
 URL = "/v1/scratch-attention"
 
@@ -270,3 +271,104 @@ def test_pure_function_steps():
     assert s[1, 1].item() == pytest.approx(2 / math.sqrt(2))
     with pytest.raises(InvalidRequest):
         scratch_attention(Q, Q[:, :1], Q, max_weights=None)
+
+
+# --- scratch-attention: a 3 MB request answered with 555 MB of JSON -------------------------
+
+def _still_serving(client):
+    r = client.post("/v1/attention", json={"text": "hello world", "layers": [0]})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.regression
+def test_scratch_weights_cap(client):
+    from attnscope.schemas.scratch import MAX_WEIGHTS
+
+    m = [[0.1] * 128] * 512
+    e = _err(client.post("/v1/scratch-attention", json={"q": m, "k": m, "v": m, "n_heads": 64}),
+             param="n_heads")
+    assert str(MAX_WEIGHTS) in e["message"] and str(64 * 512 * 512) in e["message"]
+    # at the limit: 16 heads x 512 x 512 is allowed
+    assert 16 * 512 * 512 <= MAX_WEIGHTS
+    _still_serving(client)
+
+
+@pytest.mark.regression
+def test_scratch_weights_cap_text_source(bert_client):
+    # the encoder's 512-token context x 64 heads is over the cap
+    r = bert_client.post("/v1/scratch-attention",
+                         json={"text": "word " * 400, "n_heads": 64})
+    e = _err(r, param="n_heads")
+    assert "limit" in e["message"]
+
+
+# --- trajectories: the PCA's SVD under multi-threaded BLAS took ~1 s per text on a busy box -
+
+@pytest.mark.regression
+def test_embedding_pca_fit_is_cached(client, gpt2_runtime):
+    from attnscope.service.analysis.scratch import fit_embedding_pca
+
+    emb = gpt2_runtime.adapter.embed_matrix()
+    a = fit_embedding_pca(emb, 3, 7)
+    assert fit_embedding_pca(emb, 3, 7) is a
+    assert fit_embedding_pca(emb, 3, 8) is not a
+    body = {"text": "hello world", "project": 3, "seed": 7}
+    r1, r2 = (client.post("/v1/scratch-attention", json=body) for _ in range(2))
+    assert r1.status_code == r2.status_code == 200 and r1.json() == r2.json()
+
+
+# --- scratch-attention: overflow sent silently (JSON null for a visible key, inf in base64) --
+
+@pytest.mark.regression
+def test_scratch_neg_inf_score_on_visible_key_is_an_overflow(client):
+    body = {"q": [[1e200]], "k": [[-1e200], [1.0]], "v": [[1.0], [2.0]]}
+    e = _err(client.post("/v1/scratch-attention", json=body), param="q")
+    assert "overflows" in e["message"] and "1e+200" in e["message"]
+    # the causal mask's -inf stays legitimate: null in JSON
+    ok = client.post("/v1/scratch-attention", json={"q": [[1.0], [2.0]], "k": [[1.0], [2.0]],
+                                                    "v": [[1.0], [2.0]], "variant": "causal"})
+    assert ok.status_code == 200 and ok.json()["scores"][0][0][1] is None
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("dtype,x,ok", [
+    ("float16", 300.0, False),   # score 90000 > 65504
+    ("float16", 200.0, True),    # score 40000 fits
+    ("float32", 1e20, False),    # score 1e40 > 3.4e38
+    ("float32", 1e18, True),
+])
+def test_scratch_base64_values_must_fit_the_wire_dtype(client, dtype, x, ok):
+    import base64
+
+    body = {"q": [[x]], "k": [[x]], "v": [[1.0]], "scale": False, "encoding": "base64",
+            "dtype": dtype}
+    r = client.post("/v1/scratch-attention", json=body)
+    if ok:
+        assert r.status_code == 200, r.text
+        d = r.json()["scores"]
+        vals = np.frombuffer(base64.b64decode(d["data"]), "<f2" if dtype == "float16" else "<f4")
+        assert np.isfinite(vals).all()
+    else:
+        e = _err(r, param="dtype")
+        assert dtype in e["message"] and "inf" in e["message"]
+        # the same request in JSON is fine (float64)
+        body["encoding"] = "json"
+        assert client.post("/v1/scratch-attention", json=body).status_code == 200
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_scratch_base64_round_trip(client, dtype):
+    g = np.random.default_rng(0)
+    q, k, v = (g.standard_normal((5, 4)).round(3) for _ in range(3))
+    body = {"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "variant": "causal"}
+    js = client.post("/v1/scratch-attention", json=body).json()
+    b = client.post("/v1/scratch-attention", json={**body, "encoding": "base64",
+                                                   "dtype": dtype}).json()
+    for name in ("weights", "scores", "output"):
+        got = wire.decode_tensor(b[name])
+        want = wire.decode_tensor(js[name]).astype(got.dtype)
+        assert got.dtype == np.dtype(dtype) and np.array_equal(got, want), name
+    big = {"q": (q * 300).tolist(), "k": (k * 300).tolist(), "v": v.tolist()}
+    assert_error(client.post("/v1/scratch-attention", json={**big, "encoding": "base64",
+                                                           "dtype": "float16"}), param="dtype")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import math
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from sklearn.preprocessing import StandardScaler
 from attnscope.schemas import TrajectoriesResponse
 from attnscope.service.analysis.trajectories import trajectories
 from attnscope.service.errors import InvalidRequest, NonFiniteValues
+from attnscope.client import wire
 
 from conftest import SENTENCE
 
@@ -299,3 +301,59 @@ def test_one_blas_thread_nests_restores_and_works_from_any_thread():
     release.set()
     for t in threads:
         t.join()
+
+
+# --- trajectories: the PCA's SVD under multi-threaded BLAS took ~1 s per text on a busy box -
+
+@pytest.mark.regression
+def test_trajectories_batch_is_fast(client):
+    texts = [" ".join(f"w{i}x{j}" for i in range(40)) for j in range(8)]
+    t = time.perf_counter()
+    r = client.post("/v1/trajectories", json={"texts": texts, "encoding": "base64"})
+    assert r.status_code == 200, r.text
+    assert time.perf_counter() - t < 20
+    assert len(r.json()["results"]) == 8
+
+
+# ------------------------------------------------------------------ base64 round trips
+@pytest.mark.regression
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_trajectories_and_scratch_base64(client, dtype):
+    r = client.post("/v1/trajectories", json={"texts": [SENTENCE, "one two three"],
+                                              "encoding": "base64", "dtype": dtype})
+    assert r.status_code == 200, r.text
+    rj = client.post("/v1/trajectories", json={"texts": [SENTENCE, "one two three"]})
+    for a, b in zip(r.json()["results"], rj.json()["results"]):
+        got = wire.decode_tensor(a["paths"]).astype(np.float32)
+        want = np.asarray(b["paths"], np.float32)
+        if dtype == "float32":
+            assert np.array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+# ------------------------------------------------------------------ trajectories
+@pytest.mark.regression
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("include_final", [False, True])
+def test_trajectories_equal_the_scikit_learn_pipeline(dtype, include_final):
+    from attnscope.service.analysis.trajectories import trajectories
+    from sklearn.decomposition import PCA
+    from sklearn.preprocessing import StandardScaler
+
+    g = torch.Generator().manual_seed(3)
+    h = (torch.randn(4, 9, 24, generator=g) * 3 + 1).to(dtype)
+    h[:, :, 5] = 2.0  # a constant feature (scale 1)
+    before = h.clone()
+    pos = [8, 0, 3]
+    fin = (torch.randn(9, 24, generator=g) * 2).to(dtype)
+    r = trajectories(h, include_final, 3, pos, final_state=fin)
+    assert torch.equal(h, before)  # the recorded hidden states are never changed
+    n = 5 if include_final else 4  # every residual state, plus the final LayerNorm's output
+    x = torch.cat([h, fin[None]])[:n].reshape(n * 9, 24).to(torch.float64).numpy()
+    proj = PCA(n_components=3, random_state=0).fit_transform(StandardScaler().fit_transform(x))
+    paths = proj.reshape(n, 9, 3)[:, pos].transpose(1, 0, 2)
+    np.testing.assert_allclose(r["paths"], paths, rtol=1e-9, atol=1e-9)
+    first, last = x[pos], x[(n - 1) * 9 + np.array(pos)]
+    np.testing.assert_allclose(r["distance_full"], np.linalg.norm(last - first, axis=-1),
+                               rtol=1e-12)

@@ -33,7 +33,7 @@ from attnscope.service.errors import UnsupportedModelConfig
 from attnscope.service.runtime import Runtime
 from attnscope.service.runtime.adapters import ADAPTERS
 
-from conftest import SENTENCE
+from conftest import SENTENCE, assert_error
 
 URL = "/v1/verify"
 RQ = {"mode": "recorded_qkv"}
@@ -576,3 +576,49 @@ def test_config_switches_are_honoured(switches):
     res = verify(fw.tensors, plain)
     expect = [1, 2] if switches["scale_attn_by_inverse_layer_idx"] else [0, 1, 2]
     assert not res["passed"] and res["failed_layers"] == expect
+
+
+# ------------------------------------------------------------------ verify
+@pytest.mark.regression
+@pytest.mark.parametrize("which", ["gpt2", "bert"])
+@pytest.mark.parametrize("projections", [False, True])
+def test_verify_projections_both_models(client, bert_client, which, projections):
+    c = client if which == "gpt2" else bert_client
+    r = c.post("/v1/verify", json={"texts": [SENTENCE, "hi there"], "projections": projections,
+                                   "layers": [1, 0], "mode": "recorded_qkv"})
+    assert r.status_code == 200, r.text
+    for res in r.json()["results"]:
+        v = res
+        assert v["passed"], v["message"]
+        assert v["projections"] is projections
+        assert [l["layer"] for l in v["layers"]] == [1, 0]
+        for l in v["layers"]:
+            assert (l["qkv_max_abs_diff"] is not None) is projections
+    for tol in (0, -1, 1.5):
+        assert_error(c.post("/v1/verify", json={"text": "hi", "tolerance": tol}),
+                     param="tolerance")
+    r = c.post("/v1/verify", json={"text": "hi", "tolerance": 1e-300})
+    assert r.status_code == 200
+
+
+@pytest.mark.regression
+def test_verify_projections_sees_a_qkv_weight_change(gpt2_runtime, make_client):
+    c = make_client(gpt2_runtime)
+    text = "weight change seen by projections only"
+    assert c.post("/v1/verify", json={"text": text}).json()["verification"]["passed"]
+    p = gpt2_runtime.adapter.attention_params(0)
+    W = p.W_q
+    with torch.no_grad():
+        saved = W.clone()
+        W.add_(0.01)
+    try:
+        r1 = c.post("/v1/verify", json={"text": text, "mode": "recorded_qkv"}).json()["verification"]
+        r2 = c.post("/v1/verify", json={"text": text, "projections": True,
+                                        "mode": "recorded_qkv"}).json()["verification"]
+        r3 = c.post("/v1/verify", json={"text": text}).json()["verification"]
+    finally:
+        with torch.no_grad():
+            W.copy_(saved)
+    assert r1["passed"]  # documented: recorded q/k/v
+    assert not r2["passed"] and r2["failed_layers"] == [0]
+    assert not r3["passed"] and r3["failing_layer"] == 0  # from scratch: seen by default

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import orjson
 import pytest
+import torch
 
 from attnscope.client import wire
 from attnscope.service import encoding
@@ -197,3 +198,128 @@ def test_memory_limit_refuses_before_forward(client, gpt2_runtime, monkeypatch):
     # a smaller answer (sparse) of a short text passes the same limit
     r = c.post("/v1/attention", json={"text": "short", "sparse": {"top_k": 1}})
     assert r.status_code == 200, r.text[:300]
+
+
+# ------------------------------------------------------------------ base64 round trips
+def _fw(rt, text, add_bos=False):
+    return rt.forward_many([rt.tokenize(text, add_bos)])[0]
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("body", [
+    {"dtype": "float32"},
+    {"dtype": "float16"},
+    {"dtype": "float32", "layout": "tril", "include_scores": True},
+    {"dtype": "float32", "layers": [1], "heads": [3, 0]},
+    {"dtype": "float32", "head_mean": True},
+])
+def test_base64_attention_round_trip_exact(client, gpt2_runtime, body):
+    texts = [SENTENCE, "a b", "x"]
+    r = client.post("/v1/attention", json={"texts": texts, "encoding": "base64", **body})
+    assert r.status_code == 200, r.text
+    for text, res in zip(texts, r.json()["results"]):
+        fw = _fw(gpt2_runtime, text)
+        p = fw.pattern
+        if "layers" in body:
+            p = p[body["layers"]][:, body["heads"]]
+        if body.get("head_mean"):
+            p = p.mean(1)
+        want = p.numpy()
+        got = wire.decode_tensor(res["pattern"])
+        if body["dtype"] == "float16":
+            want = p.to(torch.float16).numpy()
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(got, want)
+        if body.get("include_scores"):
+            s = wire.decode_tensor(res["scores"])
+            sw = fw.scores().numpy()
+            tri = np.tril(np.ones(sw.shape[-2:], bool))
+            assert np.array_equal(s[..., tri], sw[..., tri])
+
+
+LONG = "The" + " cat sat on the mat." * 31  # 249 tokens: > 4 MB of base64 with scores
+
+
+@pytest.mark.regression
+def test_base64_streamed_body_round_trips_exactly(client, gpt2_runtime):
+    fw = _fw(gpt2_runtime, LONG)
+    r = client.post("/v1/attention", json={"text": LONG, "encoding": "base64",
+                                           "include_scores": True})
+    assert r.status_code == 200, r.text
+    assert "content-length" not in r.headers or int(r.headers["content-length"]) > 4 << 20
+    assert len(r.content) > 4 << 20
+    att = orjson.loads(r.content)["attention"]
+    assert np.array_equal(wire.decode_tensor(att["pattern"]), fw.pattern.numpy())
+    s, sw = wire.decode_tensor(att["scores"]), fw.scores().numpy()
+    assert np.array_equal(np.isneginf(s), np.isneginf(sw))
+    assert np.array_equal(s[np.isfinite(sw)], sw[np.isfinite(sw)])
+
+
+# ------------------------------------------------------------------ sparse top-k
+@pytest.mark.regression
+def test_nan_from_the_model_is_refused_in_every_form(client, gpt2_runtime, monkeypatch):
+    from attnscope.service.runtime.model import ForwardTensors
+
+    text = "nan pattern row check"
+    fw = _fw(gpt2_runtime, text)
+    orig = ForwardTensors.__init__
+    pat = fw.pattern.clone()
+    pat[1, 2, -1, 0] = float("nan")  # last row, first key: small, never in the top-1 otherwise
+
+    def fake(self, pattern, *a, **k):
+        orig(self, pat if pattern.shape == pat.shape else pattern, *a, **k)
+
+    gpt2_runtime.cache.clear() if hasattr(gpt2_runtime.cache, "clear") else None
+    monkeypatch.setattr(ForwardTensors, "__init__", fake)
+    try:
+        for body in ({"sparse": {"top_k": 1}, "encoding": "base64"},
+                     {"sparse": {"top_k": 2, "threshold": 0.9}},
+                     {"sparse": {"top_k": 500}}, {"encoding": "base64"},
+                     {"layout": "tril", "encoding": "base64"}, {"texts": ["x", text]}):
+            r = client.post("/v1/attention", json={"text": text, **body} if "texts" not in body
+                            else body)
+            assert r.status_code == 500, (body, r.status_code)  # NonFiniteValues: by design
+            assert r.json()["error"]["type"] == "non_finite_values", body
+    finally:
+        monkeypatch.undo()
+        gpt2_runtime.cache.clear() if hasattr(gpt2_runtime.cache, "clear") else None
+
+
+# ------------------------------------------------------------------ float16 overflow
+@pytest.mark.regression
+@pytest.mark.parametrize("kw", [{"encoding": "base64"}, {"encoding": "binary"},
+                                {"encoding": "base64", "layout": "tril"},
+                                {"encoding": "base64", "allow_neg_inf": True}])
+def test_float16_cast_never_sends_inf_silently(kw):
+    """Bug: a finite value beyond 65504 became inf in a float16 base64/binary tensor
+    (model scores, trajectory paths) without an error; scratch-attention checked it, the
+    shared encoder did not."""
+    from attnscope.service.errors import InvalidRequest
+
+    x = torch.zeros(1, 3, 3)
+    x[0, 2, 1] = 7e4
+    with pytest.raises(InvalidRequest) as e:
+        encoding.encode_tensor(x, dtype="float16", name="attention.scores", **kw)
+    assert e.value.param == "dtype" and "7e+04" in str(e.value)
+    ok = torch.tensor([[0.0, float("-inf")], [65504.0, -3.0]])  # masked -inf stays allowed
+    got = encoding.encode_tensor(ok, "base64", "float16", allow_neg_inf=True)
+    assert np.array_equal(wire.decode_tensor(orjson.loads(encoding.dumps(got))),
+                          ok.numpy().astype(np.float16))
+    assert encoding.encode_tensor(x, "base64", "float32")["dtype"] == "float32"
+    neg = torch.tensor([[0.0, float("-inf")], [-7e4, 1.0]])  # masked -inf AND an overflow
+    with pytest.raises(InvalidRequest):
+        encoding.encode_tensor(neg, "base64", "float16", allow_neg_inf=True)
+
+
+@pytest.mark.regression
+def test_iter_json_equals_dumps_with_big_base64():
+    big = encoding._b64(np.arange(600_000, dtype=np.float32))  # 3.2 MB of base64
+    body = {"a": [{"data": big, "x": np.ones((3, 2), np.float32)}, "s" * 10],
+            "long": list(range(300)), "arr": np.arange(400_000, dtype=np.float32).reshape(2, -1),
+            "small": encoding._b64(np.zeros(3, np.float16))}
+    streamed = b"".join(bytes(c) for c in encoding.iter_json(body))
+    assert streamed == encoding.dumps(body)
+    back = orjson.loads(streamed)
+    assert np.array_equal(wire.decode_tensor({"encoding": "base64", "dtype": "float32",
+                                              "shape": [600_000], "data": back["a"][0]["data"]}),
+                          np.arange(600_000, dtype=np.float32))

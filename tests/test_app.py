@@ -1,0 +1,134 @@
+"""App lifecycle: an app created, served, shut down and created again in one process, one app object
+entered twice, the gc freeze of start-up objects.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from attnscope.service.config import Settings
+from attnscope.service.runtime import Runtime
+
+from test_api import decode
+
+
+# --------------------------------------------------------------- app lifecycle
+def _ready(c, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if c.get("/readyz").status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("not ready")
+
+
+def hf_reference(rt: Runtime, ids: list[int]):
+    """Hugging Face's own forward of one unpadded text, with q/k/v from manual hooks on the
+    q/k/v modules (split into heads here) and the last block's output from a hook on it: the
+    recorded tensors (hidden_states = the L+1 residual-stream states, the last pre-ln_f;
+    final_hidden_state = HF's last hidden_states entry)."""
+    caps: list[list] = [[None] * len(h.qkv) for h in rt._handles]
+    base = rt.adapter.base()
+    last_block = (base.h if rt.adapter.causal else base.encoder.layer)[-1]
+    last = []
+    hooks = [last_block.register_forward_hook(
+        lambda m, a, o: last.append((o[0] if isinstance(o, tuple) else o)[0].clone()))]
+    for i, h in enumerate(rt._handles):
+        for j, m in enumerate(h.qkv):
+            def hook(mod, args, out, i=i, j=j):
+                caps[i][j] = out[0].clone()
+            hooks.append(m.register_forward_hook(hook))
+    kw = dict(input_ids=torch.tensor([ids]), output_attentions=True, output_hidden_states=True)
+    if rt.adapter.family == "bert":
+        kw["token_type_ids"] = torch.zeros_like(kw["input_ids"])
+    try:
+        with torch.inference_mode():
+            out = rt.adapter.base()(**kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    H, dh = rt.adapter.n_heads, rt.adapter.d_head
+    qs, ks, vs = [], [], []
+    for layer in caps:
+        parts = layer[0].split(rt.adapter.d_model, dim=-1) if len(layer) == 1 else layer
+        q, k, v = (p.reshape(len(ids), H, dh).transpose(0, 1) for p in parts)
+        qs.append(q), ks.append(k), vs.append(v)
+    return dict(pattern=torch.stack([a[0] for a in out.attentions]),
+                hidden_states=torch.stack([h[0] for h in out.hidden_states[:-1]] + last),
+                final_hidden_state=out.hidden_states[-1][0],
+                q=torch.stack(qs), k=torch.stack(ks), v=torch.stack(vs))
+
+
+@pytest.mark.regression
+def test_app_loaded_shut_down_and_created_again_in_one_process(gpt2_runtime):
+    from fastapi.testclient import TestClient
+
+    from attnscope.service.app import create_app
+
+    text = f"Lifecycle {uuid.uuid4().hex[:6]} the cat sat."
+    hf = hf_reference(gpt2_runtime, list(gpt2_runtime.tokenize(text).input_ids))
+    before = gc.get_freeze_count()
+    threads = []
+    for round_ in range(2):
+        app = create_app(Settings(model="bundled"))
+        with TestClient(app, raise_server_exceptions=False) as c:
+            _ready(c)
+            assert gc.get_freeze_count() > before  # the start-up objects were frozen
+            r = c.post("/v1/attention", json={"text": text, "encoding": "base64"})
+            assert r.status_code == 200, r.text
+            assert np.array_equal(decode(r.json()["attention"]["pattern"]), hf["pattern"].numpy())
+            slot_thread = c.portal.call(app.state.slot.run, threading.current_thread)
+            assert slot_thread.name.startswith("attnscope-device")
+            threads.append(slot_thread)
+        assert gc.get_freeze_count() == 0  # unfrozen at shutdown
+        slot_thread.join(timeout=10)
+        assert not slot_thread.is_alive()  # the slot's thread ended
+    assert threads[0] is not threads[1]
+
+
+@pytest.mark.regression
+def test_one_app_object_entered_twice_gets_a_fresh_slot_thread(gpt2_runtime):
+    from fastapi.testclient import TestClient
+
+    from attnscope.service.app import create_app
+
+    app = create_app(Settings(model="bundled", max_queue=0), runtime=gpt2_runtime)
+    text = f"Twice {uuid.uuid4().hex[:6]} a b c"
+    hf = hf_reference(gpt2_runtime, list(gpt2_runtime.tokenize(text).input_ids))
+    frozen = gc.get_freeze_count()
+    seen = []
+    for _ in range(2):
+        with TestClient(app, raise_server_exceptions=False) as c:
+            for p in ("/v1/attention", "/v1/heads", "/v1/verify"):
+                r = c.post(p, json={"text": text, **({"encoding": "base64"} if p == "/v1/attention" else {})})
+                assert r.status_code == 200, (p, r.text[:300])
+                if p == "/v1/attention":
+                    assert np.array_equal(decode(r.json()["attention"]["pattern"]), hf["pattern"].numpy())
+            seen.append(c.portal.call(app.state.slot.run, threading.current_thread))
+            assert app.state.slot.depth == 0
+        seen[-1].join(timeout=10)
+        assert not seen[-1].is_alive()
+    assert seen[0] is not seen[1]
+    assert gc.get_freeze_count() == frozen  # an app given its runtime freezes nothing
+
+
+@pytest.mark.regression
+def test_one_apps_shutdown_keeps_another_running_apps_objects_frozen():
+    from fastapi.testclient import TestClient
+
+    from attnscope.service.app import create_app
+
+    with TestClient(create_app(Settings(model="bundled")), raise_server_exceptions=False) as a:
+        _ready(a)
+        frozen_a = gc.get_freeze_count()
+        assert frozen_a > 0
+        with TestClient(create_app(Settings(model="bundled")), raise_server_exceptions=False) as b:
+            _ready(b)
+        assert gc.get_freeze_count() >= frozen_a  # a still serves: its objects stay frozen
