@@ -17,6 +17,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         help_ = (field.description or "") + f" (env ATTNSCOPE_{name.upper()}, default {field.default!r})"
+        help_ = help_.replace("%", "%%")  # argparse formats help strings with %
         if field.annotation is bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:

@@ -22,6 +22,7 @@ What must hold while each runs:
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import select
@@ -292,7 +293,20 @@ def test_memory_is_freed_when_the_client_disconnects_mid_response(server):
     assert httpx.get(server.url + "/healthz", timeout=10).status_code == 200
 
 
-def test_a_streamed_response_past_the_deadline_is_cut(gpt2_runtime, capfd):
+def _restore_loggers(saved: dict) -> None:
+    for name, (handlers, level, propagate, disabled) in saved.items():
+        lg = logging.getLogger(name) if name else logging.getLogger()
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
+    for name, lg in logging.Logger.manager.loggerDict.items():  # loggers made meanwhile
+        if isinstance(lg, logging.Logger) and name not in saved:
+            lg.handlers.clear()
+            lg.setLevel(logging.NOTSET)
+            lg.propagate, lg.disabled = True, False
+
+
+def test_a_streamed_response_past_the_deadline_is_cut(gpt2_runtime, capfd, request):
     """A real uvicorn (in a thread, around the already loaded runtime) with
     request_timeout_s = 1 and a client that reads slowly: the stream stops at the deadline,
     the client sees an incomplete body, the service logs the cut and keeps serving."""
@@ -306,6 +320,13 @@ def test_a_streamed_response_past_the_deadline_is_cut(gpt2_runtime, capfd):
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
     settings = Settings(model="bundled", port=port, request_timeout_s=1.0, log_format="text")
+    # uvicorn applies our dictConfig to this (the test) process: put the loggers back after,
+    # or later tests' INFO records (httpx) go to this test's closed capture stream
+    saved = {name: (lg.handlers[:], lg.level, lg.propagate, lg.disabled)
+             for name, lg in [("", logging.getLogger()),
+                              *logging.Logger.manager.loggerDict.items()]
+             if isinstance(lg, logging.Logger)}
+    request.addfinalizer(lambda: _restore_loggers(saved))
     srv = uvicorn.Server(uvicorn_config(create_app(settings, runtime=gpt2_runtime), settings))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()

@@ -153,7 +153,9 @@ def test_head_mean_and_pickers_update_url(live_server, page, patterns):
 
 
 def test_head_grid_scores_and_click_opens_the_head(live_server, page, patterns):
-    heads = api(live_server.url, "/v1/heads", {"text": SENTENCE})
+    # the page sends one add_bos for every panel (its checkbox, off here); /v1/heads alone
+    # defaults to BOS prepended (TransformerLens' semantics)
+    heads = api(live_server.url, "/v1/heads", {"text": SENTENCE, "add_bos": False})
     open_explorer(page, live_server.url)
     cells = page.locator("#headgrid button.headcell")
     assert cells.count() == len(heads["heads"]) == 8
