@@ -8,6 +8,7 @@ from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
 from attnscope.service.errors import InvalidRequest
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_indices
+from attnscope.service.serving.common import text_or_results
 
 
 def check(rt, req: AttentionRequest) -> None:
@@ -60,10 +61,6 @@ def plan(rt, req: AttentionRequest, items, *, binary: bool = False) -> Plan:
                 )
             out.append(res)
         body: dict = {"model": rt.model_ref()}
-        if req.text is not None:
-            body["attention"] = out[0]
-        else:
-            body["results"] = out
-        return body
+        return text_or_results(req, body, "attention", out)
 
     return Plan(items, job, est)

@@ -28,6 +28,7 @@ from attnscope.service.errors import BatchTooLarge, InvalidRequest, OutOfRange
 from attnscope.service.runtime import interventions as I
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_distinct, check_index
+from attnscope.service.serving.common import text_or_results
 
 ATTRIBUTION_NOTE = (
     "attribution patching (Nanda 2023; Kramár et al. 2024, AtP): a linear approximation "
@@ -176,11 +177,7 @@ def predictions_plan(rt, req: PredictionsRequest, items) -> Plan:
                 "n_loss_tokens": len(losses),
             })
         body: dict = {"model": rt.model_ref()}
-        if req.text is not None:
-            body["predictions"] = out[0]
-        else:
-            body["results"] = out
-        return body
+        return text_or_results(req, body, "predictions", out)
 
     return Plan(items, job, est, detail=", with the LM head's logits at every position")
 

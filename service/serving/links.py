@@ -11,6 +11,7 @@ from attnscope.service.encoding.estimates import links_bytes
 from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_distinct, check_index
+from attnscope.service.serving.common import text_or_results
 
 
 def check(rt, req: LinksRequest) -> None:
@@ -40,11 +41,7 @@ def plan(rt, req: LinksRequest, items) -> Plan:
         out = _build(req, forwards, rt)
         body = {"model": rt.model_ref(), "layer": req.layer, "head": req.head,
                 "direction": req.direction, "by": req.by}
-        if req.text is not None:
-            body["links"] = out[0]
-        else:
-            body["results"] = out
-        return body
+        return text_or_results(req, body, "links", out)
 
     est = links_bytes([len(it) for it in items], req.top_k, rt.adapter.n_heads)
     return Plan(items, job, est)

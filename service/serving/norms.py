@@ -12,6 +12,7 @@ from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
 from attnscope.service.errors import InvalidRequest, NonFiniteValues
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_indices
+from attnscope.service.serving.common import text_or_results
 
 
 def check(rt, req) -> tuple[list[int], list[int]]:
@@ -96,8 +97,4 @@ def build(rt, req, forwards, encoding: str) -> dict:
         })
     body: dict = {"model": rt.model_ref(), "value_bias": req.value_bias,
                   "output_bias": req.output_bias}
-    if req.text is not None:
-        body["norms"] = out[0]
-    else:
-        body["results"] = out
-    return body
+    return text_or_results(req, body, "norms", out)

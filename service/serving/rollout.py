@@ -9,6 +9,7 @@ from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
 from attnscope.service.errors import InvalidRequest, NonFiniteValues
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_indices
+from attnscope.service.serving.common import text_or_results
 
 
 def check(rt, req, lengths: list[int] | None = None) -> tuple[list[int], list[int] | None]:
@@ -97,8 +98,4 @@ def build(rt, req, forwards, encoding: str) -> dict:
         out.append(res)
     body: dict = {"model": rt.model_ref(), "fusion": req.fusion, "residual": req.residual,
                   "discard": req.discard, "sink": req.sink, "flow_max_tokens": RO.FLOW_MAX_TOKENS}
-    if req.text is not None:
-        body["rollout"] = out[0]
-    else:
-        body["results"] = out
-    return body
+    return text_or_results(req, body, "rollout", out)

@@ -8,6 +8,7 @@ from attnscope.service.encoding import encode_tensor
 from attnscope.service.encoding.estimates import trajectories_bytes
 from attnscope.service.errors import InvalidRequest
 from attnscope.service.runtime.engine import Plan
+from attnscope.service.serving.common import text_or_results
 
 
 def plan(rt, req: TrajectoriesRequest, items) -> Plan:
@@ -49,11 +50,7 @@ def plan(rt, req: TrajectoriesRequest, items) -> Plan:
                                       for c in r["cosine_first_last"]],
             })
         body: dict = {"model": rt.model_ref()}
-        if req.text is not None:
-            body["trajectories"] = out[0]
-        else:
-            body["results"] = out
-        return body
+        return text_or_results(req, body, "trajectories", out)
 
     n_states = n_hidden + (1 if req.include_final else 0)  # L+1 states, + ln_f output
     n_comp = req.n_components if req.n_components is not None else d_model

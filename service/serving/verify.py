@@ -8,6 +8,7 @@ from attnscope.service.analysis.verify_recorded import verify as verify_recorded
 from attnscope.service.encoding.estimates import verify_bytes
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_indices
+from attnscope.service.serving.common import text_or_results
 
 
 def check(rt, req: VerifyRequest) -> None:
@@ -46,11 +47,7 @@ def plan(rt, req: VerifyRequest, items) -> Plan:
         res = [{"tokens": [t.as_dict() for t in fw.tokens.tokens], "add_bos": fw.tokens.add_bos,
                 **r} for fw, r in zip(forwards, results)]
         body: dict = {"model": rt.model_ref()}
-        if req.text is not None:
-            body["verification"] = res[0]
-        else:
-            body["results"] = res
-        return body
+        return text_or_results(req, body, "verification", res)
 
     # the recorded_qkv work and the report (encoding layer), plus one float64 layer at a time
     est += verify_bytes([len(it) for it in items], len(layers), a.n_heads, a.d_model,
