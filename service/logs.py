@@ -1,8 +1,8 @@
 """Structured logs: one JSON object per line, carrying the request id of the request being served.
 
 The request id lives in a :mod:`contextvars` variable set by
-:class:`attnscope.service.ops.RequestContextMiddleware`; anyio copies the context into worker
-threads, so a log line written during a forward pass carries its request's id too.
+:class:`attnscope.service.ops.middlewares.RequestContextMiddleware`; anyio copies the context
+into worker threads, so a log line written during a forward pass carries its request's id too.
 
 ``logging_config(settings)`` is a :func:`logging.config.dictConfig` dictionary used both for the
 process and for uvicorn (``uvicorn.run(log_config=...)``), so uvicorn's own lines are JSON as well.

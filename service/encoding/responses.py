@@ -9,8 +9,8 @@
 * :class:`ChunkedResponse`: sends such an iterator, producing every chunk in a worker thread
   (the GIL is released between chunks and memory holds about one chunk), and
   - stops at the request's deadline (``request_timeout_s``, put in the scope by
-    ``service.ops.TimeoutMiddleware``): the response is cut, a warning logged, and the
-    connection closed without the end of the body, so the client sees an *incomplete* body
+    ``service.ops.middlewares.TimeoutMiddleware``): the response is cut, a warning logged, and
+    the connection closed without the end of the body, so the client sees an *incomplete* body
     (chunked JSON: no final chunk; safetensors: fewer bytes than Content-Length; httpx raises
     ``RemoteProtocolError``), never a truncated body that parses;
   - stops when the client disconnects, and in both cases closes the iterator (dropping the
@@ -40,7 +40,7 @@ log = logging.getLogger("attnscope.encoding")
 STREAM_MIN_BYTES = 4 << 20  # JSON bodies whose arrays exceed this are streamed in chunks
 CHUNK_BYTES = 1 << 20
 #: scope key holding the request's deadline (``time.monotonic()`` seconds), set by
-#: service.ops.TimeoutMiddleware when request_timeout_s > 0
+#: service.ops.middlewares.TimeoutMiddleware when request_timeout_s > 0
 DEADLINE_KEY = "attnscope.deadline"
 
 
