@@ -172,7 +172,7 @@ def test_altered_checkpoints_are_served_and_verified(altered, gpt2_runtime, name
 
 
 def test_revision_hashes_weights_config_and_tokenizer(tmp_path, gpt2_runtime):
-    from attnscope.service.runtime.model import _weights_revision
+    from attnscope.service.runtime.loading import _weights_revision
 
     d = _copy_bundled(tmp_path, "copy")
     rev = _weights_revision(d)

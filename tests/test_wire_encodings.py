@@ -258,7 +258,7 @@ def test_base64_streamed_body_round_trips_exactly(client, gpt2_runtime):
 # ------------------------------------------------------------------ sparse top-k
 @pytest.mark.regression
 def test_nan_from_the_model_is_refused_in_every_form(client, gpt2_runtime, monkeypatch):
-    from attnscope.service.runtime.model import ForwardTensors
+    from attnscope.service.runtime.results import ForwardTensors
 
     text = "nan pattern row check"
     fw = _fw(gpt2_runtime, text)

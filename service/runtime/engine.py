@@ -28,7 +28,8 @@ from attnscope.service.encoding import respond
 from attnscope.service.errors import BatchTooLarge, NotReady
 from attnscope.service.runtime.budget import MemoryBudget, Ticket, default_budget
 from attnscope.service.runtime.memory import check_memory, release_memory
-from attnscope.service.runtime.model import ForwardResult, Runtime, TokenizedText
+from attnscope.service.runtime.model import Runtime
+from attnscope.service.runtime.results import ForwardResult, TokenizedText
 
 
 @dataclass

@@ -1,16 +1,11 @@
 """The model runtime: load once, tokenize (thread-safe), one recorded forward per input.
 
-A forward result holds, for one tokenized text of T tokens (DESIGN.md, "The runtime"):
-attention patterns ``[layer, head, query_pos, key_pos]`` (post-softmax, exactly Hugging Face's
-``output_attentions``), the L+1 residual-stream hidden states ``[layer+1, pos, d_model]``
-(index 0 = embedding output, index i = block i-1's output; the last is the last block's output
-BEFORE any final LayerNorm), the post-final-LayerNorm state ``final_state [pos, d_model]``
-(GPT-2's ``ln_f`` output = Hugging Face's last ``hidden_states`` entry; None for BERT, which has
-no final LayerNorm: there Hugging Face's last entry is ``hidden_states[-1]``),
-q, k, v ``[layer, head, pos, d_head]``, the attention input ``[layer, pos, d_model]`` (what the
-attention module received) and the attention output after the output projection
-``[layer, pos, d_model]`` (before dropout and the residual add). Pre-softmax scores are
-computed on demand from q and k with the model's own scaling (saving T^2 memory per layer).
+What a forward records (:class:`ForwardTensors`, one per text) is described in
+service/runtime/results.py; loading (hub or local directory, device, revision) lives in
+service/runtime/loading.py. :meth:`Runtime._forward_batch` runs one padded forward in four
+steps: pad the batch (:meth:`Runtime._padded_inputs`), allocate each text's recording buffers
+(:meth:`Runtime._recording_buffers`), install the per-call hooks (:class:`_Recorder`) and run
+the model, then unpad each text into its buffers (:meth:`Runtime._unpad`).
 
 Batches are padded for the device and unpadded by attention mask before anything else sees
 them; position ids are derived from the mask, so left or right padding give a text's own
@@ -19,24 +14,29 @@ positions and a text's numbers never depend on its batch mates.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
-import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
-from attnscope.service.config import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID, Settings
+from attnscope.service.config import BUNDLED_MODEL_ID, Settings
 from attnscope.service.errors import ContextLengthExceeded, InvalidRequest, scrub_paths
-from attnscope.service.runtime.adapters import ADAPTERS, CAUSAL_TYPES, Adapter
+from attnscope.service.runtime.adapters import ADAPTERS, Adapter, LayerHandles
 from attnscope.service.runtime.cache import ByteLRU
+from attnscope.service.runtime.loading import ModelLoadError, _load_pretrained
 from attnscope.service.runtime.memory import recorded_bytes
+from attnscope.service.runtime.results import (
+    ForwardResult,
+    ForwardTensors,
+    TokenInfo,
+    TokenizedText,
+)
 from attnscope.service.runtime.tokens import bytelevel_label
+
+__all__ = ["ForwardResult", "ForwardTensors", "ModelLoadError", "Runtime", "TokenInfo",
+           "TokenizedText"]
 
 log = logging.getLogger("attnscope.runtime")
 
@@ -44,161 +44,6 @@ log = logging.getLogger("attnscope.runtime")
 #: tokens). Texts longer than TOKENIZE_CACHE_MAX_CHARS are not kept.
 TOKENIZE_CACHE_ENTRIES = 128
 TOKENIZE_CACHE_MAX_CHARS = 20_000
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be loaded or fails the start-up probe (a start-up error)."""
-
-
-@dataclass(frozen=True)
-class TokenInfo:
-    position: int
-    id: int
-    label: str
-    start: int | None
-    end: int | None
-    special: bool
-
-    def as_dict(self) -> dict:
-        return {
-            "position": self.position, "id": self.id, "label": self.label,
-            "start": self.start, "end": self.end, "special": self.special,
-        }
-
-
-@dataclass(frozen=True)
-class TokenizedText:
-    text: str
-    add_bos: bool
-    input_ids: tuple[int, ...]
-    tokens: tuple[TokenInfo, ...]
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
-@dataclass(eq=False)
-class ForwardTensors:
-    """The tensors of one forward (cached, shared read-only between requests). The runtime
-    gives each as one buffer; q, k, v are head-split views of the q/k/v modules' stacked
-    outputs (see ``Runtime._forward_batch``)."""
-
-    pattern: torch.Tensor  # [layer, head, query_pos, key_pos]
-    hidden_states: torch.Tensor  # [layer+1, pos, d_model]: embeddings, each block's output (pre-ln_f)
-    q: torch.Tensor  # [layer, head, pos, d_head]
-    k: torch.Tensor  # [layer, head, pos, d_head]
-    v: torch.Tensor  # [layer, head, pos, d_head]
-    attn_input: torch.Tensor  # [layer, pos, d_model]
-    attn_output: torch.Tensor  # [layer, pos, d_model], after the output projection
-    #: [pos, d_model]: the final LayerNorm's output (GPT-2 ln_f; = HF's last hidden_states
-    #: entry); None where the model has no final LayerNorm (BERT)
-    final_state: torch.Tensor | None = None
-
-    _NAMES: ClassVar[tuple[str, ...]] = ("hidden_states", "q", "k", "v", "attn_input",
-                                         "attn_output")
-
-    def __post_init__(self):
-        self.nbytes = sum(getattr(self, n).numel() * getattr(self, n).element_size()
-                          for n in ("pattern", *self._NAMES))
-        if self.final_state is not None:
-            self.nbytes += self.final_state.numel() * self.final_state.element_size()
-
-    @property
-    def final_hidden_state(self) -> torch.Tensor:
-        """``[pos, d_model]``: Hugging Face's last ``hidden_states`` entry (after GPT-2's
-        ln_f; BERT's last block output)."""
-        return self.final_state if self.final_state is not None else self.hidden_states[-1]
-
-    def replace(self, **changes: torch.Tensor) -> "ForwardTensors":
-        """A copy with some tensors replaced (by field name), e.g. an altered pattern."""
-        return dataclasses.replace(self, **changes)
-
-
-@dataclass
-class ForwardResult:
-    """One text's recorded forward: its tokens and its tensors (all on CPU, no autograd)."""
-
-    tokens: TokenizedText
-    tensors: ForwardTensors
-    scaling: tuple[float, ...]  # per layer, the q.k multiplier the model used
-    causal: bool
-    cached: bool = False
-
-    @property
-    def pattern(self) -> torch.Tensor:
-        return self.tensors.pattern
-
-    @property
-    def hidden_states(self) -> torch.Tensor:
-        return self.tensors.hidden_states
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.tokens)
-
-    def mask(self) -> torch.Tensor:
-        """Boolean ``[query_pos, key_pos]``: True where a key is visible to a query."""
-        T = self.n_tokens
-        if self.causal:
-            return torch.ones(T, T, dtype=torch.bool).tril()
-        return torch.ones(T, T, dtype=torch.bool)
-
-    def scores(self, layers: list[int] | None = None) -> torch.Tensor:
-        """Pre-softmax attention scores ``[layer, head, query_pos, key_pos]``.
-
-        ``scores = (q @ k^T) * scaling`` with the model's own scaling per layer (GPT-2:
-        1/sqrt(d_head), and 1/(layer+1) under ``scale_attn_by_inverse_layer_idx``), the same
-        operation as Hugging Face's eager attention. Masked entries (future keys in causal
-        models) are ``-inf``: softmax over a row gives the pattern.
-        """
-        layers = list(range(self.tensors.q.shape[0])) if layers is None else layers
-        out = []
-        for layer in layers:
-            s = torch.matmul(self.tensors.q[layer], self.tensors.k[layer].transpose(-1, -2))
-            out.append(s * self.scaling[layer])
-        scores = torch.stack(out)
-        if self.causal:
-            scores = scores.masked_fill(~self.mask(), float("-inf"))
-        return scores
-
-
-def choose_device(setting: str) -> torch.device:
-    """cuda, then mps, then cpu (source 001_92e9928af52718c3.txt), or the configured device."""
-    if setting != "auto":
-        return torch.device(setting)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-#: Files of a local checkpoint that change the numbers it serves (the revision hashes them):
-#: the weights, the config (scales, activation, eps, ...), the tokenizer (ids, framing) and
-#: the generation config. README, model card and other files are not hashed.
-REVISION_FILES = ("*.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                  "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-                  "merges.txt", "added_tokens.json")
-
-
-def _weights_revision(path: Path) -> str:
-    """``sha256:<12 hex>`` over every file of a local checkpoint that changes the numbers
-    (:data:`REVISION_FILES`: weights, config, tokenizer files), each hashed with its name, in
-    name order; ``"unknown"`` when the directory has no weights."""
-    if not any(path.glob("*.safetensors")):
-        return "unknown"
-    files = sorted({f for pat in REVISION_FILES for f in path.glob(pat) if f.is_file()},
-                   key=lambda f: f.name)
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        h.update(b"\0")
-    return "sha256:" + h.hexdigest()[:12]
 
 
 class Runtime:
@@ -459,6 +304,27 @@ class Runtime:
         return results  # type: ignore[return-value]
 
     def _forward_batch(self, batch: list[tuple[int, ...]]) -> list[ForwardTensors]:
+        """One padded forward of ``batch`` (token ids of B texts) with every tensor recorded;
+        one :class:`ForwardTensors` per text, unpadded, in ``batch`` order (all on CPU).
+        Blocking; the caller holds ``_fwd_lock``."""
+        ids, mask, kwargs = self._padded_inputs(batch)
+        final_norm = self.adapter.final_norm()
+        bufs = self._recording_buffers([len(x) for x in batch], final_norm is not None)
+        rec = _Recorder(self._handles, final_norm)
+        try:
+            rec.attach()
+            with torch.inference_mode():
+                out = self.adapter.base()(**kwargs)
+                self.forward_count += 1
+                return [self._unpad(out, rec, b, mask[b], bufs[b]) for b in range(len(batch))]
+        finally:
+            rec.detach()
+
+    def _padded_inputs(self, batch: list[tuple[int, ...]]):
+        """``(ids [B, T], mask [B, T], kwargs)``: the batch padded to its longest text on the
+        configured side (pad id: the tokenizer's, else eos, else 0), and the base model's
+        keyword arguments on the device. With padding the mask and position ids from the mask
+        are passed (a text keeps its own positions); without, the model's defaults."""
         B = len(batch)
         T = max(len(x) for x in batch)
         pad_id = self.tokenizer.pad_token_id
@@ -483,202 +349,140 @@ class Runtime:
                           position_ids=position_ids.to(self.device))
         if self.adapter.family == "bert":
             kwargs["token_type_ids"] = torch.zeros_like(ids).to(self.device)
+        return ids, mask, kwargs
 
+    def _recording_buffers(self, lengths: list[int], final_state: bool) -> list[dict]:
+        """Per text of ``lengths[b]`` tokens, the empty CPU buffers its recorded tensors are
+        stacked into, in the model's dtype: ``pattern [L, H, n, n]``, ``hidden_states
+        [L+1, n, d_model]``, ``final_state [n, d_model]`` (None without a final LayerNorm),
+        ``qkv``: one ``[L, n, width]`` per q/k/v module (one when fused), ``attn_input`` and
+        ``attn_output [L, n, d_model]``.
+
+        Allocated BEFORE the forward (so they sit apart from its transient tensors) and filled
+        once it is done. Kept per layer, as Hugging Face returns them, a cached forward left
+        ~100 small tensors between the holes of the freed transients: the heap's free memory
+        grew with every cached forward (+10 MB each at T = 128) and, once trimmed, every
+        forward faulted its memory in again (~15k pages). Evicting a text now frees blocks of
+        exactly the sizes the next text of that length takes. Costs one copy (~38 MB at
+        T = 128)."""
         L = len(self._handles)
         a = self.adapter
-        # Each text's recorded tensors go into a few contiguous buffers allocated BEFORE the
-        # forward (so they sit apart from its transient tensors) and filled once it is done.
-        # Kept per layer, as Hugging Face returns them, a cached forward left ~100 small
-        # tensors between the holes of the freed transients: the heap's free memory grew with
-        # every cached forward (+10 MB each at T = 128) and, once trimmed, every forward faulted
-        # its memory in again (~15k pages). Evicting a text now frees blocks of exactly the
-        # sizes the next text of that length takes. Costs one copy (~38 MB at T = 128).
         dt = next(self.model.parameters()).dtype
-        final_norm = self.adapter.final_norm()
         widths = [getattr(m, "out_features", None) or m.nf for m in self._handles[0].qkv]
         bufs = []
-        for x in batch:
-            n = len(x)
+        for n in lengths:
             bufs.append(dict(
                 pattern=torch.empty(L, a.n_heads, n, n, dtype=dt),
                 hidden_states=torch.empty(L + 1, n, a.d_model, dtype=dt),
-                final_state=torch.empty(n, a.d_model, dtype=dt) if final_norm is not None else None,
+                final_state=torch.empty(n, a.d_model, dtype=dt) if final_state else None,
                 qkv=[torch.empty(L, n, w, dtype=dt) for w in widths],  # the q/k/v modules' outputs
                 attn_input=torch.empty(L, n, a.d_model, dtype=dt),
                 attn_output=torch.empty(L, n, a.d_model, dtype=dt),
             ))
-        cap_in: list = [None] * L
-        cap_qkv: list = [[None] * len(h.qkv) for h in self._handles]
-        cap_out: list = [None] * L
-        cap_last: list = [None]  # the final LayerNorm's input: the last block's output
-        hooks = []
+        return bufs
 
-        def last_hook(module, args):
-            cap_last[0] = args[0]
+    def _fill(self, buf: torch.Tensor, parts) -> torch.Tensor:
+        """Stack the per-layer ``parts`` into ``buf`` (a fresh tensor instead if their dtype
+        or shape differs, so no value is ever cast)."""
+        parts = [t.cpu() for t in parts] if self.device.type != "cpu" else list(parts)
+        if any(t.dtype != buf.dtype or t.shape != buf.shape[1:] for t in parts):
+            return torch.stack(parts)
+        return torch.stack(parts, out=buf)
 
-        def pre_hook(i):
-            def fn(module, args, kwargs):
-                cap_in[i] = args[0] if args else kwargs["hidden_states"]
-            return fn
-
-        def qkv_hook(i, j):
-            def fn(module, args, output):
-                cap_qkv[i][j] = output
-            return fn
-
-        def out_hook(i):
-            def fn(module, args, output):
-                cap_out[i] = output
-            return fn
-
-        def fill(buf: torch.Tensor, parts) -> torch.Tensor:
-            """Stack the per-layer ``parts`` into ``buf`` (a fresh tensor instead if their dtype
-            or shape differs, so no value is ever cast)."""
-            parts = [t.cpu() for t in parts] if self.device.type != "cpu" else list(parts)
-            if any(t.dtype != buf.dtype or t.shape != buf.shape[1:] for t in parts):
-                return torch.stack(parts)
-            return torch.stack(parts, out=buf)
-
-        try:
-            for i, h in enumerate(self._handles):
-                hooks.append(h.attn.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
-                for j, m in enumerate(h.qkv):
-                    hooks.append(m.register_forward_hook(qkv_hook(i, j)))
-                hooks.append(h.out_proj.register_forward_hook(out_hook(i)))
-            if final_norm is not None:
-                hooks.append(final_norm.register_forward_pre_hook(last_hook))
-            with torch.inference_mode():
-                out = self.adapter.base()(**kwargs)
-                self.forward_count += 1
-                results = []
-                for b in range(B):
-                    idx = mask[b].bool().nonzero().squeeze(-1).to(self.device)
-                    if len(idx) == T:  # unpadded: no gathers
-                        def rows(x, dim):
-                            return x
-                        attn = [x[b] for x in out.attentions]
-                    else:
-                        def rows(x, dim):
-                            return x.index_select(dim, idx)
-                        attn = [x[b].index_select(-2, idx).index_select(-1, idx)
-                                for x in out.attentions]
-                    buf = bufs[b]
-                    # the q/k/v modules' outputs, one [layer, pos, width] tensor each; q, k, v
-                    # are views of them split into heads (layer in the batch dimension)
-                    raw = [fill(buf["qkv"][j], (rows(cap_qkv[i][j][b], 0) for i in range(L)))
-                           for j in range(len(widths))]
-                    q, k, v = self.adapter.split_qkv(raw)  # each [layer, head, pos, d_head]
-                    # the L+1 residual-stream states: HF's hidden_states[0..L-1] are the
-                    # embeddings and the blocks' outputs; its last is ln_f's OUTPUT (GPT-2),
-                    # so state L is ln_f's input, and ln_f's output is kept apart
-                    states = list(out.hidden_states[:L])
-                    states.append(cap_last[0] if final_norm is not None else out.hidden_states[L])
-                    final = None
-                    if final_norm is not None:
-                        fin = rows(out.hidden_states[L][b], 0)
-                        fb = buf["final_state"]
-                        final = (fb.copy_(fin) if fin.dtype == fb.dtype and fin.shape == fb.shape
-                                 else fin.cpu().clone())
-                    results.append(ForwardTensors(
-                        fill(buf["pattern"], attn),
-                        fill(buf["hidden_states"], (rows(h[b], 0) for h in states)),
-                        q, k, v,
-                        fill(buf["attn_input"], (rows(x[b], 0) for x in cap_in)),
-                        fill(buf["attn_output"], (rows(x[b], 0) for x in cap_out)),
-                        final_state=final,
-                    ))
-        finally:
-            for h in hooks:
-                h.remove()
-        return results
+    def _unpad(self, out, rec: "_Recorder", b: int, row_mask: torch.Tensor,
+               buf: dict) -> ForwardTensors:
+        """Text ``b`` of the batch's output ``out`` and recorded tensors ``rec``, its padding
+        rows/columns dropped (``row_mask [T]``: 1 on its tokens), stacked into ``buf``
+        (:meth:`_recording_buffers`); q, k, v are head-split views of the stacked q/k/v
+        modules' outputs. Runs under ``torch.inference_mode``."""
+        L = len(self._handles)
+        fill = self._fill
+        idx = row_mask.bool().nonzero().squeeze(-1).to(self.device)
+        if len(idx) == row_mask.shape[0]:  # unpadded: no gathers
+            def rows(x, dim):
+                return x
+            attn = [x[b] for x in out.attentions]
+        else:
+            def rows(x, dim):
+                return x.index_select(dim, idx)
+            attn = [x[b].index_select(-2, idx).index_select(-1, idx) for x in out.attentions]
+        # the q/k/v modules' outputs, one [layer, pos, width] tensor each; q, k, v are views of
+        # them split into heads (layer in the batch dimension)
+        raw = [fill(qkv_buf, (rows(rec.qkv[i][j][b], 0) for i in range(L)))
+               for j, qkv_buf in enumerate(buf["qkv"])]
+        q, k, v = self.adapter.split_qkv(raw)  # each [layer, head, pos, d_head]
+        # the L+1 residual-stream states: HF's hidden_states[0..L-1] are the embeddings and the
+        # blocks' outputs; its last is ln_f's OUTPUT (GPT-2), so state L is ln_f's input, and
+        # ln_f's output is kept apart
+        states = list(out.hidden_states[:L])
+        states.append(rec.last if rec.final_norm is not None else out.hidden_states[L])
+        final = None
+        if rec.final_norm is not None:
+            fin = rows(out.hidden_states[L][b], 0)
+            fb = buf["final_state"]
+            final = (fb.copy_(fin) if fin.dtype == fb.dtype and fin.shape == fb.shape
+                     else fin.cpu().clone())
+        return ForwardTensors(
+            fill(buf["pattern"], attn),
+            fill(buf["hidden_states"], (rows(h[b], 0) for h in states)),
+            q, k, v,
+            fill(buf["attn_input"], (rows(x[b], 0) for x in rec.attn_in)),
+            fill(buf["attn_output"], (rows(x[b], 0) for x in rec.attn_out)),
+            final_state=final,
+        )
 
     # ------------------------------------------------------------------- misc
     def model_ref(self) -> dict:
         return {"id": self.info["id"], "revision": self.info["revision"]}
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub answers at all (DNS + TCP), so an offline machine falls back
-    at once instead of waiting through huggingface_hub's retries."""
-    import socket
-    from urllib.parse import urlparse
+class _Recorder:
+    """The per-call hooks of one forward and what they saw: per layer the attention module's
+    input ``attn_in[i]``, the q/k/v modules' outputs ``qkv[i][j]`` and the output projection's
+    output ``attn_out[i]`` (each ``[batch, pos, width]``), and ``last``, the final LayerNorm's
+    input (the last block's output; None without a final LayerNorm). References to the
+    model's own tensors, no copies. :meth:`attach` registers the hooks, :meth:`detach` removes
+    every one registered (also after a partial attach): nothing outlives the call."""
 
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    def __init__(self, handles: list[LayerHandles], final_norm: torch.nn.Module | None):
+        L = len(handles)
+        self.handles = handles
+        self.final_norm = final_norm
+        self.attn_in: list = [None] * L
+        self.qkv: list = [[None] * len(h.qkv) for h in handles]
+        self.attn_out: list = [None] * L
+        self.last = None
+        self._hooks: list = []
 
+    def attach(self) -> None:
+        def last_hook(module, args):
+            self.last = args[0]
 
-def _load_pretrained(name: str, settings: Settings):
-    """Load (model, tokenizer, identity) by hub id or local directory. Safetensors only,
-    eager attention, never remote code."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+        def pre_hook(i):
+            def fn(module, args, kwargs):
+                self.attn_in[i] = args[0] if args else kwargs["hidden_states"]
+            return fn
 
-    if name in ("bundled", BUNDLED_MODEL_ID):
-        path, model_id = BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
-        if not (path / "model.safetensors").exists():
-            raise ModelLoadError(
-                f"bundled checkpoint missing at {path}: run training/train_bundled_gpt2.py"
-            )
-    else:
-        path, model_id = Path(name).expanduser(), name
-    local = path.is_dir()
-    source = str(path) if local else name
-    kw: dict = {"trust_remote_code": False}
-    if not local:
-        kw["revision"] = settings.revision
-        os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
-        os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
-    elif name not in ("bundled", BUNDLED_MODEL_ID):
-        # the directory's name (not its full path); a generic name keeps its parent's
-        resolved = path.resolve()
-        model_id = resolved.name
-        if model_id in ("model", "models", "checkpoint", "snapshot") and resolved.parent.name:
-            model_id = f"{resolved.parent.name}/{model_id}"
-    try:
-        try:
-            config = AutoConfig.from_pretrained(source, local_files_only=True, **kw)
-        except Exception as exc:
-            if local:
-                raise
-            if not _hub_reachable():
-                raise ModelLoadError(
-                    f"could not load model {name!r}: not in the local Hugging Face cache and the "
-                    "hub is unreachable (offline)"
-                ) from exc
-            config = AutoConfig.from_pretrained(source, **kw)
-        if config.model_type not in ADAPTERS:
-            raise ModelLoadError(
-                f"model {name!r} has model_type {config.model_type!r}; supported: "
-                f"{sorted(ADAPTERS)}"
-            )
-        cls = AutoModelForCausalLM if config.model_type in CAUSAL_TYPES else AutoModel
-        common = dict(kw, attn_implementation="eager", use_safetensors=True,
-                      dtype=DTYPES[settings.dtype])
-        try:
-            model = cls.from_pretrained(source, local_files_only=True, **common)
-            tok = AutoTokenizer.from_pretrained(source, local_files_only=True, **kw)
-        except Exception:
-            if local:
-                raise
-            model = cls.from_pretrained(source, **common)
-            tok = AutoTokenizer.from_pretrained(source, **kw)
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"could not load model {name!r}: {type(exc).__name__}: {msg}") from exc
-    if not getattr(tok, "is_fast", False):
-        raise ModelLoadError(f"model {name!r}: a fast tokenizer is required (character offsets)")
-    device = choose_device(settings.device)
-    model.to(device).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    revision = getattr(config, "_commit_hash", None) if not local else None
-    if not revision:
-        revision = _weights_revision(path) if local else "unknown"
-    return model, tok, {"id": model_id, "revision": revision}
+        def qkv_hook(i, j):
+            def fn(module, args, output):
+                self.qkv[i][j] = output
+            return fn
+
+        def out_hook(i):
+            def fn(module, args, output):
+                self.attn_out[i] = output
+            return fn
+
+        hooks = self._hooks
+        for i, h in enumerate(self.handles):
+            hooks.append(h.attn.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+            for j, m in enumerate(h.qkv):
+                hooks.append(m.register_forward_hook(qkv_hook(i, j)))
+            hooks.append(h.out_proj.register_forward_hook(out_hook(i)))
+        if self.final_norm is not None:
+            hooks.append(self.final_norm.register_forward_pre_hook(last_hook))
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,148 @@
+"""Loading a model: by hub id or local directory, safetensors only, eager attention, never
+remote code; the device choice, the offline check and the revision of a local checkpoint.
+
+:func:`_load_pretrained` raises :class:`ModelLoadError` (a start-up error) with a message
+that names the model; ``Runtime.load`` (service/runtime/model.py) falls back to the bundled
+checkpoint for the default ``gpt2`` when that one cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from attnscope.service.config import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID, Settings
+from attnscope.service.runtime.adapters import ADAPTERS, CAUSAL_TYPES
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded or fails the start-up probe (a start-up error)."""
+
+
+def choose_device(setting: str) -> torch.device:
+    """cuda, then mps, then cpu (source 001_92e9928af52718c3.txt), or the configured device."""
+    if setting != "auto":
+        return torch.device(setting)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+#: Files of a local checkpoint that change the numbers it serves (the revision hashes them):
+#: the weights, the config (scales, activation, eps, ...), the tokenizer (ids, framing) and
+#: the generation config. README, model card and other files are not hashed.
+REVISION_FILES = ("*.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+                  "merges.txt", "added_tokens.json")
+
+
+def _weights_revision(path: Path) -> str:
+    """``sha256:<12 hex>`` over every file of a local checkpoint that changes the numbers
+    (:data:`REVISION_FILES`: weights, config, tokenizer files), each hashed with its name, in
+    name order; ``"unknown"`` when the directory has no weights."""
+    if not any(path.glob("*.safetensors")):
+        return "unknown"
+    files = sorted({f for pat in REVISION_FILES for f in path.glob(pat) if f.is_file()},
+                   key=lambda f: f.name)
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return "sha256:" + h.hexdigest()[:12]
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers at all (DNS + TCP), so an offline machine falls back
+    at once instead of waiting through huggingface_hub's retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _load_pretrained(name: str, settings: Settings):
+    """Load (model, tokenizer, identity) by hub id or local directory. Safetensors only,
+    eager attention, never remote code."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    if name in ("bundled", BUNDLED_MODEL_ID):
+        path, model_id = BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
+        if not (path / "model.safetensors").exists():
+            raise ModelLoadError(
+                f"bundled checkpoint missing at {path}: run training/train_bundled_gpt2.py"
+            )
+    else:
+        path, model_id = Path(name).expanduser(), name
+    local = path.is_dir()
+    source = str(path) if local else name
+    kw: dict = {"trust_remote_code": False}
+    if not local:
+        kw["revision"] = settings.revision
+        os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
+        os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    elif name not in ("bundled", BUNDLED_MODEL_ID):
+        # the directory's name (not its full path); a generic name keeps its parent's
+        resolved = path.resolve()
+        model_id = resolved.name
+        if model_id in ("model", "models", "checkpoint", "snapshot") and resolved.parent.name:
+            model_id = f"{resolved.parent.name}/{model_id}"
+    try:
+        try:
+            config = AutoConfig.from_pretrained(source, local_files_only=True, **kw)
+        except Exception as exc:
+            if local:
+                raise
+            if not _hub_reachable():
+                raise ModelLoadError(
+                    f"could not load model {name!r}: not in the local Hugging Face cache and the "
+                    "hub is unreachable (offline)"
+                ) from exc
+            config = AutoConfig.from_pretrained(source, **kw)
+        if config.model_type not in ADAPTERS:
+            raise ModelLoadError(
+                f"model {name!r} has model_type {config.model_type!r}; supported: "
+                f"{sorted(ADAPTERS)}"
+            )
+        cls = AutoModelForCausalLM if config.model_type in CAUSAL_TYPES else AutoModel
+        common = dict(kw, attn_implementation="eager", use_safetensors=True,
+                      dtype=DTYPES[settings.dtype])
+        try:
+            model = cls.from_pretrained(source, local_files_only=True, **common)
+            tok = AutoTokenizer.from_pretrained(source, local_files_only=True, **kw)
+        except Exception:
+            if local:
+                raise
+            model = cls.from_pretrained(source, **common)
+            tok = AutoTokenizer.from_pretrained(source, **kw)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"could not load model {name!r}: {type(exc).__name__}: {msg}") from exc
+    if not getattr(tok, "is_fast", False):
+        raise ModelLoadError(f"model {name!r}: a fast tokenizer is required (character offsets)")
+    device = choose_device(settings.device)
+    model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    revision = getattr(config, "_commit_hash", None) if not local else None
+    if not revision:
+        revision = _weights_revision(path) if local else "unknown"
+    return model, tok, {"id": model_id, "revision": revision}
