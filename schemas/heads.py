@@ -22,6 +22,10 @@ class HeadThresholds(StrictModel):
     are tried in the order induction, previous_token, duplicate_token, next_token, self, sink,
     broad; the first that passes wins, else 'none'. Give only the ones to change."""
 
+    # The one place these values are written: the serving layer passes them to the analysis
+    # (service/analysis/heads.py), which has none of its own. previous_token and sink are
+    # S004's (004_e7341cee07d297e4.txt); the others are ours.
+
     induction: float = _th(
         0.3, "Compared with scores.induction_probe when the probe ran, else scores.induction."
     )

@@ -1,21 +1,28 @@
-"""Numbers written in two layers that may not import each other stay one number.
+"""The head-label thresholds are written once, in the API contract.
 
-The head-label thresholds are part of the API contract (``schemas.heads.HeadThresholds``, whose
-defaults are documented in OpenAPI), and the pure analysis (``service.analysis.heads``, which
-may not import schemas) keeps the same defaults for callers that pass none: this test holds
-them equal, field by field, and holds the label order to the thresholds' fields.
+``schemas.heads.HeadThresholds`` holds their values (documented in OpenAPI, shared with the
+client). The pure analysis (``service.analysis.heads``, which may not import schemas) has none
+of its own: ``classify_all`` takes a threshold for exactly each label and refuses anything
+else, and the serving layer passes the request's ``HeadThresholds`` (defaults + overrides).
+These tests hold the three ends together: the schema's fields are the analysis' labels, the
+analysis cannot fall back to numbers of its own, and what ``/v1/heads`` labels with is the
+schema's values (every margin is its score minus the schema's threshold).
 """
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from attnscope.schemas.heads import HeadLabel, HeadThresholds
 from attnscope.service.analysis import heads as H
 
+from conftest import SENTENCE
 
-def test_threshold_defaults_are_the_schemas():
-    schema = HeadThresholds().model_dump()
-    assert schema == dict(H.DEFAULT_THRESHOLDS)
-    for name, field in HeadThresholds.model_fields.items():  # the documented default, too
+
+def test_every_threshold_documents_its_default():
+    for name, field in HeadThresholds.model_fields.items():  # the default shown in OpenAPI
         assert f"Default {field.default}." in field.description, name
 
 
@@ -24,6 +31,52 @@ def test_every_label_has_a_threshold_and_a_name():
     assert set(HeadLabel.__args__) == set(H.LABEL_ORDER) | {"none"}
 
 
-def test_a_planted_drift_is_seen(monkeypatch):
-    monkeypatch.setitem(H.DEFAULT_THRESHOLDS, "sink", 0.55)
-    assert HeadThresholds().model_dump() != dict(H.DEFAULT_THRESHOLDS)
+SCORES = {"induction_probe": 0.1, "induction": 0.1, "previous_s004": 0.9, "duplicate_token": 0.0,
+          "next_token": None, "self": 0.1, "sink_s004": 0.2, "entropy_normalized": 0.5}
+
+
+def test_the_analysis_has_no_thresholds_of_its_own():
+    full = HeadThresholds().model_dump()
+    assert H.classify_all(SCORES, full)["label"] == "previous_token"
+    partial = {k: v for k, v in full.items() if k != "sink"}
+    with pytest.raises(ValueError, match=r"missing \['sink'\]"):
+        H.classify_all(SCORES, partial)  # no default to fall back to
+    with pytest.raises(ValueError, match=r"unknown \['banana'\]"):
+        H.classify_all(SCORES, {**full, "banana": 0.5})
+    with pytest.raises(TypeError):
+        H.classify_all(SCORES)  # type: ignore[call-arg]
+
+
+def threshold_mismatches(body: dict, thresholds: dict) -> list[str]:
+    """Heads of a ``/v1/heads`` body whose margins are not ``score - thresholds[label]`` (the
+    score of :data:`H.LABEL_SCORE`, induction falling back to the text's score), or whose echoed
+    thresholds differ: ``["layer.head label", ...]``."""
+    bad = [] if body["thresholds"] == thresholds else ["echoed thresholds"]
+    for head in body["heads"]:
+        for label, margin in head["margins"].items():
+            v = H.label_score(head["scores"], label)
+            want = None if v is None else v - thresholds[label]
+            if (want is None) != (margin is None) or (want is not None and margin != want):
+                bad.append(f"{head['layer']}.{head['head']} {label}")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def default_heads(client):
+    r = client.post("/v1/heads", json={"text": SENTENCE})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_the_service_labels_with_the_schemas_thresholds(default_heads):
+    body = default_heads
+    assert threshold_mismatches(body, HeadThresholds().model_dump()) == []
+    assert len(body["heads"]) >= 4 and any(
+        m is not None and not math.isnan(m) for h in body["heads"] for m in h["margins"].values())
+
+
+def test_a_planted_threshold_drift_is_seen(default_heads):
+    drifted = {**HeadThresholds().model_dump(), "sink": 0.55}
+    bad = threshold_mismatches(default_heads, drifted)
+    assert "echoed thresholds" in bad
+    assert any(b.endswith(" sink") for b in bad) and not any(b.endswith(" self") for b in bad)

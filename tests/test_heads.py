@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnscope.schemas import HeadsResponse
+from attnscope.schemas import HeadsResponse, HeadThresholds
 from attnscope.service.analysis import heads as H
 
 import heads_reference as R
@@ -38,9 +38,15 @@ def _pattern(rows: list[dict[int, float]]) -> torch.Tensor:
     return a
 
 
+def thresholds(**changes) -> dict:
+    """The API's thresholds (schemas.heads.HeadThresholds: defaults + ``changes``), the ones the
+    service passes to the analysis."""
+    return HeadThresholds(**changes).model_dump()
+
+
 def _label(a, ids, causal=True, **th):
     s = {k: float(v[0, 0]) for k, v in H.head_scores(a, ids, causal).items()}
-    return H.classify(s, th), s
+    return H.classify(s, thresholds(**th)), s
 
 
 T = 10
@@ -85,14 +91,14 @@ def test_every_passing_label_is_reported_with_its_margin():
     s = {k: float(v[0, 0]) for k, v in H.head_scores(a, ids, True).items()}
     assert s["sink_s004"] == s["sink"] == pytest.approx((5 + 2) / 9)
     assert s["induction"] == pytest.approx(2 / 9)
-    c = H.classify_all(s, {"induction": 0.2})
+    c = H.classify_all(s, thresholds(induction=0.2))
     assert c["labels"] == ["induction", "sink"] and c["label"] == "induction"
     assert c["margin"] == pytest.approx(2 / 9 - 0.2)
     assert c["margins"]["sink"] == pytest.approx(7 / 9 - 0.6)
     assert c["margins"]["next_token"] is None  # causal: undefined
-    c = H.classify_all(s)  # default 0.3: induction fails, sink remains
+    c = H.classify_all(s, thresholds())  # default 0.3: induction fails, sink remains
     assert c["labels"] == ["sink"] and c["label"] == "sink"
-    c = H.classify_all(s, {"sink": 0.9, "induction": 0.9, "broad": 1.0})
+    c = H.classify_all(s, thresholds(sink=0.9, induction=0.9, broad=1.0))
     assert c["label"] == "none" and c["labels"] == [] and -0.2 < c["margin"] <= 0
 
 
@@ -105,7 +111,7 @@ def test_s004_previous_score_is_s004s_formula_not_transformerlens():
     s = {k: float(v[0, 0]) for k, v in H.head_scores(a, list(range(T4)), True).items()}
     assert s["previous_s004"] == pytest.approx(0.6)
     assert s["previous_token"] == pytest.approx(0.6 * 3 / 4)
-    assert "previous_token" in H.classify_all(s)["labels"]
+    assert "previous_token" in H.classify_all(s, thresholds())["labels"]
 
 
 def test_scores_have_documented_formulas():

@@ -38,9 +38,11 @@ previous-token heads as the mean of the sub-diagonal over rows 1..T-1; without e
 ``previous_token`` here is that value times (T-1)/T (row 0 has no previous token and counts 0).
 
 Labels (:func:`classify_all`): every label of ``LABEL_ORDER`` whose score (:data:`LABEL_SCORE`)
-exceeds its threshold (:data:`DEFAULT_THRESHOLDS`) -- a head can be an induction head AND a
-sink -- the primary label being the first of them (else ``"none"``), and the margin of each
-score to its threshold. Sources: TransformerLens ``head_detector.py``;
+exceeds its threshold -- a head can be an induction head AND a sink -- the primary label being
+the first of them (else ``"none"``), and the margin of each score to its threshold. The
+thresholds are an argument with no defaults here: their values are part of the API contract
+and written once, in ``schemas/heads.py`` (``HeadThresholds``), whose values the serving layer
+passes (the client's defaults and the server's are the same object). Sources: TransformerLens ``head_detector.py``;
 Olsson et al. 2022, "In-context Learning and Induction Heads"; Clark et al. 2019, "What Does
 BERT Look At?"; the source documents S004 (004_e7341cee07d297e4.txt) (previous > 0.5, sink > 0.6)
 and 003_fd2ce6cc010446bf.txt (identity, local, special-token patterns).
@@ -62,20 +64,7 @@ from attnscope.service.errors import ContextLengthExceeded, InvalidRequest
 LABEL_ORDER: tuple[str, ...] = (
     "induction", "previous_token", "duplicate_token", "next_token", "self", "sink", "broad",
 )
-
-#: Default thresholds (a label needs its score strictly above the threshold).
-#: previous_token and sink come from S004 (004_e7341cee07d297e4.txt); the others are ours.
-#: ``induction`` is compared with ``induction_probe`` when the probe ran, else with the text's
-#: ``induction`` score; ``broad`` is compared with ``entropy_normalized``.
-DEFAULT_THRESHOLDS: dict[str, float] = {
-    "induction": 0.3,
-    "previous_token": 0.5,
-    "duplicate_token": 0.3,
-    "next_token": 0.5,
-    "self": 0.5,
-    "sink": 0.6,
-    "broad": 0.8,
-}
+_LABELS = frozenset(LABEL_ORDER)
 
 SCORE_NAMES: tuple[str, ...] = (
     "previous_token", "duplicate_token", "induction", "next_token", "self", "sink",
@@ -372,9 +361,14 @@ def label_score(scores: Mapping[str, float | None], label: str) -> float | None:
 
 def classify_all(
     scores: Mapping[str, float | None],
-    thresholds: Mapping[str, float] | None = None,
+    thresholds: Mapping[str, float],
 ) -> dict:
     """Every label a head passes, its primary label, and the margins to the thresholds.
+
+    ``thresholds``: label -> threshold for exactly the labels of :data:`LABEL_ORDER` (a label
+    needs its score strictly above its threshold; ``induction`` is compared with
+    ``induction_probe`` when the probe ran, else with the text's ``induction`` score). The
+    values come from the caller (the API's ``HeadThresholds``); there are none here.
 
     Returns ``{"label", "labels", "margins", "margin"}``: ``labels`` = every label of
     :data:`LABEL_ORDER` whose score (:func:`label_score`) is strictly above its threshold, in
@@ -382,9 +376,17 @@ def classify_all(
     sink, as here); ``margins`` = label -> score - threshold (None where the score is
     undefined), so a label within a rounding error of its threshold can be seen; ``margin`` =
     the primary label's margin (> 0), or for ``"none"`` the largest margin (<= 0: how far the
-    nearest label is). ``thresholds`` overrides :data:`DEFAULT_THRESHOLDS` key by key.
+    nearest label is).
+
+    Raises:
+        ValueError: ``thresholds`` lacks a label of :data:`LABEL_ORDER` or names another key.
     """
-    th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    th = thresholds
+    if th.keys() != _LABELS:
+        missing = [lb for lb in LABEL_ORDER if lb not in th]
+        unknown = sorted(set(th) - set(LABEL_ORDER))
+        raise ValueError(f"thresholds must name exactly the labels {list(LABEL_ORDER)}; "
+                         f"missing {missing}, unknown {unknown}")
     margins: dict[str, float | None] = {}
     for label in LABEL_ORDER:
         v = label_score(scores, label)
@@ -398,7 +400,7 @@ def classify_all(
 
 def classify(
     scores: Mapping[str, float | None],
-    thresholds: Mapping[str, float] | None = None,
+    thresholds: Mapping[str, float],
 ) -> str:
     """The primary label of one head (:func:`classify_all`'s ``label``)."""
     return classify_all(scores, thresholds)["label"]

@@ -91,7 +91,7 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
             H.induction_probe_score(forwards[-1].pattern, start, req.probe.segment_length,
                                     req.probe.repeats)
             if probe else torch.full((L, NH), math.nan, dtype=torch.float64))
-        th = req.thresholds.model_dump()
+        th = req.thresholds.model_dump()  # the API's (defaults + overrides); the analysis has none
         out = []
         lists = {n: scores[n].tolist() for n in H.SCORE_NAMES}  # not 1,440 tensor lookups
         for layer in range(L):
