@@ -4,21 +4,23 @@
 client). The pure analysis (``service.analysis.heads``, which may not import schemas) has none
 of its own: ``classify_all`` takes a threshold for exactly each label and refuses anything
 else, and the serving layer passes the request's ``HeadThresholds`` (defaults + overrides).
-These tests hold the three ends together: the schema's fields are the analysis' labels, the
-analysis cannot fall back to numbers of its own, and what ``/v1/heads`` labels with is the
-schema's values (every margin is its score minus the schema's threshold).
+These tests hold the ends together: the schema's fields are the analysis' labels, the
+analysis cannot fall back to numbers of its own, what ``/v1/heads`` labels with is the
+schema's values (every margin is its score minus the schema's threshold), and the defaults the
+README names are the schema's.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
 from attnscope.schemas.heads import HeadLabel, HeadThresholds
 from attnscope.service.analysis import heads as H
 
-from conftest import SENTENCE
+from conftest import ROOT, SENTENCE
 
 
 def test_every_threshold_documents_its_default():
@@ -80,3 +82,24 @@ def test_a_planted_threshold_drift_is_seen(default_heads):
     bad = threshold_mismatches(default_heads, drifted)
     assert "echoed thresholds" in bad
     assert any(b.endswith(" sink") for b in bad) and not any(b.endswith(" self") for b in bad)
+
+
+README_SHORT = {"previous": "previous_token", "duplicate": "duplicate_token", "next": "next_token",
+                "induction": "induction", "self": "self", "sink": "sink", "broad": "broad"}
+
+
+def readme_thresholds(text: str) -> dict[str, float]:
+    """The defaults the README's ``/v1/heads`` row names: ``(defaults previous 0.5 on ...)``."""
+    row = next(line for line in text.splitlines() if line.startswith("| `POST /v1/heads` |"))
+    part = row.split("(defaults ", 1)[1].split(")", 1)[0]
+    pairs = re.findall(r"\b(previous|duplicate|next|induction|self|sink|broad) (\d+(?:\.\d+)?)",
+                       part)
+    return {README_SHORT[n]: float(v) for n, v in pairs}
+
+
+def test_the_readme_names_the_schemas_defaults():
+    text = (ROOT / "README.md").read_text()
+    assert readme_thresholds(text) == HeadThresholds().model_dump()
+    assert "sink 0.6 on sink_s004" in text
+    planted = text.replace("sink 0.6 on sink_s004", "sink 0.65 on sink_s004")
+    assert readme_thresholds(planted) == {**HeadThresholds().model_dump(), "sink": 0.65}

@@ -20,7 +20,8 @@ The rules (data flows down, nothing reaches upward or sideways):
   imports the client.
 
 The planted-fault tests below feed the checker a synthetic tree and a synthetic graph with
-one upward import each and see it reported.
+one upward import each and see it reported. The same map also checks that every package under
+the mapped directories is listed in ``[tool.setuptools] packages`` (else wheels lack it).
 """
 
 from __future__ import annotations
@@ -167,6 +168,15 @@ def violations(g: dict[str, list[tuple[str, int]]], files: dict[str, Path] | Non
     return out
 
 
+def unlisted_packages(pyproject: Path) -> list[str]:
+    """Packages (folders with an ``__init__.py``) under the mapped directories that
+    ``[tool.setuptools] packages`` does not list: a wheel or a non-editable install would ship
+    without them (the editable install used here finds them anyway)."""
+    listed = set(tomllib.loads(pyproject.read_text())["tool"]["setuptools"].get("packages", []))
+    found = {m for m, f in modules(package_dirs(pyproject)).items() if f.name == "__init__.py"}
+    return sorted(found - listed)
+
+
 # -- the project -----------------------------------------------------------------------------
 
 def test_the_walk_sees_every_layer():
@@ -180,6 +190,18 @@ def test_the_walk_sees_every_layer():
     # the walk sees imports through the remap: the client imports the schemas, the app the runtime
     assert any(t.startswith("attnscope.schemas") for t, _ in g["attnscope.client._client"])
     assert any(t.startswith(f"{SVC}.runtime") for t, _ in g[f"{SVC}.app"])
+
+
+def test_every_package_is_listed_for_setuptools(tmp_path):
+    assert unlisted_packages(ROOT / "pyproject.toml") == []
+    # planted: a new subpackage that pyproject.toml does not list
+    (tmp_path / "service" / "ops").mkdir(parents=True)
+    for d in ("service", "service/ops"):
+        (tmp_path / d / "__init__.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackage-dir = { "attnscope.service" = "service" }\n'
+        'packages = ["attnscope.service"]\n')
+    assert unlisted_packages(tmp_path / "pyproject.toml") == [f"{SVC}.ops"]
 
 
 def test_the_layer_rule_holds():

@@ -21,7 +21,7 @@ Everything callers used from the former single module is re-exported here.
 """
 
 from attnscope.service.encoding.codecs import (  # noqa: F401
-    _NP, _ST_DTYPE, _WIRE, LAZY, PIECE_BYTES, Base64Text, BinaryTensor, RoundedArray, TrilRows,
+    _ST_DTYPE, _WIRE, LAZY, PIECE_BYTES, Base64Text, BinaryTensor, RoundedArray, TrilRows,
     _b64, _check_finite, _encode_tril, _json_array, _packed, _wire_array, array_pieces,
     encode_sparse, encode_tensor, estimate_encoded_bytes, to_numpy,
 )

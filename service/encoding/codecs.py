@@ -31,7 +31,6 @@ from pybase64 import b64encode
 
 from attnscope.service.errors import InvalidRequest, NonFiniteValues
 
-_NP = {"float32": "<f4", "float16": "<f2"}
 _ST_DTYPE = {"float32": "F32", "float16": "F16", "int32": "I32", "int64": "I64"}
 _WIRE = {"float32": "<f4", "float16": "<f2", "int32": "<i4", "int64": "<i8"}
 #: default piece size of the lazy forms (responses.CHUNK_BYTES is what the server uses)

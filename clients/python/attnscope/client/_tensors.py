@@ -1,11 +1,12 @@
 """Tensors off the wire: ``.numpy()`` on every tensor field of a response.
 
 A tensor field (``attnscope.schemas.common.TensorField``) arrives in one of the forms that
-``service/encoding.py`` writes and :mod:`attnscope.client.wire` decodes (README "Tensors on
-the wire"): nested JSON lists (``null`` = masked -> ``-inf``), ``Base64Tensor`` (little-endian
-bytes, optionally ``layout`` 'tril'), ``TrilTensor``, ``SparseTensor``, or ``BinaryTensorRef``
-(a binary ``application/x-safetensors`` response). After parsing a response, the client
-wraps every such field so that ``result.pattern.numpy()`` works for all of them:
+``service/encoding/codecs.py`` writes and :mod:`attnscope.client.wire` decodes (README
+"Tensors on the wire"): nested JSON lists (``null`` = masked -> ``-inf``), ``Base64Tensor``
+(little-endian bytes, optionally ``layout`` 'tril'), ``TrilTensor``, ``SparseTensor``, or
+``BinaryTensorRef`` (a binary ``application/x-safetensors`` response). After parsing a
+response, the client wraps every such field so that ``result.pattern.numpy()`` works for all
+of them:
 
 * a JSON list becomes a :class:`JsonTensor` (a ``list`` subclass: it still compares equal to,
   and serialises as, the plain list);

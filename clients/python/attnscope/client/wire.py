@@ -1,7 +1,7 @@
 """Decode every tensor form attnscope sends, to numpy (numpy and the standard library; pybase64
 when installed).
 
-The server side is ``service/encoding.py``; the forms (README "Tensors on the wire"):
+The server side is ``service/encoding/codecs.py``; the forms (README "Tensors on the wire"):
 
 * nested JSON lists (``null`` = a masked score, decoded as ``-inf``);
 * ``{"encoding": "base64", "dtype", "shape", "data", "layout"}``: little-endian bytes;
