@@ -118,8 +118,8 @@ class _Enough(Exception):
 def _repr_head(obj, limit: int) -> str:
     """``repr(obj)`` when it is at most ``limit`` characters long, else a string of at least
     ``limit`` characters that starts like it, made without rendering the rest: the rejected
-    value of a big body (a list of 200k floats: 120 ms of repr) costs the event loop nothing,
-    and a deeply nested one no recursion."""
+    value of a big body (a list of 200k floats) costs the event loop little, and a deeply
+    nested one no recursion."""
     parts: list[str] = []
     size = 0
 

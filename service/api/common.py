@@ -100,7 +100,7 @@ _UNPARSED = object()
 
 def nesting_depth(body: bytes) -> int:
     """How deep the arrays and objects of ``body`` (valid UTF-8 JSON) nest: 0 for a scalar.
-    Vectorised: strings removed, then the running count of brackets (~2 ms per MB)."""
+    Vectorised: strings removed, then the running count of brackets."""
     if b'"' in body:
         body = _JSON_STRING.sub(b"", body)
     a = np.frombuffer(body, np.uint8)
@@ -166,10 +166,10 @@ def _params(dependant) -> tuple[int, int]:
 class V1Route(APIRoute):
     """The route class of every /v1 POST: a JSON body over :data:`INLINE_BODY_BYTES` is parsed
     (orjson) and validated (pydantic, FastAPI's own validation of the route's body model) in a
-    worker thread, one at a time, so a flood of big bodies never holds the event loop (issue
-    17: 16 concurrent 1.5 MB /v1/scratch-attention bodies parsed on the loop held /healthz
-    4.5 s). Same results as FastAPI's path: the same value, the same RequestValidationError
-    (hence the same 422 envelope) and the same parse errors; the OpenAPI document is
+    worker thread, one at a time, so a flood of big bodies (issue 17: 16 concurrent 1.5 MB
+    /v1/scratch-attention bodies) does not hold the event loop. Same results as FastAPI's
+    path: the same value, the same RequestValidationError (hence the same 422 envelope) and
+    the same parse errors (but see :data:`MAX_BODY_DEPTH`); the OpenAPI document is
     untouched.
 
     Applies to routes whose only input is one JSON body model (no path, query, header or
@@ -190,7 +190,10 @@ class V1Route(APIRoute):
 
         async def route_handler(request: Request) -> Response:
             request = _ParsedBodyRequest(request.scope, request.receive)
-            body = await request.body()
+            try:
+                body = await request.body()
+            except Exception:  # noqa: BLE001 - FastAPI reads it again and answers as ever
+                return await handler(request)
             if len(body) > INLINE_BODY_BYTES and _is_json(request.headers.get("content-type")):
                 outcome = await anyio.to_thread.run_sync(
                     _parse_and_validate, field, body, limiter=_parse_limiter())
