@@ -111,6 +111,52 @@ class BodyLimitMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
+class _Enough(Exception):
+    pass
+
+
+def _repr_head(obj, limit: int) -> str:
+    """``repr(obj)`` when it is at most ``limit`` characters long, else a string of at least
+    ``limit`` characters that starts like it, made without rendering the rest: the rejected
+    value of a big body (a list of 200k floats) costs the event loop little, and a deeply
+    nested one no recursion."""
+    parts: list[str] = []
+    size = 0
+
+    def put(s: str) -> None:
+        nonlocal size
+        parts.append(s)
+        size += len(s)
+        if size >= limit:
+            raise _Enough
+
+    def walk(o) -> None:
+        if type(o) is list:
+            put("[")
+            for i, x in enumerate(o):
+                if i:
+                    put(", ")
+                walk(x)
+            put("]")
+        elif type(o) is dict:
+            put("{")
+            for i, (k, v) in enumerate(o.items()):
+                if i:
+                    put(", ")
+                walk(k)
+                put(": ")
+                walk(v)
+            put("}")
+        else:
+            put(repr(o))
+
+    try:
+        walk(obj)
+    except _Enough:
+        pass
+    return "".join(parts)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errs = exc.errors()
     if not errs:
@@ -132,7 +178,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     given = e.get("input", None)
     text = f"{param}: {msg}" if param else msg
     if e.get("type") not in ("missing", "value_error") and given is not None:
-        r = repr(given)
+        r = _repr_head(given, 81)
         text += f" (got {r[:80] + '...' if len(r) > 80 else r})"
     if len(errs) > 1:
         text += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from functools import partial
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from attnscope.schemas import AttentionRequest, AttentionResponse, ErrorResponse
+from attnscope.service.api.common import v1_router
 from attnscope.service.deps import EngineDep
 from attnscope.service.encoding import SAFETENSORS, wants_binary
 from attnscope.service.serving import attention as serving
 
-router = APIRouter(tags=["attention"])
+router = v1_router(tags=["attention"])
 
 ERRORS = {
     200: {"content": {SAFETENSORS: {}}, "description": "JSON, or with Accept: "

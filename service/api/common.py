@@ -1,7 +1,24 @@
-"""What routers share: the OpenAPI error responses of a /v1 route. (The checks are in
+"""What routers share: the route class and router of /v1 (request bodies parsed off the event
+loop) and the OpenAPI error responses of a /v1 route. (The checks are in
 service/serving/checks.py, the forward call in service/runtime/engine.py.)"""
 
 from __future__ import annotations
+
+import asyncio
+import email.message
+import json
+import re
+import weakref
+from typing import Any, Callable, Coroutine
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import orjson
+from fastapi import APIRouter, Request, params
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.responses import Response
 
 from attnscope.service.serving.checks import check_distinct, check_index, check_indices  # noqa: F401
 
@@ -24,3 +41,171 @@ def error_responses(invalid: str = "Invalid request (field, limit and value name
     if not device:
         del out[429]
     return out
+
+
+# ----------------------------------------------------------------- request bodies off the loop
+#: Request bodies above this many bytes are parsed and validated in a worker thread; smaller
+#: ones take FastAPI's own path on the event loop (no thread hop).
+INLINE_BODY_BYTES = 64 << 10
+
+#: Bodies nested deeper are refused as unparsable, as the standard library refuses them on the
+#: event loop past ~950 levels (its recursion limit less the server's stack there).
+MAX_BODY_DEPTH = 900
+
+# Integers of 19+ digits may not fit orjson's 64-bit integers (it reads them as floats, the
+# standard library as ints): such bodies are parsed by the standard library.
+_LONG_DIGITS = re.compile(rb"\d{19}")
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_limiters: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _parse_limiter() -> anyio.CapacityLimiter:
+    """One body parsed at a time per event loop: the parse and validation hold the GIL in C
+    calls, so more threads would only take more turns of it from the event loop."""
+    loop = asyncio.get_running_loop()
+    lim = _limiters.get(loop)
+    if lim is None:
+        lim = _limiters[loop] = anyio.CapacityLimiter(1)
+    return lim
+
+
+def parse_json_body(body: bytes) -> Any:
+    """``body`` parsed as Starlette's ``Request.json()`` (``json.loads``) parses it: orjson
+    where both agree, the standard library for everything orjson refuses or reads otherwise
+    (NaN/Infinity, lone surrogates, a BOM, UTF-16/32, integers beyond 64 bits, nesting past
+    orjson's 1024 levels). Raises what ``json.loads`` raises; ``RecursionError`` for nesting
+    deeper than :data:`MAX_BODY_DEPTH` (on the loop the standard library's own limit, which
+    depends on the stack, lies a little above it)."""
+    if _LONG_DIGITS.search(body) is None:
+        try:
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            value = _UNPARSED
+    else:
+        value = _UNPARSED
+    if value is _UNPARSED:
+        value = json.loads(body)
+        encoding = json.detect_encoding(body)
+        if encoding != "utf-8":  # for the depth below: the brackets as UTF-8 bytes
+            body = body.decode(encoding, "surrogatepass").encode("utf-8", "surrogatepass")
+    if body.count(b"[") + body.count(b"{") > MAX_BODY_DEPTH and \
+            nesting_depth(body) > MAX_BODY_DEPTH:
+        raise RecursionError("maximum recursion depth exceeded while decoding a JSON array "
+                             "from a unicode string")
+    return value
+
+
+_UNPARSED = object()
+
+
+def nesting_depth(body: bytes) -> int:
+    """How deep the arrays and objects of ``body`` (valid UTF-8 JSON) nest: 0 for a scalar.
+    Vectorised: strings removed, then the running count of brackets."""
+    if b'"' in body:
+        body = _JSON_STRING.sub(b"", body)
+    a = np.frombuffer(body, np.uint8)
+    opens = (a == 0x5B) | (a == 0x7B)
+    idx = np.flatnonzero(opens | (a == 0x5D) | (a == 0x7D))
+    if idx.size == 0:
+        return 0
+    return int(np.where(opens[idx], 1, -1).cumsum().max())
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON (its own test)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    if message.get_content_maintype() != "application":
+        return False
+    subtype = message.get_content_subtype()
+    return subtype == "json" or subtype.endswith("+json")
+
+
+def _parse_and_validate(field, body: bytes) -> tuple[str, Any]:
+    """In a worker thread: ``("parse_error", exc)``, ``("invalid", (errors, value))`` or
+    ``("ok", model)``; the validation is FastAPI's own (``field.validate``, loc ``body``)."""
+    try:
+        value = parse_json_body(body)
+    except Exception as exc:  # noqa: BLE001 - re-raised where FastAPI reads the body
+        return "parse_error", exc
+    model, errors = field.validate(value, {}, loc=("body",))
+    if errors:
+        return "invalid", (errors, value)
+    return "ok", model
+
+
+class _ParsedBodyRequest(Request):
+    """A Request whose ``json()`` gives the body already parsed and validated off the loop
+    (FastAPI's validation of a validated model instance returns it as is), or raises the
+    parse error, so FastAPI turns it into the same 422 as ever."""
+
+    _outcome: tuple[str, Any] | None = None
+
+    async def json(self) -> Any:
+        if self._outcome is None:
+            return await super().json()
+        kind, value = self._outcome
+        if kind == "parse_error":
+            raise value
+        return value
+
+
+def _params(dependant) -> tuple[int, int]:
+    """(body params, path/query/header/cookie params) of ``dependant`` and its dependencies."""
+    body = len(dependant.body_params)
+    other = sum(len(x) for x in (dependant.path_params, dependant.query_params,
+                                  dependant.header_params, dependant.cookie_params))
+    for sub in dependant.dependencies:
+        b, o = _params(sub)
+        body, other = body + b, other + o
+    return body, other
+
+
+class V1Route(APIRoute):
+    """The route class of every /v1 POST: a JSON body over :data:`INLINE_BODY_BYTES` is parsed
+    (orjson) and validated (pydantic, FastAPI's own validation of the route's body model) in a
+    worker thread, one at a time, so a flood of big bodies (issue 17: 16 concurrent 1.5 MB
+    /v1/scratch-attention bodies) does not hold the event loop. Same results as FastAPI's
+    path: the same value, the same RequestValidationError (hence the same 422 envelope) and
+    the same parse errors (but see :data:`MAX_BODY_DEPTH`); the OpenAPI document is
+    untouched.
+
+    Applies to routes whose only input is one JSON body model (no path, query, header or
+    cookie parameters, no embedded body): a body error is then the request's only possible
+    422, so raising it before the route's dependencies run (they only read app state) changes
+    nothing. ``offloads_body`` says whether it applies."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        field = self.body_field
+        self.offloads_body = (
+            field is not None and _params(self.dependant) == (1, 0)
+            and not getattr(self, "_embed_body_fields", True)
+            and not isinstance(field.field_info, params.Form)
+        )
+        if not self.offloads_body:
+            return handler
+
+        async def route_handler(request: Request) -> Response:
+            request = _ParsedBodyRequest(request.scope, request.receive)
+            try:
+                body = await request.body()
+            except Exception:  # noqa: BLE001 - FastAPI reads it again and answers as ever
+                return await handler(request)
+            if len(body) > INLINE_BODY_BYTES and _is_json(request.headers.get("content-type")):
+                outcome = await anyio.to_thread.run_sync(
+                    _parse_and_validate, field, body, limiter=_parse_limiter())
+                if outcome[0] == "invalid":
+                    errors, value = outcome[1]
+                    raise RequestValidationError(errors, body=value)
+                request._outcome = outcome
+            return await handler(request)
+
+        return route_handler
+
+
+def v1_router(**kwargs) -> APIRouter:
+    """An APIRouter whose routes are :class:`V1Route` (every /v1 router is made here)."""
+    return APIRouter(route_class=V1Route, **kwargs)

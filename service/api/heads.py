@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
 
 from attnscope.schemas import HeadsRequest, HeadsResponse
-from attnscope.service.api.common import error_responses
+from attnscope.service.api.common import error_responses, v1_router
 from attnscope.service.deps import EngineDep
 from attnscope.service.serving import heads as serving
 
-router = APIRouter(tags=["heads"])
+router = v1_router(tags=["heads"])
 
 ERRORS = error_responses(
     "Invalid request: blank text, a text of fewer "

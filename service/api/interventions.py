@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from functools import partial
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from attnscope.schemas import ErrorResponse
 from attnscope.schemas.interventions import (
     AblateRequest, AblateResponse, PatchRequest, PatchResponse, PredictionsRequest,
     PredictionsResponse,
 )
-from attnscope.service.api.common import error_responses
+from attnscope.service.api.common import error_responses, v1_router
 from attnscope.service.deps import EngineDep
 from attnscope.service.encoding import SAFETENSORS, wants_binary
 from attnscope.service.serving import interventions as serving
 
-router = APIRouter(tags=["interventions"])
+router = v1_router(tags=["interventions"])
 
 
 @router.post("/v1/predictions", response_model=PredictionsResponse, summary="Next-token predictions",

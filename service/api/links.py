@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
 
 from attnscope.schemas import LinksRequest, LinksResponse
-from attnscope.service.api.common import error_responses
+from attnscope.service.api.common import error_responses, v1_router
 from attnscope.service.deps import EngineDep
 from attnscope.service.serving import links as serving
 
-router = APIRouter(tags=["links"])
+router = v1_router(tags=["links"])
 
 ERRORS = error_responses(
     "Invalid request: layer/head/ignore position "

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from functools import partial
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from attnscope.schemas import NormsRequest, NormsResponse
 from attnscope.service.api.attention import ERRORS as ATTENTION_ERRORS
+from attnscope.service.api.common import v1_router
 from attnscope.service.deps import EngineDep
 from attnscope.service.encoding import wants_binary
 from attnscope.service.serving import norms as serving
 
-router = APIRouter(tags=["norms"])
+router = v1_router(tags=["norms"])
 
 
 @router.post(

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from functools import partial
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from attnscope.schemas import RolloutRequest, RolloutResponse
 from attnscope.service.api.attention import ERRORS as ATTENTION_ERRORS
+from attnscope.service.api.common import v1_router
 from attnscope.service.deps import EngineDep
 from attnscope.service.encoding import wants_binary
 from attnscope.service.serving import rollout as serving
 
-router = APIRouter(tags=["rollout"])
+router = v1_router(tags=["rollout"])
 
 
 @router.post(

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
 
 from attnscope.schemas import ScratchAttentionRequest, ScratchAttentionResponse
-from attnscope.service.api.common import error_responses
+from attnscope.service.api.common import error_responses, v1_router
 from attnscope.service.deps import EngineDep
 from attnscope.service.serving import scratch as serving
 
-router = APIRouter(tags=["scratch"])
+router = v1_router(tags=["scratch"])
 
 ERRORS = error_responses(
     "Invalid request: shapes, sizes, non-finite "

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
-
 from attnscope.schemas import TokenizeRequest, TokenizeResponse
+from attnscope.service.api.common import v1_router
 from attnscope.service.deps import EngineDep
 from attnscope.service.encoding import respond
 from attnscope.service.serving.tokenize import body
 
-router = APIRouter(tags=["tokens"])
+router = v1_router(tags=["tokens"])
 
 
 @router.post("/v1/tokenize", response_model=TokenizeResponse, summary="Tokenize text(s)")

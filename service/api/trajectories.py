@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
 
 from attnscope.schemas import TrajectoriesRequest, TrajectoriesResponse
-from attnscope.service.api.common import error_responses
+from attnscope.service.api.common import error_responses, v1_router
 from attnscope.service.deps import EngineDep
 from attnscope.service.serving import trajectories as serving
 
-router = APIRouter(tags=["trajectories"])
+router = v1_router(tags=["trajectories"])
 
 ERRORS = error_responses(
     "Invalid request, or a PCA the text cannot "

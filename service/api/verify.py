@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
 
 from attnscope.schemas import VerifyRequest, VerifyResponse
-from attnscope.service.api.common import error_responses
+from attnscope.service.api.common import error_responses, v1_router
 from attnscope.service.deps import EngineDep
 from attnscope.service.serving import verify as serving
 
-router = APIRouter(tags=["verify"])
+router = v1_router(tags=["verify"])
 
 ERRORS = error_responses()
 
