@@ -149,7 +149,7 @@ def start_server(tmp: Path, *args: str, env: dict | None = None, wait_ready: boo
     )
     url = f"http://127.0.0.1:{port}"
     if wait_ready:
-        deadline = time.time() + 120
+        deadline = time.time() + 300
         while time.time() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")

@@ -233,6 +233,7 @@ def test_links_do_not_block_the_event_loop(client):
         done.set()
 
     th = threading.Thread(target=big)
+    t_big = time.perf_counter()
     th.start()
     worst = 0.0
     time.sleep(0.2)
@@ -242,10 +243,13 @@ def test_links_do_not_block_the_event_loop(client):
         worst = max(worst, time.perf_counter() - t)
         time.sleep(0.05)
     th.join()
+    big_s = time.perf_counter() - t_big
     assert result["r"].status_code == 200
     first = result["r"].json()["results"][0]
     assert len(first["links"][-1]["links"]) == len(first["tokens"]) - 1
-    assert worst < 2.0, worst
+    # blocked, /healthz waited behind the whole ranking (12 s, most of the request); a busy
+    # machine slows both alike, so the bound scales with the request (2 s on an idle one)
+    assert worst < max(2.0, 0.5 * big_s), (worst, big_s)
 
 
 # ------------------------------------------------------------------ recorded tensors, concurrency

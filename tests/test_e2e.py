@@ -59,17 +59,21 @@ def test_healthz_answers_during_long_forward(live_server):
         done.set()
 
     th = threading.Thread(target=long_call)
+    t_long = time.perf_counter()
     th.start()
     time.sleep(0.1)
     lat = []
-    with httpx.Client(base_url=live_server.url, timeout=5) as c:
+    with httpx.Client(base_url=live_server.url, timeout=120) as c:
         while not done.is_set() and len(lat) < 20:
             t0 = time.perf_counter()
             assert c.get("/healthz").status_code == 200
             lat.append(time.perf_counter() - t0)
             time.sleep(0.05)
     th.join()
-    assert lat and max(lat) < 2.0
+    long_s = time.perf_counter() - t_long
+    # a blocked loop makes /healthz wait for the whole forward; a busy machine slows both
+    # alike, so the bound scales with the forward (2 s on an idle machine)
+    assert lat and max(lat) < max(2.0, 0.5 * long_s), (lat, long_s)
 
 
 def test_overload_gets_429_then_recovers(tmp_path):

@@ -149,9 +149,9 @@ def test_graceful_shutdown_finishes_in_flight_request(tmp_path):
     th = threading.Thread(target=call)
     try:
         th.start()
-        deadline = time.time() + 30
+        deadline = time.time() + 120
         while time.time() < deadline:  # wait until the request holds the device
-            m = _metrics(httpx.get(s.url + "/metrics", timeout=5).text)
+            m = _metrics(httpx.get(s.url + "/metrics", timeout=30).text)
             if _sample(m, "attnscope_queue_depth") >= 1:
                 break
             time.sleep(0.02)
@@ -176,13 +176,15 @@ def test_timeout_through_uvicorn(tmp_path):
     s = start_server(tmp_path, "--model", "bundled", "--request-timeout-s", "0.05")
     try:
         with httpx.Client(base_url=s.url, timeout=60) as c:
-            t0 = time.perf_counter()
             # 32 uncached texts of ~200 tokens, scores and patterns as JSON: far beyond 50 ms
             # on any CPU (the work alone is ~16M numbers to compute and encode)
             body = {**_long_body(32), "encoding": "json"}
             r = c.post("/v1/attention", json=body, headers={"X-Request-ID": "slow-1"})
             assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text[:300]
-            assert r.headers["x-request-id"] == "slow-1" and time.perf_counter() - t0 < 5
+            assert r.headers["x-request-id"] == "slow-1"
+            # answered at the deadline, not when the forward ended: the work is still running
+            m = _metrics(c.get("/metrics").text)
+            assert _sample(m, "attnscope_abandoned_requests") == 1
             deadline = time.time() + 60
             while time.time() < deadline:
                 m = _metrics(c.get("/metrics").text)
@@ -260,17 +262,36 @@ def test_cors_allow_list(make_client, gpt2_runtime):
     assert r.status_code == 200 and "x-request-id" in r.headers["access-control-expose-headers"].lower()
 
 
-def test_timeout_gives_504_and_does_not_wedge_the_slot(make_client, gpt2_runtime):
-    c = make_client(gpt2_runtime, request_timeout_s=0.05)
-    app = c.app
-    t0 = time.perf_counter()
+def test_timeout_gives_504_and_does_not_wedge_the_slot(gpt2_runtime):
+    from fastapi.testclient import TestClient
+
+    from attnscope.service.app import create_app
+
+    app = create_app(Settings(model="bundled", request_timeout_s=0.05), runtime=gpt2_runtime)
+    at_start: list[tuple[int, int]] = []  # (slot depth, abandoned) when the response started
+
+    async def watch(scope, receive, send):
+        async def send_(msg):
+            if msg["type"] == "http.response.start" and scope.get("path") == "/v1/attention":
+                at_start.append((app.state.slot.depth, len(app.state.abandoned)))
+            await send(msg)
+
+        await app(scope, receive, send_)
+
+    with TestClient(watch, raise_server_exceptions=False) as c:
+        _timeout_checks(c, app, at_start)
+
+
+def _timeout_checks(c, app, at_start):
     r = c.post("/v1/attention", json={**_long_body(32), "encoding": "json"})  # far beyond 50 ms
-    took = time.perf_counter() - t0
     assert r.status_code == 504, r.text[:300]
     err = r.json()["error"]
     assert err["type"] == "timeout" and "request_timeout_s" in err["message"]
     assert "x-request-id" in r.headers
-    assert took < 5, took  # answered at the deadline, not when the forward ended
+    # answered at the deadline, not when the forward ended: the work still held the slot
+    # when the 504 started (the in-process client returns only once the handler ends)
+    depth, abandoned = at_start[0]
+    assert depth >= 1 and abandoned == 1, at_start
     assert c.get("/healthz").status_code == 200  # health is never timed
     deadline = time.time() + 60
     while (app.state.abandoned or app.state.slot.depth) and time.time() < deadline:

@@ -78,7 +78,11 @@ def test_batch_equals_alone(family, side, gpt2_runtime, bert_runtime):
         for name in ("pattern", "hidden_states", "q", "k", "v", "attn_input", "attn_output",
                      "final_hidden_state"):
             x, y = getattr(a.tensors, name), getattr(b.tensors, name)
-            assert (x - y).abs().max().item() <= 1e-5, name
+            # 1e-5, plus float32 rounding that grows with the value: a padded batch takes other
+            # matmul blocking, and residual-stream entries of ~30 differ by up to ~7 ulps
+            # (1.2e-5) on AMD EPYC; 1e-6 relative is ~8 ulps
+            assert ((x - y).abs() <= 1e-5 + 1e-6 * y.abs()).all(), (
+                name, (x - y).abs().max().item())
 
 
 def test_scores_softmax_gives_pattern_and_mask_is_explicit(gpt2_runtime, bert_runtime):
