@@ -47,12 +47,12 @@ def _calls(log: Path) -> list[str]:
 def test_serve_installs_without_test_extras_once(tmp_path):
     log, root = _env(tmp_path)
     _install(root, "serve")
-    assert _calls(log) == ["-m pip install -q -e ."]  # the serving dependencies only
+    assert _calls(log) == ["-m pip install -q --no-compile --disable-pip-version-check -e ."]  # the serving dependencies only
     _install(root, "serve")
     _install(root, "serve")
     assert len(_calls(log)) == 1  # up to date: no pip at all
     _install(root, "test")  # the test extras are not there yet
-    assert _calls(log)[1:] == ["-m pip install -q -e .[test]"]
+    assert _calls(log)[1:] == ["-m pip install -q --no-compile --disable-pip-version-check -e .[test]"]
     _install(root, "test")
     _install(root, "serve")  # a test install satisfies serve
     assert len(_calls(log)) == 2
