@@ -53,6 +53,9 @@ class PageErrors(list):
 def page(browser):
     """A fresh 1280x900 page; console errors / page errors / failed requests fail the test."""
     ctx = browser.new_context(viewport={"width": 1280, "height": 900})
+    # waits are for events (a panel ready, a value shown); on a busy machine a full re-render
+    # has taken longer than playwright's 30 s default, so the bound is generous
+    ctx.set_default_timeout(120_000)
     p = ctx.new_page()
     errors = PageErrors()
     p.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}")

@@ -298,7 +298,9 @@ async function renderVerify() {
   const box = $("#verify");
   const head = document.createElement("p");
   head.className = v.passed ? "pass" : "fail";
-  head.textContent = `${v.passed ? "PASSED" : "FAILED"}: ${v.message}`;
+  // the message's own leading verdict word dropped, as the CLI does (no "PASSED: passed")
+  const msg = (v.message || "").trim().replace(/^(passed|failed|pass|fail|ok)\b[.:;,]?\s*/i, "");
+  head.textContent = msg ? `${v.passed ? "PASSED" : "FAILED"}: ${msg}` : (v.passed ? "PASSED" : "FAILED");
   const tb = document.createElement("table");
   tb.innerHTML = "<tr><th>layer</th><th>max |\u0394 pattern|</th><th>max |\u0394 output|</th><th>passed</th></tr>";
   for (const l of v.layers) {

@@ -337,7 +337,7 @@ def _plots():
     try:
         from attnscope.client import plots
     except ImportError as exc:
-        raise UsageError(f"--plot needs matplotlib ({exc}); pip install 'attnscope-client[plot]'")
+        raise UsageError(f"--plot needs matplotlib ({exc}); pip install matplotlib (the 'plot' extra of attnscope or attnscope-client)")
     return plots
 
 

@@ -26,7 +26,7 @@ try:
     from matplotlib.patches import Patch
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "attnscope.client.plots needs matplotlib: pip install 'attnscope-client[plot]'"
+        "attnscope.client.plots needs matplotlib: pip install matplotlib (the 'plot' extra of attnscope or attnscope-client)"
     ) from exc
 
 from attnscope.client._tensors import to_numpy
