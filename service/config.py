@@ -133,6 +133,12 @@ class Settings(BaseSettings):
         "byte) to the end of the request's headers; beyond it 408 and the connection is closed "
         "(slow, trickling clients). 0 = no limit.",
     )
+    body_timeout_s: float = Field(
+        30.0, ge=0, description="Most seconds from the end of a request's headers to the end "
+        "of its body (at the default max_body_bytes, an upload of at least ~133 kB/s); beyond "
+        "it 408 and the connection is closed (slow, trickling bodies; `attnscope serve`). Time "
+        "while the server itself does not read is not counted. 0 = no limit.",
+    )
     keep_alive_timeout_s: float = Field(
         5.0, ge=1, description="Seconds an idle kept-alive connection stays open after a "
         "response (uvicorn timeout_keep_alive).",
