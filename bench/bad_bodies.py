@@ -4,7 +4,7 @@ cost"): millions of invalid list elements or hundreds of thousands of unknown ke
 body under max_body_bytes. Per body and server: the seconds to the 422, the slowest
 ``/healthz`` while it is refused (a probe process asks every 50 ms on a fresh connection),
 the server's peak resident memory above where it was (``VmHWM`` reset through
-``/proc/<pid>/clear_refs``), and how long a valid padded body (past the 64 KiB at which
+``/proc/<pid>/clear_refs``) and its resident memory after, and how long a valid padded body (past the 64 KiB at which
 bodies are parsed in the one-at-a-time worker thread) sent 0.2 s after the attack waits.
 
 Several servers in one run (``--server NAME=PYTHON``, each python runs ``attnscope serve``
@@ -143,6 +143,7 @@ def attack(server: Server, path: str, body: bytes) -> dict:
     return {"status": r.status_code, "seconds": round(seconds, 3),
             "healthz_worst_s": round(max(lat), 3), "healthz_probes": len(lat),
             "rss_peak_mib": round((server.status()["VmHWM"] - before) / 2**20),
+            "rss_after_mib": round((server.status()["VmRSS"] - before) / 2**20),
             "padded_valid_status": padded.get("status"), "padded_valid_s": round(padded["s"], 3),
             "param": err.get("param"), "message": (err.get("message") or "")[:160]}
 
@@ -165,7 +166,8 @@ def main() -> int:
                 results.setdefault(name, {})[s.name] = res
                 print(f"{name:26s} {s.name:8s} {len(body) / 1e6:4.1f} MB -> {res['status']} in "
                       f"{res['seconds']:7.3f} s; /healthz worst {res['healthz_worst_s']:6.3f} s "
-                      f"({res['healthz_probes']} probes); RSS peak +{res['rss_peak_mib']} MiB; "
+                      f"({res['healthz_probes']} probes); RSS peak +{res['rss_peak_mib']} MiB, "
+                      f"after {res['rss_after_mib']:+d} MiB; "
                       f"padded valid {res['padded_valid_status']} in {res['padded_valid_s']:.3f} s"
                       f"; param {res['param']!r}", flush=True)
     finally:
