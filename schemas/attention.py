@@ -7,7 +7,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from attnscope.schemas.common import (
-    LenientModel, ModelRef, StrictModel, TensorField, TensorOptions, TextOrTexts, Token,
+    MAX_INDICES, LenientModel, ModelRef, StrictModel, TensorField, TensorOptions, TextOrTexts,
+    Token,
 )
 
 
@@ -43,12 +44,14 @@ class AttentionRequest(TextOrTexts, TensorOptions):
     """Attention of the resident model for one text or a batch of texts."""
 
     layers: list[int] | None = Field(
-        None, description="Layer indices to return (0-based, each < n_layers), in the order "
-        "given, each at most once; null = all layers."
+        None, max_length=MAX_INDICES, fail_fast=True,
+        description="Layer indices to return (0-based, each < n_layers), in the order "
+        f"given, each at most once (at most {MAX_INDICES}); null = all layers."
     )
     heads: list[int] | None = Field(
-        None, description="Head indices to return (0-based, each < n_heads, each at most once); "
-        "null = all heads."
+        None, max_length=MAX_INDICES, fail_fast=True,
+        description="Head indices to return (0-based, each < n_heads, each at most once; at "
+        f"most {MAX_INDICES}); null = all heads."
     )
     head_mean: bool = Field(
         False, description="Return the mean over the selected heads instead of each head: "

@@ -4,20 +4,90 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
+import annotated_types
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator,
+    AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema,
+    field_validator, model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from attnscope.schemas.errors import ERROR_TYPES
+
+# Length limits of the lists in requests. Each list field has ``max_length`` (a longer list is
+# refused from its length alone, StrictModel) and ``fail_fast`` (validation stops at the first
+# invalid element): an invalid body costs one error, however many elements it holds.
+MAX_TEXTS = 4096
+"""Most texts in a list of texts (``texts``, ``reference_texts``): the ceiling of the
+``max_batch`` setting, whose value (default 32) the service checks."""
+MAX_INDICES = 1024
+"""Most layer or head indices in one selection (``layers``, ``heads``, ``flow_layers``); each
+index is distinct and below the model's count, which the service checks."""
+MAX_POSITIONS = 131_072
+"""Most token positions in one list (``positions``, ``ignore``): 128 Ki, the longest context
+of the models in use; each position is distinct and below the text's token count, which the
+service checks."""
+MAX_HEAD_PAIRS = 16_384
+"""Most ``[layer, head]`` pairs in one list (``/v1/ablate`` ``heads``): more than any model has
+heads (GPT-3 175B: 96 x 96 = 9,216); each pair is distinct and in the model, which the service
+checks."""
 
 
 class StrictModel(BaseModel):
     """Base for requests: unknown fields are rejected (422), never silently ignored, and values
     are never coerced across JSON types (pydantic strict mode): ``"yes"`` or ``1`` is not a
     boolean, ``true``, ``1.0`` or ``"1"`` is not an index, ``true`` is not a number (an integer
-    is still accepted where a float is expected)."""
+    is still accepted where a float is expected).
+
+    The cost of refusing a body is bounded, before anything in it is validated: an object with
+    more keys than the model has fields gets one error (``too_many_fields``, at its first
+    unknown key), not one per unknown key; a list longer than its field's ``max_length`` gets
+    one ``too_long`` error from its length alone (pydantic's own check comes after the first
+    invalid element when the field is ``fail_fast``)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        if type(data) is not dict:
+            return data
+        fields = cls.model_fields
+        if len(data) > len(fields):
+            # distinct keys, more than the fields: one of the first len(fields) + 1 is unknown
+            key = next(k for k in data if k not in fields)
+            raise _one_error(cls, key, data[key], PydanticCustomError(
+                "too_many_fields", "Extra inputs are not permitted: the object has {count} "
+                "keys, {model} has {limit} fields",
+                {"count": len(data), "model": cls.__name__, "limit": len(fields)}))
+        for name, limit in _list_limits(cls).items():
+            value = data.get(name)
+            if type(value) is list and len(value) > limit:
+                raise _one_error(cls, name, value, "too_long", {
+                    "field_type": "List", "max_length": limit, "actual_length": len(value)})
+        return data
+
+
+def _one_error(model: type, key: str, value: Any, error: str | PydanticCustomError,
+               ctx: dict | None = None) -> ValidationError:
+    """A ValidationError of one error at ``key`` (pydantic prefixes the model's location):
+    ``error`` is a pydantic error type (with its ``ctx``) or a custom error."""
+    details = InitErrorDetails(type=error, loc=(key,), input=value)
+    if ctx is not None:
+        details["ctx"] = ctx
+    return ValidationError.from_exception_data(model.__name__, [details])
+
+
+_LIST_LIMITS: dict[type, dict[str, int]] = {}
+
+
+def _list_limits(model: type) -> dict[str, int]:
+    """``{field: max_length}`` of the model's fields that have one."""
+    got = _LIST_LIMITS.get(model)
+    if got is None:
+        got = _LIST_LIMITS[model] = {
+            name: m.max_length for name, f in model.model_fields.items() for m in f.metadata
+            if isinstance(m, annotated_types.MaxLen)}
+    return got
 
 
 class LenientModel(BaseModel):
@@ -253,7 +323,9 @@ class TextOrTexts(StrictModel):
         "are tokenized as plain text."
     )
     texts: list[NonBlankText] | None = Field(
-        None, description="Several texts (a batch), analysed independently; results in order."
+        None, max_length=MAX_TEXTS, fail_fast=True,
+        description="Several texts (a batch), analysed independently; results in order. At "
+        f"most max_batch (a setting, default 32; never more than {MAX_TEXTS}).",
     )
     add_bos: bool = Field(
         False,

@@ -14,7 +14,8 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from attnscope.schemas.common import (
-    LenientModel, ModelRef, NonBlankText, StrictModel, TensorField, TensorOptions, TextOrTexts, Token,
+    MAX_HEAD_PAIRS, MAX_POSITIONS, MAX_TEXTS, LenientModel, ModelRef, NonBlankText, StrictModel,
+    TensorField, TensorOptions, TextOrTexts, Token,
 )
 
 Index = Annotated[int, Field(ge=0)]
@@ -39,8 +40,9 @@ class PredictionsRequest(TextOrTexts):
 
     top_k: int = Field(5, ge=1, le=100, description="Most probable next tokens per position.")
     positions: list[Index] | None = Field(
-        None, description="Positions to report (each < the text's token count, each once); "
-        "null = all. Position p predicts token p + 1."
+        None, max_length=MAX_POSITIONS, fail_fast=True,
+        description="Positions to report (each < the text's token count, each once; at most "
+        f"{MAX_POSITIONS}); null = all. Position p predicts token p + 1."
     )
 
 
@@ -96,8 +98,9 @@ class AblateRequest(TensorOptions):
     text: NonBlankText = Field(description="The text to run.")
     add_bos: bool = Field(False, description="Prepend the BOS token (to every text of the request).")
     heads: list[HeadRef] | None = Field(
-        None, description="Heads to ablate together, as [layer, head] pairs (0-based, each "
-        "once); required unless scan."
+        None, max_length=MAX_HEAD_PAIRS, fail_fast=True,
+        description="Heads to ablate together, as [layer, head] pairs (0-based, each "
+        f"once; at most {MAX_HEAD_PAIRS}); required unless scan."
     )
     method: AblationMethod = Field(
         "zero", description="'zero': z set to 0 (TransformerLens hook_z); 'mean': z replaced by "
@@ -105,15 +108,19 @@ class AblateRequest(TensorOptions):
         "taken from resample_text (same token count) at each position."
     )
     reference_texts: list[NonBlankText] | None = Field(
-        None, description="method 'mean': texts whose z, pooled over all their positions, give "
-        "the mean (default: the text itself)."
+        None, max_length=MAX_TEXTS, fail_fast=True,
+        description="method 'mean': texts whose z, pooled over all their positions, give "
+        "the mean (default: the text itself). At most max_batch (a setting, default 32; never "
+        f"more than {MAX_TEXTS})."
     )
     resample_text: NonBlankText | None = Field(
         None, description="method 'resample': the text whose z replaces the ablated heads' (same "
         "token count as text)."
     )
     positions: list[Index] | None = Field(
-        None, description="Positions to report / score (each < token count, once); null = all."
+        None, max_length=MAX_POSITIONS, fail_fast=True,
+        description=f"Positions to report / score (each < token count, once; at most "
+        f"{MAX_POSITIONS}); null = all."
     )
     top_k: int = Field(5, ge=1, le=100, description="Top next tokens before/after per position.")
     logit_diff: LogitDiffOptions | None = Field(
@@ -215,7 +222,9 @@ class PatchRequest(StrictModel):
     )
     logit_diff: LogitDiffOptions | None = Field(None, description="Metric 'logit_diff': the tokens.")
     positions: list[Index] | None = Field(
-        None, description="Metric 'loss': the positions scored (each once); null = all with a next token."
+        None, max_length=MAX_POSITIONS, fail_fast=True,
+        description=f"Metric 'loss': the positions scored (each once; at most {MAX_POSITIONS}); "
+        "null = all with a next token."
     )
     method: Literal["exact", "attribution"] = Field(
         "exact", description="'exact': one patched forward per cell (batched); 'attribution': "

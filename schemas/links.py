@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from attnscope.schemas.common import LenientModel, ModelRef, TextOrTexts, Token
+from attnscope.schemas.common import MAX_POSITIONS, LenientModel, ModelRef, TextOrTexts, Token
 
 
 class LinksRequest(TextOrTexts):
@@ -20,8 +20,9 @@ class LinksRequest(TextOrTexts):
     top_k: int = Field(1, ge=1, le=4096, description="Links per query, strongest first (default 1).")
     exclude_self: bool = Field(True, description="Never link a token to itself (default true).")
     ignore: list[Annotated[int, Field(ge=0)]] = Field(
-        default_factory=list, description="Key positions never chosen as links, e.g. [0] for "
-        "the first-token sink; each must be < the text's token count, and appear once."
+        default_factory=list, max_length=MAX_POSITIONS, fail_fast=True,
+        description="Key positions never chosen as links, e.g. [0] for the first-token "
+        f"sink; each must be < the text's token count, and appear once (at most {MAX_POSITIONS})."
     )
     direction: Literal["earlier", "any"] = Field(
         "earlier", description="'earlier': keys at or before the query only (future keys never "

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from attnscope.schemas.attention import SparseOptions
 from attnscope.schemas.common import (
-    LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
+    MAX_INDICES, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
 )
 
 
@@ -17,12 +17,14 @@ class NormsRequest(TextOrTexts, TensorOptions):
     batch, with ``f_h(x) = (x W_V^h + b_V^h) W_O^h`` (Kobayashi et al. 2020, eq. 5-7)."""
 
     layers: list[int] | None = Field(
-        None, description="Layer indices to return (0-based, each < n_layers), in the order "
-        "given, each at most once; null = all layers."
+        None, max_length=MAX_INDICES, fail_fast=True,
+        description="Layer indices to return (0-based, each < n_layers), in the order "
+        f"given, each at most once (at most {MAX_INDICES}); null = all layers."
     )
     heads: list[int] | None = Field(
-        None, description="Head indices (0-based, each < n_heads, each at most once); null = "
-        "all heads. 'summed' is the sum over these heads."
+        None, max_length=MAX_INDICES, fail_fast=True,
+        description="Head indices (0-based, each < n_heads, each at most once; at most "
+        f"{MAX_INDICES}); null = all heads. 'summed' is the sum over these heads."
     )
     per_head: bool = Field(
         True, description="Return 'norms': ||alpha^h_ij f_h(x_j)|| [layer, head, query_pos, "

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from attnscope.schemas.attention import SparseOptions
 from attnscope.schemas.common import (
-    LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
+    MAX_INDICES, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
 )
 
 
@@ -34,16 +34,19 @@ class RolloutRequest(TextOrTexts, TensorOptions):
         "'drop' its weight from every query after it before the residual is added."
     )
     layers: list[int] | None = Field(
-        None, description="Layers l whose rollout R_l to return (0-based: R at layer l's "
-        "output), each at most once; null = all. R_l always multiplies every layer <= l."
+        None, max_length=MAX_INDICES, fail_fast=True,
+        description="Layers l whose rollout R_l to return (0-based: R at layer l's "
+        f"output), each at most once (at most {MAX_INDICES}); null = all. R_l always "
+        "multiplies every layer <= l."
     )
     flow: bool = Field(
         False, description="Also compute attention flow (networkx maximum flow); inputs of at "
         "most 16 tokens (the response's flow_max_tokens); longer inputs get a 422."
     )
     flow_layers: list[int] | None = Field(
-        None, description="Layers whose flow to compute (0-based, each at most once); null = "
-        "the last layer. The cost grows with each layer's depth."
+        None, max_length=MAX_INDICES, fail_fast=True,
+        description="Layers whose flow to compute (0-based, each at most once; at most "
+        f"{MAX_INDICES}); null = the last layer. The cost grows with each layer's depth."
     )
     layout: Literal["full", "tril"] = Field(
         "full", description="'tril' (causal models only): the lower triangle of rollout and flow."

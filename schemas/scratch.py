@@ -8,7 +8,7 @@ toy embedding of 001_92e9928af52718c3.txt.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -52,7 +52,9 @@ def _check_matrix(v: list[list[float]] | None, name: str) -> list[list[float]] |
     return v
 
 
-Matrix = list[list[float]]
+Matrix = list[Annotated[list[float], Field(max_length=MAX_DIM, fail_fast=True)]]
+"""A q/k/v matrix ``[pos, d]``: at most MAX_DIM numbers a row, validation stopping at the first
+invalid number (a row of a million strings costs one error)."""
 
 
 class ScratchAttentionRequest(TensorOptions):
@@ -60,15 +62,17 @@ class ScratchAttentionRequest(TensorOptions):
     embeddings. Give either all of ``q``, ``k``, ``v`` or ``text``."""
 
     q: Matrix | None = Field(
-        None, max_length=MAX_POS,
+        None, max_length=MAX_POS, fail_fast=True,
         description=f"Queries [query_pos, d_k] (at most {MAX_POS} rows, {MAX_DIM} columns, "
         f"{MAX_ELEMENTS} numbers; finite).",
     )
     k: Matrix | None = Field(
-        None, max_length=MAX_POS, description="Keys [key_pos, d_k] (same width as q)."
+        None, max_length=MAX_POS, fail_fast=True,
+        description="Keys [key_pos, d_k] (same width as q; the same limits)."
     )
     v: Matrix | None = Field(
-        None, max_length=MAX_POS, description="Values [key_pos, d_v] (same rows as k)."
+        None, max_length=MAX_POS, fail_fast=True,
+        description="Values [key_pos, d_v] (same rows as k; the same limits)."
     )
     text: str | None = Field(
         None,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from attnscope.schemas.common import LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token
+from attnscope.schemas.common import (
+    MAX_POSITIONS, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
+)
 
 
 class TrajectoriesRequest(TextOrTexts, TensorOptions):
@@ -30,10 +32,10 @@ class TrajectoriesRequest(TextOrTexts, TensorOptions):
         "d_model); a request PCA cannot honour gets a 422 saying why.",
     )
     positions: list[int] | None = Field(
-        None,
+        None, max_length=MAX_POSITIONS, fail_fast=True,
         description="Token selection: positions (0-based, each < n_tokens) whose paths and "
-        "distances are returned, in the order given, each at most once; null = all tokens; [] = none (empty "
-        "paths and distances). The PCA is always fitted on every token and state.",
+        f"distances are returned, in the order given, each at most once (at most "
+        f"{MAX_POSITIONS}); null = all tokens; [] = none (empty paths and distances). The PCA is always fitted on every token and state.",
     )
 
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from attnscope.schemas.common import LenientModel, ModelRef, TextOrTexts, Token
+from attnscope.schemas.common import MAX_INDICES, LenientModel, ModelRef, TextOrTexts, Token
 
 VerifyMode = Literal["from_scratch", "recorded_qkv"]
 
@@ -37,8 +37,9 @@ class VerifyRequest(TextOrTexts):
     )
 
     layers: list[int] | None = Field(
-        None, description="Layer indices to report (0-based, each < n_layers, each at most "
-        "once); null = all. from_scratch recomputes every layer regardless and always checks "
+        None, max_length=MAX_INDICES, fail_fast=True,
+        description="Layer indices to report (0-based, each < n_layers, each at most "
+        f"once; at most {MAX_INDICES}); null = all. from_scratch recomputes every layer regardless and always checks "
         "every hidden state (a fault upstream of a reported layer is still named)."
     )
     tolerance: float | None = Field(

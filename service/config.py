@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from attnscope.schemas.common import MAX_TEXTS
+
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled_model"
 BUNDLED_MODEL_ID = "attnscope-tiny-gpt2"
 
@@ -38,7 +40,9 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Bind address for `attnscope serve`.")
     port: int = Field(8000, ge=0, le=65535, description="Port for `attnscope serve`.")
-    max_batch: int = Field(32, ge=1, le=4096, description="Most texts in one request.")
+    max_batch: int = Field(32, ge=1, le=MAX_TEXTS, description="Most texts in one request "
+                           f"(texts, reference_texts); at most {MAX_TEXTS}, the request "
+                           "schemas' own bound.")
     max_text_chars: int = Field(
         100_000, ge=1, description="Most characters in one text (checked before tokenizing)."
     )
@@ -128,6 +132,12 @@ class Settings(BaseSettings):
         10.0, ge=0, description="Most seconds from a connection's start (or a request's first "
         "byte) to the end of the request's headers; beyond it 408 and the connection is closed "
         "(slow, trickling clients). 0 = no limit.",
+    )
+    body_timeout_s: float = Field(
+        30.0, ge=0, description="Most seconds from the end of a request's headers to the end "
+        "of its body (at the default max_body_bytes, an upload of at least ~133 kB/s); beyond "
+        "it 408 and the connection is closed (slow, trickling bodies; `attnscope serve`). Time "
+        "while the server itself does not read is not counted. 0 = no limit.",
     )
     keep_alive_timeout_s: float = Field(
         5.0, ge=1, description="Seconds an idle kept-alive connection stays open after a "

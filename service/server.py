@@ -8,16 +8,40 @@ and with httptools accepts headers of any size (h11's 16 KiB bound does not appl
 protocol (h11 where httptools is missing) with:
 
 * a connection limit (``Settings.max_connections``): a connection beyond it first evicts the
-  connection idle the longest (no request in flight: fresh and silent, or kept alive after a
-  response), so a flood of idle sockets never locks out a real client; when none is idle the
-  newcomer gets ``503`` (envelope type ``overloaded``, ``Retry-After: 1``) and is closed at once;
+  connection idle the longest (no request in flight: fresh and silent, kept alive after a
+  response, or lingering after a last one), so a flood of idle sockets never locks out a real
+  client; when none is idle the newcomer gets ``503`` (envelope type ``overloaded``,
+  ``Retry-After: 1``) and is closed at once;
 * a header-read timeout (``Settings.header_timeout_s``): from the connection's start, or a
   request's first byte, to the end of its headers; past it ``408`` and close;
 * a header size limit (``Settings.max_header_bytes``): request line + headers beyond it get
-  ``431`` and close, before the headers are parsed further;
+  ``431`` and close, before the headers are parsed further; bytes of a request's body are
+  never counted;
+* a body-read timeout (``Settings.body_timeout_s``): from the end of a request's headers to
+  the end of its body; past it ``408`` (the request's handler sees the client gone and its
+  answer is dropped) and close. Not the client's fault, so not counted: time while uvicorn
+  does not read (the handler has not taken the body read so far, a pipelined request waits
+  its turn, the event loop ran late with the bytes unread, ``Expect: 100-continue`` not yet
+  answered);
+* malformed HTTP (bad or duplicate Content-Length, Content-Length with Transfer-Encoding, a
+  bad chunk, control characters in a header, an unknown method) gets ``400`` with the error
+  envelope (type ``http_error``, the parser's reason), not uvicorn's plain text;
+* one response per request: a response that starts while the request's body is still
+  arriving (``401`` before the body is read, ``413`` from Content-Length, a ``504`` during a
+  slow body) says ``connection: close`` and the connection closes after it, lingering;
+* a lingering close wherever a connection is closed while the client may still be sending
+  (the cases above, 408, 431, 400): the response is written, then a FIN (half-close), then
+  what the client still sends is read and dropped (never parsed) until it closes or
+  :data:`LINGER_S` pass. A plain close with unread bytes makes the kernel send RST, which can
+  destroy the response before the client reads it (nginx's ``lingering_close``);
 * uvicorn's own ``timeout_keep_alive`` (``Settings.keep_alive_timeout_s``) and
   ``limit_concurrency`` (a backstop a little above max_connections: uvicorn answers 503 to
   requests beyond it) and h11's ``h11_max_incomplete_event_size`` (= max_header_bytes).
+
+When a request is ended here (400, 408) while its handler runs, the status goes into the
+request's scope under ``CLIENT_STATUS_KEY`` for the access log and the metrics
+(service/ops/middlewares.py). The body timeout, the 400 envelope and the one-response rule
+need httptools' parser callbacks: with the h11 fallback they are uvicorn's own behaviour.
 
 The process's soft file-descriptor limit is raised to its hard limit at start-up, and
 ``max_connections`` must leave room under it (checked; the model's files, the device thread,
@@ -34,6 +58,9 @@ from typing import Any
 log = logging.getLogger("attnscope.server")
 
 FD_RESERVE = 256  # descriptors kept for everything but client connections
+LINGER_S = 5.0
+"""Most seconds a closing connection keeps reading (and dropping) what its client still sends
+after the last response and a FIN (the lingering close; nginx's ``lingering_timeout``)."""
 
 
 def raise_fd_limit() -> int:
@@ -77,8 +104,27 @@ class _HeadersTooBig(Exception):
     pass
 
 
-def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int):
+class _CycleTransport:
+    """The transport as one request's uvicorn cycle sees it: its ``close()`` (after a response
+    with ``connection: close``) becomes the protocol's close, which lingers while the
+    request's body is still arriving."""
+
+    def __init__(self, protocol):
+        self._protocol = protocol
+        self._transport = protocol.transport
+
+    def close(self) -> None:
+        self._protocol._close_after_response()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,
+                     body_timeout_s: float = 0.0):
     """A uvicorn HTTP protocol class enforcing the limits of the module docstring."""
+    from attnscope.service.ops.middlewares import CLIENT_STATUS_KEY
+
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
         httptools = True
@@ -90,13 +136,15 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
 
     class GuardedProtocol(Base):
         LIMITS = {"max_connections": max_connections, "header_timeout_s": header_timeout_s,
-                  "max_header_bytes": max_header_bytes}
+                  "max_header_bytes": max_header_bytes, "body_timeout_s": body_timeout_s}
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._hdr_timer = None
+            self._hdr_timer = self._body_timer = self._linger_timer = None
             self._hdr_bytes = 0
-            self._reading = True
+            self._reading = True  # awaiting or reading a request's headers: bytes count
+            self._in_body = False  # between a request's headers and the end of its body
+            self._lingering = False
             self._any_bytes = False
             if len(self.connections) > max_connections:
                 victim = next(iter(idle), None)
@@ -118,6 +166,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
 
         def _drop(self) -> None:
             self._disarm()
+            self._disarm_body()
             if not self.transport.is_closing():
                 self.transport.close()
 
@@ -131,9 +180,19 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
                 self._hdr_timer.cancel()
                 self._hdr_timer = None
 
+        def _arm_body(self) -> None:
+            if self._body_timer is None and body_timeout_s > 0:
+                self._body_armed_at = self.loop.time()
+                self._body_timer = self.loop.call_later(body_timeout_s, self._body_timeout)
+
+        def _disarm_body(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
         def _header_timeout(self) -> None:
             self._hdr_timer = None
-            if not self._reading or self.transport.is_closing():
+            if not self._reading or self.transport.is_closing() or self._lingering:
                 return
             late = self.loop.time() - self._armed_at - header_timeout_s
             if late > 0.1 and _unread(self.transport):
@@ -144,32 +203,113 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             if not self._any_bytes:
                 log.debug("idle connection closed after %.3g s (header_timeout_s)",
                           header_timeout_s)
-            else:  # a request began and its headers never ended
-                log.info("connection dropped: headers not complete after %.3g s "
-                         "(header_timeout_s)", header_timeout_s)
-                self.transport.write(_envelope_response(
-                    408, "Request Timeout", "timeout",
-                    f"the request's headers took longer than {header_timeout_s:g} s "
-                    "(header_timeout_s)"))
-            self.transport.close()
+                self.transport.close()
+                return
+            # a request began and its headers never ended
+            log.info("connection dropped: headers not complete after %.3g s "
+                     "(header_timeout_s)", header_timeout_s)
+            self._refuse(408, _envelope_response(
+                408, "Request Timeout", "timeout",
+                f"the request's headers took longer than {header_timeout_s:g} s "
+                "(header_timeout_s)"))
+
+        def _body_timeout(self) -> None:
+            self._body_timer = None
+            cycle = self.cycle
+            if not self._in_body or self.transport.is_closing() or self._lingering or \
+                    cycle is None or cycle.response_started:
+                return  # (a response under way closes the connection after it)
+            late = self.loop.time() - self._body_armed_at - body_timeout_s
+            if self.flow.read_paused or cycle.waiting_for_100_continue or \
+                    (late > 0.1 and _unread(self.transport)):
+                # uvicorn is not reading (the handler has not read the body so far, or a
+                # pipelined request waits), the client waits for 100 Continue, or the event
+                # loop ran late with bytes unread: not the client's fault; another period
+                return self._arm_body()
+            log.info("request dropped: body not complete %.3g s after its headers "
+                     "(body_timeout_s)", body_timeout_s)
+            self._refuse(408, _envelope_response(
+                408, "Request Timeout", "timeout",
+                f"the request's body took longer than {body_timeout_s:g} s after its "
+                "headers (body_timeout_s)"))
 
         def connection_lost(self, exc) -> None:
             idle.pop(self, None)
             self._disarm()
+            self._disarm_body()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
             super().connection_lost(exc)
+
+        def _refuse(self, status: int, response: bytes) -> None:
+            """Answer ``response`` (an error of the request being read) and close, lingering.
+
+            The request whose headers or body are being read is refused: with a handler
+            running (its body being read, no response started) the handler sees the client
+            gone, its own answer is dropped and ``status`` is recorded for the access log.
+            When an earlier request is still being answered (pipelining) or the request's
+            own answer has started, no second response is written over it: the connection
+            closes after that answer instead."""
+            self._disarm()
+            self._disarm_body()
+            idle.pop(self, None)
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                if self._in_body:
+                    cycle.scope[CLIENT_STATUS_KEY] = status
+                if not (self._in_body and not cycle.response_started):
+                    cycle.keep_alive = False
+                    self.flow.pause_reading()
+                    return
+                cycle.disconnected = True  # the handler's receive() says so, its send drops
+                cycle.message_event.set()
+            self.transport.write(response)
+            self._linger()
+
+        def _linger(self) -> None:
+            """Half-close (FIN after what was written), then drop what the client still sends
+            until it closes or LINGER_S pass."""
+            if self._lingering or self.transport.is_closing():
+                return
+            self._lingering = True
+            self._disarm()
+            self._disarm_body()
+            self._unset_keepalive_if_required()
+            if httptools:
+                self.pipeline.clear()  # requests queued behind the last one: not answered
+            idle[self] = None  # first to go when connections run short
+            try:
+                self.transport.write_eof()
+            except (OSError, RuntimeError, NotImplementedError):
+                self.transport.close()
+                return
+            self.flow.resume_reading()
+            self._linger_timer = self.loop.call_later(LINGER_S, self._drop)
+
+        def _close_after_response(self) -> None:
+            """A cycle closes the connection after its response (``connection: close``)."""
+            if self._in_body and not self.transport.is_closing():
+                self._linger()  # the request's body is still arriving
+            elif not self.transport.is_closing():
+                self.transport.close()
 
         def _too_big(self) -> None:
             log.info("request refused: headers over %d bytes (max_header_bytes)",
                      max_header_bytes)
-            self._disarm()
-            idle.pop(self, None)
-            self.transport.write(_envelope_response(
+            self._refuse(431, _envelope_response(
                 431, "Request Header Fields Too Large", "payload_too_large",
                 f"the request line and headers exceed {max_header_bytes} bytes "
                 "(max_header_bytes)"))
-            self.transport.close()
+
+        def _invalid(self, reason: str) -> None:
+            log.info("request refused: invalid HTTP (%s)", reason)
+            self._refuse(400, _envelope_response(
+                400, "Bad Request", "http_error", f"invalid HTTP request: {reason}"))
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering:
+                return  # after the last response: read and dropped
             if self.transport.is_closing():
                 return
             if self._reading:
@@ -185,13 +325,10 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             self._unset_keepalive_if_required()  # uvicorn's data_received, + the size check
             try:
                 self.parser.feed_data(data)
-            except ht.HttpParserError:
+            except ht.HttpParserError as exc:
                 if isinstance(self._hdr_error, _HeadersTooBig):
                     return self._too_big()
-                msg = "Invalid HTTP request received."
-                self.logger.warning(msg)
-                self.send_400_response(msg)
-                return
+                return self._invalid(str(exc) or "unparsable")
             except ht.HttpParserUpgrade:
                 if self._should_upgrade():
                     self.handle_websocket_upgrade()
@@ -199,7 +336,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
                     self._unsupported_upgrade_warning()
                 return
             if self._reading and self._hdr_bytes > max_header_bytes and \
-                    not self.transport.is_closing():
+                    not self.transport.is_closing() and not self._lingering:
                 self._too_big()
 
         _hdr_error = None
@@ -231,11 +368,45 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             def on_headers_complete(self) -> None:
                 self._reading = False
                 self._disarm()
+                before = self.cycle
                 super().on_headers_complete()
+                if self.cycle is not before:  # a new request (not a websocket upgrade)
+                    self._in_body = True
+                    self._watch(self.cycle)
+                    self._arm_body()
+
+            def _watch(self, cycle) -> None:
+                """A response that starts while the request's body is still arriving closes
+                the connection after it: uvicorn then says ``connection: close``."""
+                send = cycle.send
+
+                async def guarded_send(message) -> None:
+                    if not cycle.response_started and cycle.more_body:
+                        cycle.keep_alive = False
+                    await send(message)
+
+                cycle.send = guarded_send
+                cycle.transport = _CycleTransport(self)
+
+            def on_message_complete(self) -> None:
+                self._in_body = False
+                self._disarm_body()
+                super().on_message_complete()
+                cycle = self.cycle
+                if cycle is not None and cycle.response_complete:
+                    self._await_next()  # answered before its body ended, kept alive
 
             def on_response_complete(self) -> None:
                 super().on_response_complete()
-                if not self.transport.is_closing() and not self.pipeline:
+                if self._lingering:
+                    self._unset_keepalive_if_required()  # the linger timer closes it
+                elif not self._in_body:
+                    self._await_next()
+
+            def _await_next(self) -> None:
+                """The request was read whole and answered: wait for the next one."""
+                if not self.transport.is_closing() and not self._lingering and \
+                        not self.pipeline:
                     self._reading, self._hdr_bytes, self._any_bytes = True, 0, False
                     idle[self] = None  # uvicorn's keep-alive timer closes it in time
 
@@ -258,7 +429,8 @@ def uvicorn_config(app, settings) -> "Any":
         log_level=settings.log_level, log_config=logging_config(settings.log_level,
                                                                 settings.log_format),
         access_log=False, timeout_graceful_shutdown=30,
-        http=guarded_protocol(max_conn, settings.header_timeout_s, settings.max_header_bytes),
+        http=guarded_protocol(max_conn, settings.header_timeout_s, settings.max_header_bytes,
+                              settings.body_timeout_s),
         limit_concurrency=max_conn + 8,
         timeout_keep_alive=max(1, int(round(settings.keep_alive_timeout_s))),
         h11_max_incomplete_event_size=settings.max_header_bytes,

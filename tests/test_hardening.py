@@ -109,10 +109,18 @@ def test_only_the_swagger_files_docs_needs_are_served(client):
 
 
 def test_huge_index_lists_are_checked_in_o_limit(client):
-    """A 400,000-entry ``layers`` list: 422 naming the first offending entry, found among the
+    """A 400,000-entry ``layers`` list: 422 from its length alone (the schema's max_length,
+    MAX_INDICES). Within that length: 422 naming the first offending entry, found among the
     first n_layers + 1 entries (distinct in-range indices are at most n_layers)."""
-    r = client.post("/v1/attention", json={"text": "a b", "layers": [0] * 400_000})
+    from attnscope.schemas.common import MAX_INDICES
+
+    for layers in ([0] * 400_000, list(range(400_000))):
+        r = client.post("/v1/attention", json={"text": "a b", "layers": layers})
+        e = r.json()["error"]
+        assert r.status_code == 422 and e["param"] == "layers", e
+        assert f"at most {MAX_INDICES} items" in e["message"] and "400000" in e["message"], e
+    r = client.post("/v1/attention", json={"text": "a b", "layers": [0] * MAX_INDICES})
     assert r.status_code == 422 and r.json()["error"]["param"] == "layers.1"
-    r = client.post("/v1/attention", json={"text": "a b", "layers": list(range(400_000))})
+    r = client.post("/v1/attention", json={"text": "a b", "layers": list(range(MAX_INDICES))})
     assert r.status_code == 422 and r.json()["error"]["param"] == "layers.2"
     assert client.post("/v1/attention", json={"text": "a b", "layers": [1, 0]}).status_code == 200

@@ -173,3 +173,155 @@ def test_heads_memory_message_names_the_probe(make_client, gpt2_runtime):
     e = _err(c.post("/v1/heads", json={"text": SHORT_TEXT, "probe": {"enabled": False}}), 422,
              "memory_limit_exceeded")
     assert "1 text," in e["message"] and "probe" not in e["message"]
+
+
+# ------------------------------------------------ bounded cost of refusing a body (issue 17)
+# A 3.8 MB body of 1.9 million invalid list elements made pydantic build one error each (27 s,
+# +2.2 GB, the one-at-a-time body parser blocked for everyone); 400k unknown keys one each.
+
+def _arrays_without_max_items(schema: dict) -> list[str]:
+    """Paths of the arrays in a JSON schema that have no ``maxItems``."""
+    out: list[str] = []
+
+    def walk(x, path):
+        if isinstance(x, dict):
+            if x.get("type") == "array" and "maxItems" not in x:
+                out.append(path or "/")
+            for k, v in x.items():
+                walk(v, f"{path}/{k}")
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(v, f"{path}/{i}")
+
+    walk(schema, "")
+    return out
+
+
+def _request_models() -> list[type]:
+    import attnscope.schemas  # noqa: F401 - every schema module imported
+    from attnscope.schemas.common import StrictModel
+
+    seen, todo = [], [StrictModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                todo.append(sub)
+    return [m for m in seen if m.__module__.startswith("attnscope.schemas")]
+
+
+@pytest.mark.regression
+def test_every_list_in_a_request_schema_has_a_max_length():
+    models = _request_models()
+    assert len(models) >= 15
+    unbounded = {m.__name__: p for m in models if (p := _arrays_without_max_items(
+        m.model_json_schema()))}
+    assert unbounded == {}
+
+
+def test_planted_fault_an_unbounded_request_list_is_seen():
+    from pydantic import BaseModel
+
+    class Unbounded(BaseModel):  # not a StrictModel: the walk above never sees it
+        xs: list[list[int]] | None = None
+
+    assert _arrays_without_max_items(Unbounded.model_json_schema()) == [
+        "/properties/xs/anyOf/0", "/properties/xs/anyOf/0/items"]
+
+
+def _keys(n: int) -> dict:
+    return {f"{i}k": 0 for i in range(n)}  # no field starts with a digit
+
+
+HUGE = 200_000  # invalid elements / unknown keys per body: one error each before the fix
+BAD_BODIES = {
+    # name: (path, body, param, words in the message)
+    "texts of ints": ("/v1/attention", {"texts": [5] * HUGE}, "texts",
+                      "at most 4096 items after validation, not 200000"),
+    "texts of ints within the limit": ("/v1/attention", {"texts": [5] * 4000}, "texts.0",
+                                       "valid string"),
+    "scratch row of strings": ("/v1/scratch-attention",
+                               {"q": [[""] * HUGE], "k": [[1]], "v": [[1]]}, "q.0.0",
+                               "valid number"),
+    "scratch rows of strings": ("/v1/scratch-attention",
+                                {"q": [[""] * 1000] * 512, "k": [[1]], "v": [[1]]}, "q.0.0",
+                                "valid number"),
+    "scratch too many rows": ("/v1/scratch-attention",
+                              {"q": [[""]] * HUGE, "k": [[1]], "v": [[1]]}, "q",
+                              "at most 512 items"),
+    "layers of strings": ("/v1/attention", {"text": TEXT, "layers": ["0"] * 1000}, "layers.0",
+                          "valid integer"),
+    "positions too long": ("/v1/predictions", {"text": TEXT, "positions": [-1] * HUGE},
+                           "positions", "at most 131072 items"),
+    "ignore of negatives": ("/v1/links", {"text": TEXT, "layer": 0, "ignore": [-1] * 100_000},
+                            "ignore.0", "greater than or equal to 0"),
+    "ablate pairs": ("/v1/ablate", {"text": TEXT, "heads": [[0]] * 10_000}, "heads.0",
+                     "at least 2 items"),
+    "ablate pairs too many": ("/v1/ablate", {"text": TEXT, "heads": [[0, 0]] * 20_000}, "heads",
+                              "at most 16384 items"),
+    "reference texts": ("/v1/ablate", {"text": TEXT, "heads": [[0, 0]], "method": "mean",
+                                       "reference_texts": [1] * HUGE}, "reference_texts",
+                        "at most 4096 items"),
+    "unknown keys": ("/v1/attention", {"text": TEXT, **_keys(HUGE)}, "0k",
+                     f"the object has {HUGE + 1} keys, AttentionRequest has 12 fields"),
+    "unknown keys in thresholds": ("/v1/heads", {"text": TEXT, "thresholds": _keys(HUGE)},
+                                   "thresholds.0k",
+                                   f"the object has {HUGE} keys, HeadThresholds has 7 fields"),
+}
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("name", list(BAD_BODIES))
+def test_a_body_of_many_invalid_elements_costs_one_error(client, name):
+    """One error, at the first problem or at the list's length, named with the limit; the
+    request model gives exactly one error (so do the client's local checks, which use it)."""
+    import orjson
+    from pydantic import ValidationError
+
+    from attnscope import schemas
+
+    path, body, param, words = BAD_BODIES[name]
+    e = _err(client.post(path, content=orjson.dumps(body),
+                         headers={"content-type": "application/json"}), 422, "validation_error",
+             param)
+    assert words in e["message"] and "more problem" not in e["message"], e
+    model = {"/v1/attention": schemas.AttentionRequest, "/v1/heads": schemas.HeadsRequest,
+             "/v1/links": schemas.LinksRequest, "/v1/predictions": schemas.PredictionsRequest,
+             "/v1/ablate": schemas.AblateRequest,
+             "/v1/scratch-attention": schemas.ScratchAttentionRequest}[path]
+    with pytest.raises(ValidationError) as exc:
+        model.model_validate(body)
+    assert exc.value.error_count() == 1
+    _still_serving(client)
+
+
+@pytest.mark.regression
+def test_lists_at_their_limit_are_valid():
+    from pydantic import ValidationError
+
+    from attnscope import schemas
+    from attnscope.schemas.common import MAX_INDICES, MAX_TEXTS
+
+    assert len(schemas.AttentionRequest(texts=["a"] * MAX_TEXTS).texts) == MAX_TEXTS
+    assert len(schemas.AttentionRequest(text="a", layers=list(range(MAX_INDICES))).layers) == \
+        MAX_INDICES
+    with pytest.raises(ValidationError, match=f"at most {MAX_TEXTS} items"):
+        schemas.AttentionRequest(texts=["a"] * (MAX_TEXTS + 1))
+    r = schemas.HeadsRequest(text="a", thresholds={"sink": 0.1, "self": 0.2})
+    assert r.thresholds.sink == 0.1 and r.thresholds.self == 0.2
+
+
+def test_the_client_refuses_an_overlong_list_before_sending():
+    """The Python client validates with the same request models: nothing is sent."""
+    import httpx
+
+    from attnscope.client import Client, RequestValidationError
+
+    def handler(request):
+        raise AssertionError("the client sent the request")
+
+    with Client(http_client=httpx.Client(transport=httpx.MockTransport(handler)),
+                max_retries=0) as c:
+        with pytest.raises(RequestValidationError) as exc:
+            c.attention(texts=["a"] * 5000)
+    assert exc.value.param == "texts" and "at most 4096 items" in str(exc.value)

@@ -458,7 +458,7 @@ export interface components {
             encoding?: "json" | "base64";
             /**
              * Heads
-             * @description Heads to ablate together, as [layer, head] pairs (0-based, each once); required unless scan.
+             * @description Heads to ablate together, as [layer, head] pairs (0-based, each once; at most 16384); required unless scan.
              */
             heads?: number[][] | null;
             /**
@@ -485,12 +485,12 @@ export interface components {
             method?: "zero" | "mean" | "resample";
             /**
              * Positions
-             * @description Positions to report / score (each < token count, once); null = all.
+             * @description Positions to report / score (each < token count, once; at most 131072); null = all.
              */
             positions?: number[] | null;
             /**
              * Reference Texts
-             * @description method 'mean': texts whose z, pooled over all their positions, give the mean (default: the text itself).
+             * @description method 'mean': texts whose z, pooled over all their positions, give the mean (default: the text itself). At most max_batch (a setting, default 32; never more than 4096).
              */
             reference_texts?: string[] | null;
             /**
@@ -685,7 +685,7 @@ export interface components {
             head_mean?: boolean;
             /**
              * Heads
-             * @description Head indices to return (0-based, each < n_heads, each at most once); null = all heads.
+             * @description Head indices to return (0-based, each < n_heads, each at most once; at most 1024); null = all heads.
              */
             heads?: number[] | null;
             /**
@@ -696,7 +696,7 @@ export interface components {
             include_scores?: boolean;
             /**
              * Layers
-             * @description Layer indices to return (0-based, each < n_layers), in the order given, each at most once; null = all layers.
+             * @description Layer indices to return (0-based, each < n_layers), in the order given, each at most once (at most 1024); null = all layers.
              */
             layers?: number[] | null;
             /**
@@ -720,7 +720,7 @@ export interface components {
             text?: string | null;
             /**
              * Texts
-             * @description Several texts (a batch), analysed independently; results in order.
+             * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
         };
@@ -1145,7 +1145,7 @@ export interface components {
             text?: string | null;
             /**
              * Texts
-             * @description Several texts (a batch), analysed independently; results in order.
+             * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
             /** @description Label thresholds (defaults documented per field). */
@@ -1381,7 +1381,7 @@ export interface components {
             head?: number | null;
             /**
              * Ignore
-             * @description Key positions never chosen as links, e.g. [0] for the first-token sink; each must be < the text's token count, and appear once.
+             * @description Key positions never chosen as links, e.g. [0] for the first-token sink; each must be < the text's token count, and appear once (at most 131072).
              */
             ignore?: number[];
             /**
@@ -1401,7 +1401,7 @@ export interface components {
             text?: string | null;
             /**
              * Texts
-             * @description Several texts (a batch), analysed independently; results in order.
+             * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
             /**
@@ -1656,12 +1656,12 @@ export interface components {
             encoding?: "json" | "base64";
             /**
              * Heads
-             * @description Head indices (0-based, each < n_heads, each at most once); null = all heads. 'summed' is the sum over these heads.
+             * @description Head indices (0-based, each < n_heads, each at most once; at most 1024); null = all heads. 'summed' is the sum over these heads.
              */
             heads?: number[] | null;
             /**
              * Layers
-             * @description Layer indices to return (0-based, each < n_layers), in the order given, each at most once; null = all layers.
+             * @description Layer indices to return (0-based, each < n_layers), in the order given, each at most once (at most 1024); null = all layers.
              */
             layers?: number[] | null;
             /**
@@ -1704,7 +1704,7 @@ export interface components {
             text?: string | null;
             /**
              * Texts
-             * @description Several texts (a batch), analysed independently; results in order.
+             * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
             /**
@@ -1827,7 +1827,7 @@ export interface components {
             per_position?: boolean;
             /**
              * Positions
-             * @description Metric 'loss': the positions scored (each once); null = all with a next token.
+             * @description Metric 'loss': the positions scored (each once; at most 131072); null = all with a next token.
              */
             positions?: number[] | null;
             /**
@@ -1982,7 +1982,7 @@ export interface components {
             add_bos?: boolean;
             /**
              * Positions
-             * @description Positions to report (each < the text's token count, each once); null = all. Position p predicts token p + 1.
+             * @description Positions to report (each < the text's token count, each once; at most 131072); null = all. Position p predicts token p + 1.
              */
             positions?: number[] | null;
             /**
@@ -1992,7 +1992,7 @@ export interface components {
             text?: string | null;
             /**
              * Texts
-             * @description Several texts (a batch), analysed independently; results in order.
+             * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
             /**
@@ -2117,7 +2117,7 @@ export interface components {
             flow?: boolean;
             /**
              * Flow Layers
-             * @description Layers whose flow to compute (0-based, each at most once); null = the last layer. The cost grows with each layer's depth.
+             * @description Layers whose flow to compute (0-based, each at most once; at most 1024); null = the last layer. The cost grows with each layer's depth.
              */
             flow_layers?: number[] | null;
             /**
@@ -2129,7 +2129,7 @@ export interface components {
             fusion?: "mean" | "max" | "min";
             /**
              * Layers
-             * @description Layers l whose rollout R_l to return (0-based: R at layer l's output), each at most once; null = all. R_l always multiplies every layer <= l.
+             * @description Layers l whose rollout R_l to return (0-based: R at layer l's output), each at most once (at most 1024); null = all. R_l always multiplies every layer <= l.
              */
             layers?: number[] | null;
             /**
@@ -2166,7 +2166,7 @@ export interface components {
             text?: string | null;
             /**
              * Texts
-             * @description Several texts (a batch), analysed independently; results in order.
+             * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
         };
@@ -2268,7 +2268,7 @@ export interface components {
             encoding?: "json" | "base64";
             /**
              * K
-             * @description Keys [key_pos, d_k] (same width as q).
+             * @description Keys [key_pos, d_k] (same width as q; the same limits).
              */
             k?: number[][] | null;
             /**
@@ -2316,7 +2316,7 @@ export interface components {
             text?: string | null;
             /**
              * V
-             * @description Values [key_pos, d_v] (same rows as k).
+             * @description Values [key_pos, d_v] (same rows as k; the same limits).
              */
             v?: number[][] | null;
             /**
@@ -2581,7 +2581,7 @@ export interface components {
             text?: string | null;
             /**
              * Texts
-             * @description Several texts (a batch), analysed independently; results in order.
+             * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
         };
@@ -2677,7 +2677,7 @@ export interface components {
             n_components?: number;
             /**
              * Positions
-             * @description Token selection: positions (0-based, each < n_tokens) whose paths and distances are returned, in the order given, each at most once; null = all tokens; [] = none (empty paths and distances). The PCA is always fitted on every token and state.
+             * @description Token selection: positions (0-based, each < n_tokens) whose paths and distances are returned, in the order given, each at most once (at most 131072); null = all tokens; [] = none (empty paths and distances). The PCA is always fitted on every token and state.
              */
             positions?: number[] | null;
             /**
@@ -2692,7 +2692,7 @@ export interface components {
             text?: string | null;
             /**
              * Texts
-             * @description Several texts (a batch), analysed independently; results in order.
+             * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
         };
@@ -2838,7 +2838,7 @@ export interface components {
             add_bos?: boolean;
             /**
              * Layers
-             * @description Layer indices to report (0-based, each < n_layers, each at most once); null = all. from_scratch recomputes every layer regardless and always checks every hidden state (a fault upstream of a reported layer is still named).
+             * @description Layer indices to report (0-based, each < n_layers, each at most once; at most 1024); null = all. from_scratch recomputes every layer regardless and always checks every hidden state (a fault upstream of a reported layer is still named).
              */
             layers?: number[] | null;
             /**
@@ -2861,7 +2861,7 @@ export interface components {
             text?: string | null;
             /**
              * Texts
-             * @description Several texts (a batch), analysed independently; results in order.
+             * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
             /**

@@ -31,6 +31,13 @@ access_log = logging.getLogger("attnscope.access")
 
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+CLIENT_STATUS_KEY = "attnscope.client_status"
+"""Scope key: the status the server (service/server.py) answered a request with after it
+ended the request itself while its handler ran (400 malformed body, 408 body too slow)."""
+CLIENT_CLOSED = 499
+"""Status recorded (access log, metrics; never sent) for a request whose client went away
+before any response started, e.g. an upload aborted mid-body (nginx's "client closed
+request")."""
 _QUIET_PATHS = OPEN_PATHS  # logged at debug level (probes and scrapes every few seconds)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 
@@ -49,7 +56,12 @@ async def send_envelope(send, status: int, type_: str, message: str, param: str 
 
 
 class RequestContextMiddleware:
-    """Request id, one access-log line, request metrics, and the 500 envelope of last resort."""
+    """Request id, one access-log line, request metrics, and the 500 envelope of last resort.
+
+    A request that ends with no response started because the client went away (the handler
+    saw ``http.disconnect``) is recorded as :data:`CLIENT_CLOSED` (499), or as the status the
+    server answered it with itself (``scope[CLIENT_STATUS_KEY]``: 400 for a malformed body,
+    408 for a body past ``body_timeout_s``), not as 500."""
 
     def __init__(self, app, metrics: Metrics, templates=None):
         self.app = app
@@ -86,15 +98,31 @@ class RequestContextMiddleware:
                 t_end.append(time.perf_counter())
             await send(msg)
 
+        gone = False  # the handler was told the client went away
+
+        async def receive_watched():
+            nonlocal gone
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                gone = True
+            return msg
+
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive_watched, send_with_id)
         except Exception:
-            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            if started:
-                raise
-            await send_envelope(send_with_id, 500, "internal_error",
-                                "internal error; the service keeps serving")
+            if gone and not started:  # e.g. Starlette's ClientDisconnect: nothing to answer
+                log.debug("request ended after its client went away", exc_info=True)
+            else:
+                log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+                if started:
+                    raise
+                await send_envelope(send_with_id, 500, "internal_error",
+                                    "internal error; the service keeps serving")
         finally:
+            if CLIENT_STATUS_KEY in scope:  # the server answered it (its handler's was dropped)
+                status = scope[CLIENT_STATUS_KEY]
+            elif gone and not started:
+                status = CLIENT_CLOSED
             # the client's latency: to the end of the response (a 504 ends before its handler)
             dt = (t_end[0] if t_end else time.perf_counter()) - t0
             route = route_template(scope, self.templates)
