@@ -3,10 +3,15 @@
 sparse top-16 (JSON) and 'tril' float16 (base64), with the client's decode, against the
 in-process forward (Hugging Face, ``output_attentions``) of a fresh text of the same length.
 
+The floor is ``GPT2Model`` (what the service runs, as bench/run.py); ``--floor lm_head`` times
+``GPT2LMHeadModel`` instead, as this script did before: its LM head (logits for every position,
+1024 x 50257) adds ~25% to the forward at T = 1024, so its ratios are that much lower.
+
 Several servers in one run (``--server NAME=PYTHON``: each python runs ``attnscope serve``
 from its own checkout, e.g. ``before=/work/main/.venv/bin/python``); requests alternate
 between them and each is paired with a floor forward run just before it, so the machine's
-drifting load hits every server alike. Prints one JSON object and a table.
+drifting load hits every server alike (their order rotated each round). Prints one JSON
+object and a table.
 
     .venv/bin/python bench/long_context.py --server before=/work/main/.venv/bin/python \\
         --server after=.venv/bin/python --runs 3
@@ -78,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--floor", choices=("model", "lm_head"), default="model",
+                    help="the in-process forward: GPT2Model (default) or GPT2LMHeadModel")
     args = ap.parse_args(argv)
     import torch
     from transformers import GPT2LMHeadModel
@@ -85,6 +92,8 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="attnscope-long-"))
     model_dir = Path(args.model_dir) if args.model_dir else build_model(False, tmp / "gpt2-small")
     base = GPT2LMHeadModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    if args.floor == "model":
+        base = base.transformer
     torch.set_grad_enabled(False)
     texts = Texts(model_dir)
     servers = {}
@@ -98,9 +107,12 @@ def main(argv=None) -> int:
         for n, c in clients.items():  # warm-up
             assert c.post("/v1/attention", json={"text": texts.make(T), **FORMS[
                 "tril_float16_base64"]}).status_code == 200
+        names = list(clients)
         for r in range(args.runs):
+            order = names[r % len(names):] + names[: r % len(names)]  # rotated each round
             for form, opts in FORMS.items():
-                for n, c in clients.items():
+                for n in order:
+                    c = clients[n]
                     fl = floor_once(base, texts, T)
                     t0 = time.perf_counter()
                     resp = c.post("/v1/attention", json={"text": texts.make(T), **opts})
@@ -126,7 +138,7 @@ def main(argv=None) -> int:
                 "with_decode_s": round(med("with_decode_s"), 3),
                 "ratio_with_decode": round(ratio, 2), "ratio_last_byte": round(ratio_last, 2),
                 "bytes": int(med("bytes")), "runs": len(runs)}
-    print(json.dumps({"T": T, "summary": summary}, indent=1))
+    print(json.dumps({"T": T, "floor": args.floor, "summary": summary}, indent=1))
     for n, forms in summary.items():
         for form, v in forms.items():
             print(f"{n:8s} {form:22s} floor {v['floor_s']:.2f} s  last byte {v['last_byte_s']:.2f} s"
