@@ -361,11 +361,16 @@ def test_sparse_coo_with_nothing_kept():
             assert np.array_equal(wire.sparse_to_dense(back), np.zeros((2, 5, 5), np.float32))
 
 
+@pytest.mark.parametrize("mmap_bytes", [None, 0])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("T", [1, 2, 5, 33])
-def test_client_tril_decode_against_a_reference(dtype, T):
+def test_client_tril_decode_against_a_reference(monkeypatch, dtype, T, mmap_bytes):
     """wire.py unpacks 'tril' row by row: equal to an independent index-based unpacking for
-    the tensor's own fill and explicit ones (0, -0.0, -inf, NaN, a number)."""
+    the tensor's own fill and explicit ones (0, -0.0, -inf, NaN, a number); big outputs come
+    from an anonymous mmap (forced here with ``mmap_bytes`` 0) and are ordinary writable
+    arrays."""
+    if mmap_bytes is not None:
+        monkeypatch.setattr(wire, "_MMAP_BYTES", mmap_bytes)
     rng = np.random.default_rng(T)
     n = T * (T + 1) // 2
     packed = rng.standard_normal(2 * 3 * n).astype(dtype)
@@ -380,6 +385,14 @@ def test_client_tril_decode_against_a_reference(dtype, T):
             got = wire.decode_tensor(value, fill=fill)
             assert got.dtype == want.dtype and got.view(np.uint8).tobytes() == \
                 want.view(np.uint8).tobytes(), (own, fill)
+            assert got.flags.writeable
+    sp = {"encoding": "sparse", "format": "flat", "shape": [2, 3, T, T],
+          "indices": [0, 2 * 3 * T * T - 1], "values": [0.5, 0.25], "row_mass": [0] * 6 * T}
+    for fill in (0.0, -np.inf, 3.0):
+        want = np.full(2 * 3 * T * T, fill, np.float32)
+        want[[0, -1]] = [0.5, 0.25]
+        got = wire.sparse_to_dense(sp, fill=fill)
+        assert np.array_equal(got, want.reshape(2, 3, T, T)) and got.flags.writeable
 
 
 def test_client_base64_with_line_breaks_still_decodes():
