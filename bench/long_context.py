@@ -10,8 +10,9 @@ The floor is ``GPT2Model`` (what the service runs, as bench/run.py); ``--floor l
 Several servers in one run (``--server NAME=PYTHON``: each python runs ``attnscope serve``
 from its own checkout, e.g. ``before=/work/main/.venv/bin/python``); requests alternate
 between them and each is paired with a floor forward run just before it, so the machine's
-drifting load hits every server alike (their order rotated each round). Prints one JSON
-object and a table.
+drifting load hits every server alike (their order rotated each round). Ratios: the median
+of the per-request ratios to the paired floor, and median / median. Prints one JSON object and
+a table.
 
     .venv/bin/python bench/long_context.py --server before=/work/main/.venv/bin/python \\
         --server after=.venv/bin/python --runs 3
@@ -137,13 +138,17 @@ def main(argv=None) -> int:
                 "floor_s": round(med("floor_s"), 3), "last_byte_s": round(med("last_byte_s"), 3),
                 "with_decode_s": round(med("with_decode_s"), 3),
                 "ratio_with_decode": round(ratio, 2), "ratio_last_byte": round(ratio_last, 2),
+                "ratio_of_medians_with_decode": round(med("with_decode_s") / med("floor_s"), 2),
+                "ratio_of_medians_last_byte": round(med("last_byte_s") / med("floor_s"), 2),
+                "ratios_with_decode": [round(x["with_decode_s"] / x["floor_s"], 2) for x in runs],
                 "bytes": int(med("bytes")), "runs": len(runs)}
     print(json.dumps({"T": T, "floor": args.floor, "summary": summary}, indent=1))
     for n, forms in summary.items():
         for form, v in forms.items():
             print(f"{n:8s} {form:22s} floor {v['floor_s']:.2f} s  last byte {v['last_byte_s']:.2f} s"
-                  f" ({v['ratio_last_byte']}x)  with decode {v['with_decode_s']:.2f} s "
-                  f"({v['ratio_with_decode']}x)  {v['bytes'] / 2**20:.1f} MB")
+                  f" ({v['ratio_last_byte']}x; medians {v['ratio_of_medians_last_byte']}x)  with "
+                  f"decode {v['with_decode_s']:.2f} s ({v['ratio_with_decode']}x; medians "
+                  f"{v['ratio_of_medians_with_decode']}x)  {v['bytes'] / 2**20:.1f} MB")
     return 0
 
 
