@@ -141,6 +141,8 @@ def main(argv=None) -> int:
                 "ratio_of_medians_with_decode": round(med("with_decode_s") / med("floor_s"), 2),
                 "ratio_of_medians_last_byte": round(med("last_byte_s") / med("floor_s"), 2),
                 "ratios_with_decode": [round(x["with_decode_s"] / x["floor_s"], 2) for x in runs],
+                "each": [{k: round(x[k], 3) for k in ("floor_s", "last_byte_s", "with_decode_s")}
+                         for x in runs],
                 "bytes": int(med("bytes")), "runs": len(runs)}
     print(json.dumps({"T": T, "floor": args.floor, "summary": summary}, indent=1))
     for n, forms in summary.items():
