@@ -6,8 +6,9 @@ checkout, e.g. ``before=/work/main/.venv/bin/python``), on GPT-2-small shapes (a
 ``GPT2Config()`` model, bench/run.py ``build_model``):
 
 * ``base64_f16``: ``/v1/attention`` base64 float16 end to end with the client's decode
-  (``orjson.loads`` + ``wire.decode_tensor``), each request paired with an in-process floor
-  forward (``GPT2Model`` with ``output_attentions=True``, as bench/run.py) run just before it;
+  (``orjson.loads`` + ``wire.decode_tensor`` of the server's own checkout), each request
+  paired with an in-process floor forward (``GPT2Model`` with ``output_attentions=True``, as
+  bench/run.py) run just before it;
   at steady state: each server's forward cache is first filled with T-token texts
   (bench/run.py ``fill_cache``), so every new forward replaces an evicted one;
 * ``analyses``: attention + heads + links + trajectories of one fresh text in sequence vs
@@ -37,10 +38,9 @@ import httpx
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from long_context import Server  # noqa: E402
+from long_context import Server, checkout_wire  # noqa: E402
 from run import Texts, build_model, fill_cache, floor_once  # noqa: E402
 
-from attnscope.client import wire  # noqa: E402
 
 B64 = {"encoding": "base64", "dtype": "float16"}
 #: the four analyses of one text (the target), in order; verify is measured on its own
@@ -60,7 +60,7 @@ def _post(c: httpx.Client, path: str, body: dict) -> httpx.Response:
     return r
 
 
-def base64_round(c: httpx.Client, base, texts: Texts, T: int) -> dict:
+def base64_round(c: httpx.Client, base, texts: Texts, T: int, wire) -> dict:
     fl = floor_once(base, texts, T)
     t0 = time.perf_counter()
     r = _post(c, "/v1/attention", {"text": texts.make(T), **B64})
@@ -107,10 +107,11 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)
     texts = Texts(model_dir)
     T = args.T
-    servers = {}
+    servers, wires = {}, {}
     for spec in args.server:
         name, python = spec.split("=", 1)
         servers[name] = Server(python, model_dir, tmp / f"{name}.log")
+        wires[name] = checkout_wire(python)
     names = list(servers)
     b64: dict = {n: [] for n in names}
     an: dict = {n: [] for n in names}
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
         for r in range(args.runs):
             order = names[r % len(names):] + names[: r % len(names)]
             for n in order:
-                b64[n].append(base64_round(clients[n], base, texts, T))
+                b64[n].append(base64_round(clients[n], base, texts, T, wires[n]))
             for n in order:
                 an[n].append(analyses_round(clients[n], texts, T))
     finally:

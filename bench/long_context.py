@@ -8,7 +8,8 @@ The floor is ``GPT2Model`` (what the service runs, as bench/run.py); ``--floor l
 1024 x 50257) adds ~25% to the forward at T = 1024, so its ratios are that much lower.
 
 Several servers in one run (``--server NAME=PYTHON``: each python runs ``attnscope serve``
-from its own checkout, e.g. ``before=/work/main/.venv/bin/python``); requests alternate
+from its own checkout, e.g. ``before=/work/main/.venv/bin/python``, and its responses are
+decoded by that checkout's ``wire.py``); requests alternate
 between them and each is paired with a floor forward run just before it, so the machine's
 drifting load hits every server alike (their order rotated each round). Ratios: the median
 of the per-request ratios to the paired floor, and median / median. Prints one JSON object and
@@ -73,9 +74,25 @@ class Server:
         self.proc.wait(60)
 
 
-def decode(body: bytes, T: int):
+def checkout_wire(python: str):
+    """The client decoders (``wire.py``, numpy only) of the checkout whose ``python`` this is
+    (``<root>/.venv/bin/python``), so each server's responses are decoded by its own client:
+    a before/after run measures the client's decode too. This checkout's when it has none."""
+    import importlib.util
+
+    root = Path(python).parents[2]
+    path = root / "clients" / "python" / "attnscope" / "client" / "wire.py"
+    if not path.is_file():
+        return wire
+    spec = importlib.util.spec_from_file_location(f"wire_{abs(hash(str(root)))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def decode(body: bytes, T: int, w=wire):
     p = orjson.loads(body)["attention"]["pattern"]
-    return wire.sparse_to_dense(p) if p.get("encoding") == "sparse" else wire.decode_tensor(p)
+    return w.sparse_to_dense(p) if p.get("encoding") == "sparse" else w.decode_tensor(p)
 
 
 def main(argv=None) -> int:
@@ -97,10 +114,11 @@ def main(argv=None) -> int:
         base = base.transformer
     torch.set_grad_enabled(False)
     texts = Texts(model_dir)
-    servers = {}
+    servers, wires = {}, {}
     for spec in args.server:
         name, python = spec.split("=", 1)
         servers[name] = Server(python, model_dir, tmp / f"{name}.log")
+        wires[name] = checkout_wire(python)
     T = args.T
     res: dict = {n: {f: [] for f in FORMS} for n in servers}
     try:
@@ -119,7 +137,7 @@ def main(argv=None) -> int:
                     resp = c.post("/v1/attention", json={"text": texts.make(T), **opts})
                     t1 = time.perf_counter()
                     assert resp.status_code == 200, resp.text[:300]
-                    arr = decode(resp.content, T)
+                    arr = decode(resp.content, T, wires[n])
                     t2 = time.perf_counter()
                     assert arr.shape[-1] == T
                     res[n][form].append({"floor_s": fl, "last_byte_s": t1 - t0,
