@@ -3,10 +3,17 @@
 sparse top-16 (JSON) and 'tril' float16 (base64), with the client's decode, against the
 in-process forward (Hugging Face, ``output_attentions``) of a fresh text of the same length.
 
+The floor is ``GPT2Model`` (what the service runs, as bench/run.py); ``--floor lm_head`` times
+``GPT2LMHeadModel`` instead, as this script did before: its LM head (logits for every position,
+1024 x 50257) adds ~25% to the forward at T = 1024, so its ratios are that much lower.
+
 Several servers in one run (``--server NAME=PYTHON``: each python runs ``attnscope serve``
-from its own checkout, e.g. ``before=/work/main/.venv/bin/python``); requests alternate
+from its own checkout, e.g. ``before=/work/main/.venv/bin/python``, and its responses are
+decoded by that checkout's ``wire.py``); requests alternate
 between them and each is paired with a floor forward run just before it, so the machine's
-drifting load hits every server alike. Prints one JSON object and a table.
+drifting load hits every server alike (their order rotated each round). Ratios: the median
+of the per-request ratios to the paired floor, and median / median. Prints one JSON object and
+a table.
 
     .venv/bin/python bench/long_context.py --server before=/work/main/.venv/bin/python \\
         --server after=.venv/bin/python --runs 3
@@ -67,9 +74,25 @@ class Server:
         self.proc.wait(60)
 
 
-def decode(body: bytes, T: int):
+def checkout_wire(python: str):
+    """The client decoders (``wire.py``, numpy only) of the checkout whose ``python`` this is
+    (``<root>/.venv/bin/python``), so each server's responses are decoded by its own client:
+    a before/after run measures the client's decode too. This checkout's when it has none."""
+    import importlib.util
+
+    root = Path(python).parents[2]
+    path = root / "clients" / "python" / "attnscope" / "client" / "wire.py"
+    if not path.is_file():
+        return wire
+    spec = importlib.util.spec_from_file_location(f"wire_{abs(hash(str(root)))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def decode(body: bytes, T: int, w=wire):
     p = orjson.loads(body)["attention"]["pattern"]
-    return wire.sparse_to_dense(p) if p.get("encoding") == "sparse" else wire.decode_tensor(p)
+    return w.sparse_to_dense(p) if p.get("encoding") == "sparse" else w.decode_tensor(p)
 
 
 def main(argv=None) -> int:
@@ -78,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--floor", choices=("model", "lm_head"), default="model",
+                    help="the in-process forward: GPT2Model (default) or GPT2LMHeadModel")
     args = ap.parse_args(argv)
     import torch
     from transformers import GPT2LMHeadModel
@@ -85,12 +110,15 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="attnscope-long-"))
     model_dir = Path(args.model_dir) if args.model_dir else build_model(False, tmp / "gpt2-small")
     base = GPT2LMHeadModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    if args.floor == "model":
+        base = base.transformer
     torch.set_grad_enabled(False)
     texts = Texts(model_dir)
-    servers = {}
+    servers, wires = {}, {}
     for spec in args.server:
         name, python = spec.split("=", 1)
         servers[name] = Server(python, model_dir, tmp / f"{name}.log")
+        wires[name] = checkout_wire(python)
     T = args.T
     res: dict = {n: {f: [] for f in FORMS} for n in servers}
     try:
@@ -98,15 +126,18 @@ def main(argv=None) -> int:
         for n, c in clients.items():  # warm-up
             assert c.post("/v1/attention", json={"text": texts.make(T), **FORMS[
                 "tril_float16_base64"]}).status_code == 200
+        names = list(clients)
         for r in range(args.runs):
+            order = names[r % len(names):] + names[: r % len(names)]  # rotated each round
             for form, opts in FORMS.items():
-                for n, c in clients.items():
+                for n in order:
+                    c = clients[n]
                     fl = floor_once(base, texts, T)
                     t0 = time.perf_counter()
                     resp = c.post("/v1/attention", json={"text": texts.make(T), **opts})
                     t1 = time.perf_counter()
                     assert resp.status_code == 200, resp.text[:300]
-                    arr = decode(resp.content, T)
+                    arr = decode(resp.content, T, wires[n])
                     t2 = time.perf_counter()
                     assert arr.shape[-1] == T
                     res[n][form].append({"floor_s": fl, "last_byte_s": t1 - t0,
@@ -125,13 +156,19 @@ def main(argv=None) -> int:
                 "floor_s": round(med("floor_s"), 3), "last_byte_s": round(med("last_byte_s"), 3),
                 "with_decode_s": round(med("with_decode_s"), 3),
                 "ratio_with_decode": round(ratio, 2), "ratio_last_byte": round(ratio_last, 2),
+                "ratio_of_medians_with_decode": round(med("with_decode_s") / med("floor_s"), 2),
+                "ratio_of_medians_last_byte": round(med("last_byte_s") / med("floor_s"), 2),
+                "ratios_with_decode": [round(x["with_decode_s"] / x["floor_s"], 2) for x in runs],
+                "each": [{k: round(x[k], 3) for k in ("floor_s", "last_byte_s", "with_decode_s")}
+                         for x in runs],
                 "bytes": int(med("bytes")), "runs": len(runs)}
-    print(json.dumps({"T": T, "summary": summary}, indent=1))
+    print(json.dumps({"T": T, "floor": args.floor, "summary": summary}, indent=1))
     for n, forms in summary.items():
         for form, v in forms.items():
             print(f"{n:8s} {form:22s} floor {v['floor_s']:.2f} s  last byte {v['last_byte_s']:.2f} s"
-                  f" ({v['ratio_last_byte']}x)  with decode {v['with_decode_s']:.2f} s "
-                  f"({v['ratio_with_decode']}x)  {v['bytes'] / 2**20:.1f} MB")
+                  f" ({v['ratio_last_byte']}x; medians {v['ratio_of_medians_last_byte']}x)  with "
+                  f"decode {v['with_decode_s']:.2f} s ({v['ratio_with_decode']}x; medians "
+                  f"{v['ratio_of_medians_with_decode']}x)  {v['bytes'] / 2**20:.1f} MB")
     return 0
 
 

@@ -136,6 +136,40 @@ def test_forwards_and_analyses_run_on_the_slot_thread(make_client, gpt2_runtime,
     assert seen["forward"] == seen["heads"] == seen["verify"] == {slot_thread}
 
 
+def test_small_analysis_jobs_run_on_one_torch_thread(make_client, gpt2_runtime, monkeypatch):
+    """Analyses of short texts run their torch ops on one intra-op thread (each small op
+    would otherwise be an OpenMP region waiting for a second, shared core: analysis/_blas.py
+    torch_threads_for); the slot thread's count comes back after the job, and long texts keep
+    torch's count."""
+    from attnscope.service.analysis import _blas
+    from attnscope.service.analysis import heads as H
+    from attnscope.service.analysis import links as Lk
+    import attnscope.service.serving.attention as attention_api
+    import attnscope.service.serving.heads as heads_api
+    import attnscope.service.serving.links as links_api
+
+    c = make_client(gpt2_runtime)
+    slot = c.app.state.slot
+    c.portal.call(slot.run, lambda: torch.set_num_threads(2))
+    seen: dict[str, list] = {"heads": [], "links": [], "attention": []}
+    real_scores, real_links, real_select = H.head_scores, Lk.strongest_links, attention_api.select_heads
+    monkeypatch.setattr(heads_api.H, "head_scores", lambda *a, **k: seen["heads"].append(
+        torch.get_num_threads()) or real_scores(*a, **k))
+    monkeypatch.setattr(links_api, "strongest_links", lambda *a, **k: seen["links"].append(
+        torch.get_num_threads()) or real_links(*a, **k))
+    monkeypatch.setattr(attention_api, "select_heads", lambda *a, **k: seen["attention"].append(
+        torch.get_num_threads()) or real_select(*a, **k))
+    text = f"Threads {uuid.uuid4().hex}: the cat sat on the mat."
+    for path, body in (("/v1/attention", {"text": text, "encoding": "base64"}),
+                       ("/v1/heads", {"text": text}), ("/v1/links", {"text": text, "layer": 0})):
+        assert c.post(path, json=body).status_code == 200, path
+    assert seen == {"heads": [1], "links": [1], "attention": [1]}
+    assert c.portal.call(slot.run, torch.get_num_threads) == 2  # restored
+    monkeypatch.setattr(_blas, "SMALL_JOB_TOKENS", 3)  # this text is now "long"
+    assert c.post("/v1/links", json={"text": text + " more", "layer": 0}).status_code == 200
+    assert seen["links"] == [1, 2]
+
+
 def test_admitted_work_is_never_refused_but_new_requests_are():
     async def main():
         slot = DeviceSlot(max_queue=0)

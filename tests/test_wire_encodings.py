@@ -5,6 +5,9 @@ with the ``safetensors`` library."""
 
 from __future__ import annotations
 
+import base64
+from types import SimpleNamespace as NS
+
 import numpy as np
 import orjson
 import pytest
@@ -323,3 +326,81 @@ def test_iter_json_equals_dumps_with_big_base64():
     assert np.array_equal(wire.decode_tensor({"encoding": "base64", "dtype": "float32",
                                               "shape": [600_000], "data": back["a"][0]["data"]}),
                           np.arange(600_000, dtype=np.float32))
+
+
+@pytest.mark.parametrize("v,ok", [(65504.0, True), (65519.99, True), (65520.0, False),
+                                  (-65519.99, True), (-65520.0, False)])
+def test_float16_tril_boundary(v, ok):
+    """'tril' float16 skips the checked cast when every value fits (codecs._fits_wire): the
+    boundary is where float16 rounds to inf (65520 rounds up, to even), as the checked path."""
+    from attnscope.service.errors import InvalidRequest
+
+    x = torch.zeros(2, 3, 3)
+    x[1, 2, 1] = v
+    for enc_ in ("base64", "binary"):
+        if not ok:
+            with pytest.raises(InvalidRequest):
+                encoding.encode_tensor(x, enc_, "float16", layout="tril")
+            continue
+        got = encoding.encode_tensor(x, enc_, "float16", layout="tril")
+        if enc_ == "base64":
+            dec = wire.decode_tensor(orjson.loads(encoding.dumps(got)))
+            assert np.array_equal(dec, x.numpy().astype(np.float16)) and np.isfinite(dec).all()
+
+
+@pytest.mark.regression
+def test_sparse_coo_with_nothing_kept():
+    """Bug: a 'coo' sparse tensor keeping no entry (threshold above every weight) in base64
+    raised TypeError (memoryview of an empty [0, ndim] array): a 500."""
+    x = torch.softmax(torch.randn(2, 5, 5), -1)
+    for fmt in ("coo", "flat"):
+        for enc_ in ("base64", "json"):
+            sp = encoding.encode_sparse(x, NS(top_k=2, threshold=0.999, format=fmt), enc_)
+            back = orjson.loads(encoding.dumps(sp))
+            assert back["nnz"] == 0
+            assert np.array_equal(wire.sparse_to_dense(back), np.zeros((2, 5, 5), np.float32))
+
+
+@pytest.mark.parametrize("mmap_bytes", [None, 0])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("T", [1, 2, 5, 33])
+def test_client_tril_decode_against_a_reference(monkeypatch, dtype, T, mmap_bytes):
+    """wire.py unpacks 'tril' row by row: equal to an independent index-based unpacking for
+    the tensor's own fill and explicit ones (0, -0.0, -inf, NaN, a number); big outputs come
+    from an anonymous mmap (forced here with ``mmap_bytes`` 0) and are ordinary writable
+    arrays."""
+    if mmap_bytes is not None:
+        monkeypatch.setattr(wire, "_MMAP_BYTES", mmap_bytes)
+    rng = np.random.default_rng(T)
+    n = T * (T + 1) // 2
+    packed = rng.standard_normal(2 * 3 * n).astype(dtype)
+    iq, ik = np.tril_indices(T)
+    for own in ("0", "-inf"):
+        value = {"encoding": "base64", "dtype": dtype, "shape": [2, 3, T, T], "layout": "tril",
+                 "fill": own, "data": base64.b64encode(packed.tobytes()).decode()}
+        for fill in (None, 0.0, -0.0, -np.inf, np.nan, 2.5):
+            f = (0.0 if own == "0" else -np.inf) if fill is None else fill
+            want = np.full((2, 3, T, T), f, dtype)
+            want[..., iq, ik] = packed.reshape(2, 3, n)
+            got = wire.decode_tensor(value, fill=fill)
+            assert got.dtype == want.dtype and got.view(np.uint8).tobytes() == \
+                want.view(np.uint8).tobytes(), (own, fill)
+            assert got.flags.writeable
+    sp = {"encoding": "sparse", "format": "flat", "shape": [2, 3, T, T],
+          "indices": [0, 2 * 3 * T * T - 1], "values": [0.5, 0.25], "row_mass": [0] * 6 * T}
+    for fill in (0.0, -np.inf, 3.0):
+        want = np.full(2 * 3 * T * T, fill, np.float32)
+        want[[0, -1]] = [0.5, 0.25]
+        got = wire.sparse_to_dense(sp, fill=fill)
+        assert np.array_equal(got, want.reshape(2, 3, T, T)) and got.flags.writeable
+
+
+def test_client_base64_with_line_breaks_still_decodes():
+    """The validating base64 decoder is only the fast path: text with line breaks (not what
+    the service sends) decodes as before."""
+    a = np.arange(12, dtype=np.float32)
+    text = base64.encodebytes(a.tobytes()).decode()  # MIME: a newline every 76 characters
+    assert "\n" in text
+    got = wire.decode_tensor({"encoding": "base64", "dtype": "float32", "shape": [12],
+                              "data": text})
+    assert np.array_equal(got, a)

@@ -1,4 +1,5 @@
-"""One BLAS thread for the small float64 linear algebra of the analyses.
+"""One BLAS thread for the small float64 linear algebra of the analyses; one torch thread
+for the small tensor work of an analysis (:func:`torch_threads_for`).
 
 The analyses' matrix products are small (a few MB) and run right after a torch forward,
 whose OpenMP threads may still be spinning, on cores that other work shares. Measured on
@@ -73,3 +74,31 @@ def one_blas_thread_for_process() -> None:
     threads under another request still computing (measured: /v1/trajectories 41 ms instead of
     33 ms). Torch's own threads are not affected."""
     _get_controller().limit(limits=1, user_api="blas")
+
+
+#: texts up to this many tokens make "small" analysis jobs (:func:`torch_threads_for`)
+SMALL_JOB_TOKENS = 256
+
+
+@contextmanager
+def torch_threads_for(n_tokens: int) -> Iterator[None]:
+    """Context manager: torch ops in the block run on one intra-op thread when the job's
+    longest text has at most :data:`SMALL_JOB_TOKENS` tokens (else torch's own count). For
+    the calling thread only (torch's count is per thread); the previous count comes back.
+
+    Small jobs are many small ops (/v1/heads' norm scores: ~10 ops of ~100k elements per
+    layer), each above torch's grain size, so each an OpenMP parallel region; when the cores
+    are shared every region waits for its second thread. Measured on the 2-core machine
+    under load (GPT-2 small, T = 128, the jobs in-process on a recorded forward): /v1/heads'
+    job 114-997 ms with two threads, 17-21 ms with one."""
+    import torch
+
+    prev = torch.get_num_threads()
+    if n_tokens > SMALL_JOB_TOKENS or prev == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)

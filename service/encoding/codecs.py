@@ -21,6 +21,7 @@ are ``-inf`` and become ``null`` in JSON (orjson writes non-finite floats as nul
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -63,8 +64,10 @@ class Base64Text:
     __slots__ = ("_src",)
 
     def __init__(self, src: np.ndarray | bytes):
-        self._src = memoryview(np.ascontiguousarray(src) if isinstance(src, np.ndarray)
-                               else src).cast("B")
+        # flattened first: memoryview cannot cast a multi-axis view with a zero in its shape
+        # (an empty [0, ndim] 'coo' index array was a TypeError, i.e. a 500)
+        self._src = memoryview(np.ascontiguousarray(src).reshape(-1) if isinstance(
+            src, np.ndarray) else src).cast("B")
 
     @property
     def raw(self) -> bytes:
@@ -82,6 +85,60 @@ class Base64Text:
         mv = self._src
         for i in range(0, len(mv), step):
             yield b64encode(mv[i : i + step])
+
+
+class TrilBase64(Base64Text):
+    """Base64 of the lower triangles of ``array [..., T, T]`` (float32) packed row by row in
+    wire dtype ``wire`` (``[..., T (T + 1) / 2]``, little-endian): the 'tril' base64 form,
+    packed lazily, a few matrices per piece, while the response streams. The text equals
+    ``Base64Text(packed)`` of the eagerly packed array (:func:`_pack_tril`). Made only for
+    arrays whose every value fits the wire dtype (:func:`_fits_wire`): packing cannot fail."""
+
+    __slots__ = ("array", "wire")
+
+    def __init__(self, array: np.ndarray, wire: str):
+        self.array = array
+        self.wire = wire
+
+    def _n_bytes(self) -> int:
+        T = self.array.shape[-1]
+        return self.array.size // max(T, 1) * (T + 1) // 2 * np.dtype(_WIRE[self.wire]).itemsize
+
+    @property
+    def raw(self) -> bytes:
+        return b64encode(memoryview(_pack_tril(self.array, self.wire).reshape(-1)).cast("B"))
+
+    def __len__(self) -> int:
+        return 4 * ((self._n_bytes() + 2) // 3)
+
+    def pieces(self, chunk: int = PIECE_BYTES) -> Iterator[bytes]:
+        a = self.array
+        T = a.shape[-1]
+        m = a.reshape(-1, T, T)
+        per = max(1, T * (T + 1) // 2 * np.dtype(_WIRE[self.wire]).itemsize)
+        # whole matrices per piece; at least _TRIL_MIN_ROWS rows of copies per group
+        g = max(1, chunk // per, -(-_TRIL_MIN_ROWS // max(T, 1)))
+        carry = b""
+        for m0 in range(0, m.shape[0], g):
+            mv = memoryview(_pack_tril(m[m0 : m0 + g], self.wire).reshape(-1)).cast("B")
+            i = 0
+            if carry:  # complete the 3 bytes left over from the last group
+                i = min(3 - len(carry), len(mv))
+                carry += bytes(mv[:i])
+                if len(carry) < 3:
+                    continue
+                yield b64encode(carry)
+                carry = b""
+            n = (len(mv) - i) // 3 * 3
+            if n:
+                yield b64encode(mv[i : i + n])
+            carry = bytes(mv[i + n :])
+        if carry:
+            yield b64encode(carry)
+
+
+#: a lazy 'tril' group packs at least this many rows (the per-row copies' overhead)
+_TRIL_MIN_ROWS = 4096
 
 
 class RoundedArray:
@@ -165,7 +222,7 @@ class TrilRows:
         return walk(a)
 
 
-LAZY = (Base64Text, RoundedArray, TrilRows)
+LAZY = (Base64Text, RoundedArray, TrilRows)  # TrilBase64 is a Base64Text
 
 
 def array_pieces(a: np.ndarray, chunk: int = PIECE_BYTES,
@@ -227,6 +284,14 @@ def encode_tensor(
     if sparse is not None:
         return encode_sparse(t, sparse, encoding, dtype, round_, name)
     a = to_numpy(t)
+    if layout == "tril" and encoding in ("base64", "binary") and _fits_wire(a, dtype):
+        # every value finite and within the wire dtype: no error is possible, so the packing
+        # (and for base64 the encoding) is done without the float32 packed copy
+        fill = "-inf" if allow_neg_inf else "0"
+        if encoding == "binary":
+            return BinaryTensor(name, _pack_tril(a, dtype), list(a.shape), "tril", fill)
+        return {"encoding": "base64", "dtype": dtype, "shape": list(a.shape), "layout": "tril",
+                "fill": fill, "data": TrilBase64(np.ascontiguousarray(a), dtype)}
     _check_finite(a, name, allow_neg_inf)
     if layout == "tril":
         return _encode_tril(a, encoding, dtype, round_, name, "-inf" if allow_neg_inf else "0")
@@ -331,6 +396,49 @@ def _packed(a: np.ndarray, wire: str) -> dict:
     return {"encoding": "base64", "dtype": wire, "shape": list(b.shape), "data": _b64(b)}
 
 
+#: float32 values at or beyond this magnitude round to inf in float16 (65504 is its largest
+#: finite number; 65520, halfway to 65536, rounds to even: up)
+_F16_INF_FROM = 65520.0
+
+
+def _fits_wire(a: np.ndarray, wire: str) -> bool:
+    """True when ``a`` is a non-empty float32 ``[..., T, T]`` array whose values are all
+    finite and (wire float16) of magnitude below 65520, i.e. nothing for
+    :func:`_check_finite` or :func:`_wire_array` to refuse. One min/max pass; False (the
+    checked path) otherwise, e.g. for scores with masked -inf."""
+    if a.dtype != np.float32 or a.ndim < 2 or a.shape[-1] != a.shape[-2] or not a.size \
+            or wire not in ("float32", "float16"):
+        return False
+    mn, mx = (float(v) for v in torch.aminmax(torch.from_numpy(np.ascontiguousarray(a))))
+    lim = _F16_INF_FROM if wire == "float16" else float("inf")
+    return -lim < mn and mx < lim  # False for NaN
+
+
+def _pack_tril(a: np.ndarray, wire: str) -> np.ndarray:
+    """The lower triangles (key_pos <= query_pos) of float32 ``a [..., T, T]``, row by row,
+    as a C-contiguous ``[..., T (T + 1) / 2]`` array of wire dtype ``wire``. Values must fit
+    the wire dtype (:func:`_fits_wire`); float16 is torch's cast (the same rounding as
+    :func:`_wire_array`), made per block of rows on the rectangle the block needs, so no
+    float32 packed copy is made."""
+    T = a.shape[-1]
+    lead = a.shape[:-2]
+    m = a.reshape(-1, T, T)
+    out = np.empty((m.shape[0], T * (T + 1) // 2), dtype=_WIRE[wire])
+    off = 0
+    for lo in range(0, T, _TRIL_CAST_ROWS):
+        hi = min(T, lo + _TRIL_CAST_ROWS)
+        blk = m[:, lo:hi, :hi]
+        if wire == "float16":
+            blk = torch.from_numpy(np.ascontiguousarray(blk)).to(torch.float16).numpy()
+        for q in range(lo, hi):  # row by row: strided copies over every matrix
+            out[:, off : off + q + 1] = blk[:, q - lo, : q + 1]
+            off += q + 1
+    return out.reshape(*lead, T * (T + 1) // 2)
+
+
+_TRIL_CAST_ROWS = 64
+
+
 def _encode_tril(
     a: np.ndarray, encoding: str, dtype: str, round_: int | None, name: str, fill: str
 ) -> Any:
@@ -388,16 +496,15 @@ def encode_sparse(
     thr = getattr(opts, "threshold", None)
     R = rows.shape[0]
     if top_k is not None and top_k < K:
-        vals, keys = torch.topk(rows, top_k, dim=-1, sorted=False)
-        _check_finite(vals.numpy(), name, False)  # NaN / +inf rank first: they would be here
-        keys, order = torch.sort(keys, dim=-1)
-        vals = torch.gather(vals, -1, order)
+        vals, keys = _top_k_causal(rows, shape, top_k, thr, name)
         keep = vals > 0
         if thr is not None:
             keep &= vals >= thr
-        row_mass = torch.where(keep, vals.double(), 0.0).sum(-1).float()
-        flat = (torch.arange(R).unsqueeze(-1) * K + keys)[keep]
-        values = vals[keep]
+        row_mass = torch.where(torch.from_numpy(keep), torch.from_numpy(vals).double(),
+                               0.0).sum(-1).float()
+        # numpy's boolean indexing: ~4x torch's here (same entries, same row-major order)
+        flat = torch.from_numpy((np.arange(R)[:, None] * K + keys)[keep])
+        values = torch.from_numpy(vals[keep])
     else:
         xn = x.numpy().reshape(-1)
         _check_finite(xn, name, False)
@@ -442,6 +549,95 @@ def encode_sparse(
         out["values"] = _json_array(vals_np, round_)
         out["row_mass"] = mass_np
     return out
+
+
+def _top_k_torch(rows: torch.Tensor, k: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``rows [n, K]`` the ``k`` largest values and their keys (key_pos), as
+    ``torch.topk`` chooses them, sorted by key: ``(values float32 [n, k], keys int64 [n, k])``.
+
+    Raises:
+        NonFiniteValues: NaN / +inf in a row (topk ranks them first), or -inf among a row's k.
+    """
+    vals, keys = torch.topk(rows, k, dim=-1, sorted=False)
+    _check_finite(vals.numpy(), name, False)  # NaN / +inf rank first: they would be here
+    keys, order = torch.sort(keys, dim=-1)
+    return torch.gather(vals, -1, order).numpy(), keys.numpy()
+
+
+#: rows per block of the causal top-k, and the most elements one unit of its work holds
+_TOPK_ROWS = 128
+_TOPK_BLOCK_ELEMENTS = 1 << 22
+
+
+def _top_k_causal(rows: torch.Tensor, shape: list[int], k: int, thr: float | None,
+                  name: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_top_k_torch` of every row of ``rows [R, K]`` (the tensor of ``shape``
+    ``[..., Q, K]``), with the same result, faster on causal patterns.
+
+    A row whose k largest values are unique (its k-th largest ``kth`` is positive, at least
+    ``thr`` when given, and exactly k entries are ``>= kth``) has only one top-k set: it is
+    taken as ``row >= kth``, with ``kth`` from ``np.partition`` over the row's first ``hi``
+    keys, where a block of query rows ``[lo, hi)`` has nothing positive beyond key ``hi``
+    (causal: half the work of topk, and no run of zeros to partition). Every other row
+    (fewer than k positive values, a tie across the k-th value, a block with positive values
+    above the diagonal: non-causal) goes through ``torch.topk`` as before, so which of tied
+    entries are kept, the values and their order are exactly :func:`_top_k_torch`'s. Rows
+    with NaN/inf anywhere: all of them through :func:`_top_k_torch` (the same error). The
+    blocks run on torch's intra-op thread count (numpy releases the GIL), like topk.
+    """
+    R, K = rows.shape
+    if len(shape) < 2 or R < 2 * _TOPK_ROWS or shape[-2] != K \
+            or not bool(torch.isfinite(rows.sum())):
+        return _top_k_torch(rows, k, name)
+    x = rows.numpy().reshape(-1, K, K)  # [matrix, query_pos, key_pos]
+    M = x.shape[0]
+    flat_x = x.reshape(-1)
+    vals = np.empty((M, K, k), np.float32)
+    keys = np.empty((M, K, k), np.int64)
+    slow = np.zeros((M, K), bool)  # rows left to torch.topk
+    units = []
+    for lo in range(0, K, _TOPK_ROWS):
+        hi = min(K, lo + _TOPK_ROWS)
+        if hi < K and x[:, lo:hi, hi:].max() > 0:  # not causal: topk for every row from here
+            slow[:, lo:] = True
+            break
+        if hi < k:
+            slow[:, lo:hi] = True
+            continue
+        g = max(1, _TOPK_BLOCK_ELEMENTS // ((hi - lo) * hi))  # matrices per unit
+        units += [(m0, min(M, m0 + g), lo, hi) for m0 in range(0, M, g)]
+
+    def unit(u) -> None:
+        m0, m1, lo, hi = u
+        sub = x[m0:m1, lo:hi, :hi]
+        kth = np.partition(sub, hi - k, axis=-1)[..., hi - k]  # k-th largest per row
+        ge = sub >= kth[..., None]
+        fast = (np.count_nonzero(ge, axis=-1) == k) & (kth > 0)
+        if thr is not None:
+            fast &= kth >= thr
+        ge &= fast[..., None]
+        pos = np.flatnonzero(ge)  # row-major over [m1 - m0, hi - lo, hi]
+        row, col = np.divmod(pos, hi)
+        m, q = np.divmod(row, hi - lo)
+        keys[m0:m1, lo:hi][fast] = col.reshape(-1, k)  # ascending key_pos per row
+        vals[m0:m1, lo:hi][fast] = flat_x[((m + m0) * K + q + lo) * K + col].reshape(-1, k)
+        slow[m0:m1, lo:hi] = ~fast
+
+    workers = max(1, min(torch.get_num_threads(), len(units)))
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="attnscope-topk") as ex:
+            list(ex.map(unit, units))
+    else:
+        for u in units:
+            unit(u)
+    vals = vals.reshape(R, k)
+    keys = keys.reshape(R, k)
+    idx = np.flatnonzero(slow.reshape(-1))
+    if idx.size:
+        v, kk = _top_k_torch(rows[torch.from_numpy(idx)], k, name)
+        vals[idx] = v
+        keys[idx] = kk
+    return vals, keys
 
 
 # ------------------------------------------------------------------------------ estimates

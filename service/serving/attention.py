@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from attnscope.schemas import AttentionRequest
+from attnscope.service.analysis._blas import torch_threads_for
 from attnscope.service.analysis.attention import select_heads
 from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
 from attnscope.service.errors import InvalidRequest
@@ -40,6 +41,10 @@ def plan(rt, req: AttentionRequest, items, *, binary: bool = False) -> Plan:
                                           req.layout, None, T)
 
     def job(forwards) -> dict:
+        with torch_threads_for(max(len(fw.tokens) for fw in forwards)):
+            return _job(forwards)
+
+    def _job(forwards) -> dict:
         out = []
         for i, fw in enumerate(forwards):
             pfx = "attention" if req.text is not None else f"results.{i}"

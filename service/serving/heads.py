@@ -9,6 +9,7 @@ import torch
 
 from attnscope.schemas import HeadsRequest
 from attnscope.service.analysis import heads as H
+from attnscope.service.analysis._blas import torch_threads_for
 from attnscope.service.errors import InvalidRequest, NonFiniteValues
 from attnscope.service.runtime import Runtime, TokenizedText
 from attnscope.service.encoding.estimates import heads_bytes
@@ -78,6 +79,10 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
     probe, start = (probe_tokens(rt, req.probe) if req.probe.enabled else (None, 0))
 
     def job(forwards) -> dict:
+        with torch_threads_for(max(len(fw.tokens) for fw in forwards)):
+            return _job(forwards)
+
+    def _job(forwards) -> dict:
         for fw in forwards:
             # a NaN/inf anywhere makes the sum non-finite (patterns are in [0, 1]: no overflow)
             if not torch.isfinite(fw.pattern.sum()):

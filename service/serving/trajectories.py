@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from attnscope.schemas import TrajectoriesRequest
+from attnscope.service.analysis._blas import torch_threads_for
 from attnscope.service.analysis.trajectories import check_trajectory_request, trajectories
 from attnscope.service.encoding import encode_tensor
 from attnscope.service.encoding.estimates import trajectories_bytes
@@ -28,6 +29,10 @@ def plan(rt, req: TrajectoriesRequest, items) -> Plan:
                                  req.n_components, req.positions, where)
 
     def job(forwards) -> dict:
+        with torch_threads_for(max(len(fw.tokens) for fw in forwards)):
+            return _job(forwards)
+
+    def _job(forwards) -> dict:
         out = []
         for fw, where in zip(forwards, wheres):
             r = trajectories(fw.hidden_states, req.include_final, req.n_components,

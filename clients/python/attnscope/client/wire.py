@@ -18,7 +18,9 @@ Entry points: :func:`decode_tensor` (one wire value -> ndarray), :func:`sparse_t
 
 from __future__ import annotations
 
+import binascii
 import json
+import mmap
 from typing import Any, Mapping
 
 import numpy as np
@@ -40,13 +42,60 @@ def _as_dict(v: Any) -> Any:
     return v
 
 
+def _b64decode(data: str | bytes) -> bytes:
+    """Standard base64 -> bytes. The service's text holds only the alphabet and padding, which
+    the validating decoder reads ~4x faster (pybase64: its SIMD path); anything else (e.g.
+    line breaks) is decoded as before, non-alphabet characters discarded.
+
+    Raises:
+        binascii.Error: bad padding (as before).
+    """
+    try:
+        return b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        return b64decode(data)
+
+
+def _is_plus_zero(fill: float) -> bool:
+    return bool(fill == 0 and not np.signbit(fill))
+
+
+#: decoded arrays of at least this many bytes get their memory from an anonymous mmap
+_MMAP_BYTES = 64 << 20
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A writable zero-filled array. Big ones (>= 64 MiB) are an anonymous mmap (zeroed by the
+    kernel, 4 KiB pages, freed with the array) rather than ``np.zeros``: numpy advises
+    transparent huge pages for its big arrays, and where the kernel compacts memory for them
+    on first touch (``defrag`` ``madvise``) a decoded T = 1024 pattern (604 MB) took 0.8-1.5 s
+    to fault in after a model forward in the same process, against ~0.23 s in 4 KiB pages."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if n < _MMAP_BYTES:
+        return np.zeros(shape, dtype)
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) \
+        if hasattr(mmap, "MAP_ANONYMOUS") else mmap.mmap(-1, n)
+    return np.frombuffer(buf, dtype).reshape(shape)
+
+
 def _unpack_tril(packed: np.ndarray, shape: list[int], fill: float) -> np.ndarray:
+    """``[..., T, T]`` from the lower triangles packed row by row (``[..., T (T + 1) / 2]``;
+    entries above the diagonal ``fill``). One strided copy per row over all leading matrices
+    (a fancy-index scatter was ~8x slower at T = 1024)."""
     T = shape[-1]
     lead = shape[:-2]
-    out = np.full((*lead, T, T), fill, dtype=packed.dtype)
-    iq, ik = np.tril_indices(T)
-    out[..., iq, ik] = packed.reshape(*lead, len(iq))
-    return out
+    m = int(np.prod(lead, dtype=np.int64))
+    src = packed.reshape(m, T * (T + 1) // 2)
+    zero = _is_plus_zero(fill)  # the OS hands out zeroed pages: nothing to write above
+    out = _zeros((m, T, T), packed.dtype)
+    off = 0
+    for q in range(T):
+        out[:, q, : q + 1] = src[:, off : off + q + 1]
+        if not zero:
+            out[:, q, q + 1 :] = fill
+        off += q + 1
+    return out.reshape(*lead, T, T)
 
 
 def decode_tensor(
@@ -76,7 +125,7 @@ def decode_tensor(
             wire = _NP.get(str(value.get("dtype")))
             if wire is None:
                 raise ValueError(f"unknown tensor dtype {value.get('dtype')!r}")
-            a = np.frombuffer(b64decode(value["data"]), dtype=wire)
+            a = np.frombuffer(_b64decode(value["data"]), dtype=wire)
             return _logical(a, value, fill)
         if enc == "binary":
             if arrays is None or value["name"] not in arrays:
@@ -138,7 +187,10 @@ def sparse_to_dense(
     shape = [int(s) for s in value["shape"]]
     idx = np.asarray(_part(value["indices"], arrays), dtype=np.int64)
     vals = np.asarray(_part(value["values"], arrays), dtype=np.float32).reshape(-1)
-    out = np.full(int(np.prod(shape, dtype=np.int64)), fill, dtype=np.float32)
+    n = int(np.prod(shape, dtype=np.int64))
+    out = _zeros((n,), np.float32)
+    if not _is_plus_zero(fill):
+        out.fill(fill)
     if value.get("format", "flat") == "coo":
         idx = np.ravel_multi_index(tuple(idx.reshape(-1, len(shape)).T), shape) if idx.size else idx
     out[idx.reshape(-1)] = vals
