@@ -27,6 +27,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import long_context  # noqa: E402  (its Server: one checkout's `attnscope serve`)
+
 
 def _keys(n: int) -> list[str]:
     """``n`` (at most 2,383,280) distinct 4-character keys, none a field of any request (each
@@ -65,29 +68,14 @@ while True:
 """
 
 
-class Server:
-    def __init__(self, name: str, python: str, log: Path):
-        import socket
+class Server(long_context.Server):
+    """One checkout's server on the bundled model (bench/long_context.py), warmed: its first
+    forward and its first big-body parse done."""
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.name, self.url = name, f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [python, "-m", "attnscope.service.cli", "serve", "--host", "127.0.0.1", "--port",
-             str(self.port), "--model", "bundled", "--log-level", "warning"],
-            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=str(Path(python).parents[2]))
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(log.read_text()[-2000:])
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        for _ in range(2):  # warm: first forward, first big-body parse
+    def __init__(self, name: str, python: str, log: Path):
+        super().__init__(python, "bundled", log, extra=())
+        self.name = name
+        for _ in range(2):
             httpx.post(self.url + "/v1/attention", content=PADDED_OK,
                        headers={"content-type": "application/json"}, timeout=120)
 
@@ -98,13 +86,6 @@ class Server:
                 k, v = line.split(":")
                 out[k] = int(v.split()[0]) * 1024
         return out
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def attack(server: Server, path: str, body: bytes) -> dict:

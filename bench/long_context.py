@@ -44,7 +44,12 @@ FORMS = {
 
 
 class Server:
-    def __init__(self, python: str, model_dir: Path, log: Path):
+    """``attnscope serve`` of the checkout whose ``python`` (``<root>/.venv/bin/python``) is
+    given, on a free loopback port, started and ready (``/readyz`` 200); ``extra``: more
+    ``serve`` arguments."""
+
+    def __init__(self, python: str, model_dir: Path | str, log: Path,
+                 extra: tuple[str, ...] = ("--request-timeout-s", "900")):
         import socket
         import subprocess
 
@@ -54,8 +59,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [python, "-m", "attnscope.service.cli", "serve", "--host", "127.0.0.1", "--port",
-             str(self.port), "--model", str(model_dir), "--request-timeout-s", "900",
-             "--log-level", "warning"],
+             str(self.port), "--model", str(model_dir), *extra, "--log-level", "warning"],
             stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=str(Path(python).parents[2]))
         deadline = time.time() + 600
         while time.time() < deadline:
@@ -70,8 +74,13 @@ class Server:
         raise RuntimeError("server not ready")
 
     def stop(self):
+        import subprocess
+
         self.proc.terminate()
-        self.proc.wait(60)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def checkout_wire(python: str):

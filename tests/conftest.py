@@ -5,6 +5,7 @@ No fakes: every fixture loads a real checkpoint from local disk (no network need
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -125,6 +126,28 @@ def make_client():
     for c in opened:
         c.__exit__(None, None, None)
 
+
+def save_loggers() -> dict:
+    """Every logger's handlers, level, propagate and disabled: uvicorn applies the service's
+    dictConfig to the process that runs it, so an in-thread server must put them back after
+    (or later tests' records go to a closed capture stream)."""
+    return {name: (lg.handlers[:], lg.level, lg.propagate, lg.disabled)
+            for name, lg in [("", logging.getLogger()), *logging.Logger.manager.loggerDict.items()]
+            if isinstance(lg, logging.Logger)}
+
+
+def restore_loggers(saved: dict) -> None:
+    """Put back what :func:`save_loggers` saved; loggers made meanwhile are reset."""
+    for name, (handlers, level, propagate, disabled) in saved.items():
+        lg = logging.getLogger(name) if name else logging.getLogger()
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
+    for name, lg in logging.Logger.manager.loggerDict.items():  # loggers made meanwhile
+        if isinstance(lg, logging.Logger) and name not in saved:
+            lg.handlers.clear()
+            lg.setLevel(logging.NOTSET)
+            lg.propagate, lg.disabled = True, False
 
 def free_port() -> int:
     with socket.socket() as s:

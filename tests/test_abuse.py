@@ -24,7 +24,6 @@ What must hold while each runs:
 
 from __future__ import annotations
 
-import logging
 import resource
 import select
 import socket
@@ -36,7 +35,7 @@ import httpx
 import orjson
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import restore_loggers, save_loggers, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 
@@ -489,17 +488,6 @@ def test_memory_is_freed_when_the_client_disconnects_mid_response(server):
     assert httpx.get(server.url + "/healthz", timeout=10).status_code == 200
 
 
-def _restore_loggers(saved: dict) -> None:
-    for name, (handlers, level, propagate, disabled) in saved.items():
-        lg = logging.getLogger(name) if name else logging.getLogger()
-        lg.handlers[:] = handlers
-        lg.setLevel(level)
-        lg.propagate, lg.disabled = propagate, disabled
-    for name, lg in logging.Logger.manager.loggerDict.items():  # loggers made meanwhile
-        if isinstance(lg, logging.Logger) and name not in saved:
-            lg.handlers.clear()
-            lg.setLevel(logging.NOTSET)
-            lg.propagate, lg.disabled = True, False
 
 
 def test_a_streamed_response_past_the_deadline_is_cut(gpt2_runtime, capfd, request):
@@ -518,11 +506,8 @@ def test_a_streamed_response_past_the_deadline_is_cut(gpt2_runtime, capfd, reque
     settings = Settings(model="bundled", port=port, request_timeout_s=1.0, log_format="text")
     # uvicorn applies our dictConfig to this (the test) process: put the loggers back after,
     # or later tests' INFO records (httpx) go to this test's closed capture stream
-    saved = {name: (lg.handlers[:], lg.level, lg.propagate, lg.disabled)
-             for name, lg in [("", logging.getLogger()),
-                              *logging.Logger.manager.loggerDict.items()]
-             if isinstance(lg, logging.Logger)}
-    request.addfinalizer(lambda: _restore_loggers(saved))
+    saved = save_loggers()
+    request.addfinalizer(lambda: restore_loggers(saved))
     srv = uvicorn.Server(uvicorn_config(create_app(settings, runtime=gpt2_runtime), settings))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()

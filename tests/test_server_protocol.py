@@ -16,7 +16,6 @@ spoken to on raw sockets:
 from __future__ import annotations
 
 import json
-import logging
 import re
 import select
 import socket
@@ -26,7 +25,7 @@ import time
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, restore_loggers, save_loggers
 
 pytestmark = pytest.mark.e2e
 
@@ -34,17 +33,6 @@ KEY = "k1"
 AUTH = f"Authorization: Bearer {KEY}\r\n"
 
 
-def _restore_loggers(saved: dict) -> None:
-    for name, (handlers, level, propagate, disabled) in saved.items():
-        lg = logging.getLogger(name) if name else logging.getLogger()
-        lg.handlers[:] = handlers
-        lg.setLevel(level)
-        lg.propagate, lg.disabled = propagate, disabled
-    for name, lg in logging.Logger.manager.loggerDict.items():  # loggers made meanwhile
-        if isinstance(lg, logging.Logger) and name not in saved:
-            lg.handlers.clear()
-            lg.setLevel(logging.NOTSET)
-            lg.propagate, lg.disabled = True, False
 
 
 class Served:
@@ -61,10 +49,7 @@ class Served:
         self.url = f"http://127.0.0.1:{self.port}"
         self.settings = Settings(model="bundled", port=self.port, api_keys=[KEY], **settings)
         # uvicorn applies our dictConfig to this (the test) process: put the loggers back
-        self._saved = {name: (lg.handlers[:], lg.level, lg.propagate, lg.disabled)
-                       for name, lg in [("", logging.getLogger()),
-                                        *logging.Logger.manager.loggerDict.items()]
-                       if isinstance(lg, logging.Logger)}
+        self._saved = save_loggers()
         self.app = create_app(self.settings, runtime=runtime)
         self.server = uvicorn.Server(uvicorn_config(self.app, self.settings))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -77,7 +62,7 @@ class Served:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
-        _restore_loggers(self._saved)
+        restore_loggers(self._saved)
 
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=30)
