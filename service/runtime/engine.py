@@ -24,6 +24,7 @@ from typing import Any, Callable
 import anyio.to_thread
 from fastapi import Response
 
+from attnscope.service.analysis._blas import torch_threads_for
 from attnscope.service.encoding import respond
 from attnscope.service.errors import BatchTooLarge, NotReady
 from attnscope.service.runtime.budget import MemoryBudget, Ticket, default_budget
@@ -42,7 +43,9 @@ class Plan:
     returns the response body (a dict whose tensors went through ``encoding.encode_tensor``).
     ``response_bytes``: the estimated size of the response and the job's own tensors, in bytes
     (counted with the forwards against ``max_request_bytes``). ``detail``: text added to a
-    memory refusal's text count (e.g. ", one of them the induction probe").
+    memory refusal's text count (e.g. ", one of them the induction probe"). ``small_ops``: the
+    job is many small torch ops; it runs them on one intra-op thread when its longest text has
+    at most ``SMALL_JOB_TOKENS`` tokens (``analysis._blas.torch_threads_for``).
     """
 
     items: list[TokenizedText]
@@ -51,6 +54,14 @@ class Plan:
     detail: str = ""
     status_code: int = 200
     headers: dict = field(default_factory=dict)
+    small_ops: bool = False
+
+    def run_job(self, forwards: list[ForwardResult]) -> Any:
+        """``job(forwards)``, on one intra-op thread where ``small_ops`` says so."""
+        if not (self.small_ops and self.items):
+            return self.job(forwards)
+        with torch_threads_for(max(len(it) for it in self.items)):
+            return self.job(forwards)
 
 
 class Engine:
@@ -162,7 +173,7 @@ class Engine:
                 ticket.release()
         hits = rt.cached_forwards(p.items) if (rt is not None and p.items) else None
         if hits is not None or not p.items:
-            return await self.slot.run(p.job, hits or [])
+            return await self.slot.run(p.run_job, hits or [])
         metrics = getattr(self._state, "metrics", None)
         queued = time.perf_counter()
 
@@ -174,6 +185,6 @@ class Engine:
                 metrics.device_seconds.observe(time.perf_counter() - start)
             if not all(f.cached for f in forwards):
                 release_memory()  # the forward's transient tensors go back to the OS
-            return p.job(forwards)
+            return p.run_job(forwards)
 
         return await self.slot.run(turn)

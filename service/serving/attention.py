@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from attnscope.schemas import AttentionRequest
-from attnscope.service.analysis._blas import torch_threads_for
 from attnscope.service.analysis.attention import select_heads
 from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
 from attnscope.service.errors import InvalidRequest
@@ -41,10 +40,6 @@ def plan(rt, req: AttentionRequest, items, *, binary: bool = False) -> Plan:
                                           req.layout, None, T)
 
     def job(forwards) -> dict:
-        with torch_threads_for(max(len(fw.tokens) for fw in forwards)):
-            return _job(forwards)
-
-    def _job(forwards) -> dict:
         out = []
         for i, fw in enumerate(forwards):
             pfx = "attention" if req.text is not None else f"results.{i}"
@@ -68,4 +63,4 @@ def plan(rt, req: AttentionRequest, items, *, binary: bool = False) -> Plan:
         body: dict = {"model": rt.model_ref()}
         return text_or_results(req, body, "attention", out)
 
-    return Plan(items, job, est)
+    return Plan(items, job, est, small_ops=True)

@@ -9,7 +9,6 @@ import torch
 
 from attnscope.schemas import HeadsRequest
 from attnscope.service.analysis import heads as H
-from attnscope.service.analysis._blas import torch_threads_for
 from attnscope.service.errors import InvalidRequest, NonFiniteValues
 from attnscope.service.runtime import Runtime, TokenizedText
 from attnscope.service.encoding.estimates import heads_bytes
@@ -79,10 +78,6 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
     probe, start = (probe_tokens(rt, req.probe) if req.probe.enabled else (None, 0))
 
     def job(forwards) -> dict:
-        with torch_threads_for(max(len(fw.tokens) for fw in forwards)):
-            return _job(forwards)
-
-    def _job(forwards) -> dict:
         for fw in forwards:
             # a NaN/inf anywhere makes the sum non-finite (patterns are in [0, 1]: no overflow)
             if not torch.isfinite(fw.pattern.sum()):
@@ -133,7 +128,7 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
     lengths = [len(it) for it in items] + ([len(probe)] if probe else [])
     est = heads_bytes(lengths, rt.adapter.n_layers, rt.adapter.n_heads)
     return Plan(items + ([probe] if probe else []), job, est,
-                detail=", one of them the induction probe" if probe else "")
+                detail=", one of them the induction probe" if probe else "", small_ops=True)
 
 
 def _add_norm_scores(rt: Runtime, out: list[dict], forwards, nd: int | None) -> None:

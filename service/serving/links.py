@@ -6,7 +6,6 @@ import numpy as np
 import torch
 
 from attnscope.schemas import LinksRequest
-from attnscope.service.analysis._blas import torch_threads_for
 from attnscope.service.analysis.links import skipped_queries, strongest_links
 from attnscope.service.encoding.estimates import links_bytes
 from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
@@ -39,14 +38,13 @@ def plan(rt, req: LinksRequest, items) -> Plan:
                                  f"tokens (valid positions 0..{len(it) - 1})", f"ignore.{j}")
 
     def job(forwards) -> dict:
-        with torch_threads_for(max(len(fw.tokens) for fw in forwards)):
-            out = _build(req, forwards, rt)
+        out = _build(req, forwards, rt)
         body = {"model": rt.model_ref(), "layer": req.layer, "head": req.head,
                 "direction": req.direction, "by": req.by}
         return text_or_results(req, body, "links", out)
 
     est = links_bytes([len(it) for it in items], req.top_k, rt.adapter.n_heads)
-    return Plan(items, job, est)
+    return Plan(items, job, est, small_ops=True)
 
 
 def _build(req: LinksRequest, forwards, rt=None) -> list[dict]:

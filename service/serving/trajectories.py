@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from attnscope.schemas import TrajectoriesRequest
-from attnscope.service.analysis._blas import torch_threads_for
 from attnscope.service.analysis.trajectories import check_trajectory_request, trajectories
 from attnscope.service.encoding import encode_tensor
 from attnscope.service.encoding.estimates import trajectories_bytes
@@ -29,10 +28,6 @@ def plan(rt, req: TrajectoriesRequest, items) -> Plan:
                                  req.n_components, req.positions, where)
 
     def job(forwards) -> dict:
-        with torch_threads_for(max(len(fw.tokens) for fw in forwards)):
-            return _job(forwards)
-
-    def _job(forwards) -> dict:
         out = []
         for fw, where in zip(forwards, wheres):
             r = trajectories(fw.hidden_states, req.include_final, req.n_components,
@@ -61,4 +56,4 @@ def plan(rt, req: TrajectoriesRequest, items) -> Plan:
     n_comp = req.n_components if req.n_components is not None else d_model
     est = trajectories_bytes([len(it) for it in items], n_states, d_model, n_comp,
                              req.encoding, req.dtype, req.round)
-    return Plan(items, job, est)
+    return Plan(items, job, est, small_ops=True)
