@@ -33,9 +33,10 @@ def _env(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _install(root: Path, mode: str, **env) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     r = subprocess.run(["bash", str(root / "scripts" / "install"), mode], cwd=root,
                        capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHON": sys.executable, **env})
+                       env={**base, "PYTHON": sys.executable, **env})
     assert r.returncode == 0, r.stderr
     return r
 
@@ -56,6 +57,14 @@ def test_serve_installs_without_test_extras_once(tmp_path):
     _install(root, "test")
     _install(root, "serve")  # a test install satisfies serve
     assert len(_calls(log)) == 2
+
+
+def test_pip_compiles_only_where_python_keeps_no_bytecode(tmp_path):
+    """pip byte-compiling all of torch costs ~40 s, which Python does lazily and keeps; where
+    PYTHONDONTWRITEBYTECODE is set it keeps nothing, so pip compiles once."""
+    log, root = _env(tmp_path)
+    _install(root, "serve", PYTHONDONTWRITEBYTECODE="1")
+    assert _calls(log) == ["-m pip install -q --compile --disable-pip-version-check -e ."]
 
 
 def test_a_changed_pyproject_or_a_forced_reinstall_runs_pip(tmp_path):
