@@ -288,10 +288,11 @@ def _timeout_checks(c, app, at_start):
     err = r.json()["error"]
     assert err["type"] == "timeout" and "request_timeout_s" in err["message"]
     assert "x-request-id" in r.headers
-    # answered at the deadline, not when the forward ended: the work still held the slot
-    # when the 504 started (the in-process client returns only once the handler ends)
-    depth, abandoned = at_start[0]
-    assert depth >= 1 and abandoned == 1, at_start
+    # answered at the deadline, not when the work ended: when the 504 started the request was
+    # registered as abandoned, still running (tokenizing, queued or on the device: a fast
+    # machine may not have reached the slot at 50 ms); the in-process client returns only once
+    # the handler ends, so the time to the 504 is read from the latency metric below
+    assert [a for _, a in at_start] == [1], at_start
     assert c.get("/healthz").status_code == 200  # health is never timed
     deadline = time.time() + 60
     while (app.state.abandoned or app.state.slot.depth) and time.time() < deadline:
