@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from attnscope.schemas import TrajectoriesRequest, TrajectoriesResponse
 from attnscope.service.api.common import error_responses, v1_router
 from attnscope.service.deps import EngineDep
