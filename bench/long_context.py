@@ -41,6 +41,12 @@ FORMS = {
     "sparse_top16_json": {"sparse": {"top_k": 16}},
     "tril_float16_base64": {"layout": "tril", "encoding": "base64", "dtype": "float16"},
 }
+#: the same two requests in their binary wire forms (``--binary``): sparse parts as base64 in
+#: JSON, and the tril float16 pattern in a safetensors response (the client's ``binary=True``)
+BINARY_FORMS = {
+    "sparse_top16_base64": {"sparse": {"top_k": 16}, "encoding": "base64"},
+    "tril_float16_safetensors": {"layout": "tril", "dtype": "float16", "_binary": True},
+}
 
 
 class Server:
@@ -99,7 +105,9 @@ def checkout_wire(python: str):
     return mod
 
 
-def decode(body: bytes, T: int, w=wire):
+def decode(body: bytes, T: int, w=wire, binary: bool = False):
+    if binary:  # the client's binary=True: safetensors, tensors as views of the body
+        return w.decode_binary_response(body)["attention"]["pattern"]
     p = orjson.loads(body)["attention"]["pattern"]
     return w.sparse_to_dense(p) if p.get("encoding") == "sparse" else w.decode_tensor(p)
 
@@ -112,7 +120,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--floor", choices=("model", "lm_head"), default="model",
                     help="the in-process forward: GPT2Model (default) or GPT2LMHeadModel")
+    ap.add_argument("--binary", action="store_true",
+                    help="also the binary wire forms (sparse base64, tril float16 safetensors)")
     args = ap.parse_args(argv)
+    forms = {**FORMS, **(BINARY_FORMS if args.binary else {})}
     import torch
     from transformers import GPT2LMHeadModel
 
@@ -129,7 +140,7 @@ def main(argv=None) -> int:
         servers[name] = Server(python, model_dir, tmp / f"{name}.log")
         wires[name] = checkout_wire(python)
     T = args.T
-    res: dict = {n: {f: [] for f in FORMS} for n in servers}
+    res: dict = {n: {f: [] for f in forms} for n in servers}
     try:
         clients = {n: httpx.Client(base_url=s.url, timeout=900) for n, s in servers.items()}
         for n, c in clients.items():  # warm-up
@@ -138,15 +149,19 @@ def main(argv=None) -> int:
         names = list(clients)
         for r in range(args.runs):
             order = names[r % len(names):] + names[: r % len(names)]  # rotated each round
-            for form, opts in FORMS.items():
+            for form, opts in forms.items():
+                opts = dict(opts)
+                binary = opts.pop("_binary", False)
+                headers = {"accept": wire.SAFETENSORS} if binary else {}
                 for n in order:
                     c = clients[n]
                     fl = floor_once(base, texts, T)
                     t0 = time.perf_counter()
-                    resp = c.post("/v1/attention", json={"text": texts.make(T), **opts})
+                    resp = c.post("/v1/attention", json={"text": texts.make(T), **opts},
+                                  headers=headers)
                     t1 = time.perf_counter()
                     assert resp.status_code == 200, resp.text[:300]
-                    arr = decode(resp.content, T, wires[n])
+                    arr = decode(resp.content, T, wires[n], binary)
                     t2 = time.perf_counter()
                     assert arr.shape[-1] == T
                     res[n][form].append({"floor_s": fl, "last_byte_s": t1 - t0,
@@ -174,7 +189,7 @@ def main(argv=None) -> int:
     print(json.dumps({"T": T, "floor": args.floor, "summary": summary}, indent=1))
     for n, forms in summary.items():
         for form, v in forms.items():
-            print(f"{n:8s} {form:22s} floor {v['floor_s']:.2f} s  last byte {v['last_byte_s']:.2f} s"
+            print(f"{n:8s} {form:24s} floor {v['floor_s']:.2f} s  last byte {v['last_byte_s']:.2f} s"
                   f" ({v['ratio_last_byte']}x; medians {v['ratio_of_medians_last_byte']}x)  with "
                   f"decode {v['with_decode_s']:.2f} s ({v['ratio_with_decode']}x; medians "
                   f"{v['ratio_of_medians_with_decode']}x)  {v['bytes'] / 2**20:.1f} MB")

@@ -362,3 +362,83 @@ def test_a_batch_holding_a_text_at_n_ctx(side, gpt2_runtime):
         for name, ref in hf.items():
             assert (getattr(fw.tensors, name) - ref).abs().max() <= 2e-5, name
     assert len(rt.cache) == 2
+
+
+# ------------------------------------------------------------ patterns written in place
+def _fresh_hf(rt, path):
+    """Hugging Face's own eager model of ``path`` (its own config: 'eager', untouched)."""
+    cls = AutoModelForCausalLM if rt.adapter.causal else AutoModel
+    return cls.from_pretrained(path, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_patterns_written_in_place_equal_hugging_face_bit_for_bit(
+        family, gpt2_runtime, bert_runtime, bundled_dir, minilm_path, monkeypatch):
+    """A text forwarded alone gets its patterns written by the attention itself into its
+    ``[layer, head, query_pos, key_pos]`` buffer (no copy: the runtime's fill never sees the
+    pattern buffer), and every recorded tensor equals Hugging Face's separately loaded eager
+    model bit for bit; a padded batch takes the copying path and still equals it per text."""
+    from attnscope.service.runtime import inplace_attention
+
+    rt, path = (gpt2_runtime, bundled_dir) if family == "gpt2" else (bert_runtime, minilm_path)
+    assert rt.inplace_attention and rt.model.config._attn_implementation == inplace_attention.NAME
+    assert rt.info["attn_implementation"] == "eager"
+    ref = _fresh_hf(rt, path)
+    base = getattr(ref, "transformer", None) or getattr(ref, "bert", None) or ref
+    filled = []
+    orig = rt._fill
+    monkeypatch.setattr(rt, "_fill", lambda buf, parts: (filled.append(buf.dim()), orig(buf, parts))[1])
+    texts = [SENTENCE + uuid.uuid4().hex[:6], "Short " + uuid.uuid4().hex[:6]]
+    items = [rt.tokenize(t) for t in texts]
+    alone = [rt._forward_batch([it.input_ids])[0] for it in items]
+    assert 4 not in filled  # the pattern ([L, H, n, n]) was never copied
+    for it, fw in zip(items, alone):
+        kw = dict(input_ids=torch.tensor([it.input_ids]), output_attentions=True,
+                  output_hidden_states=True)
+        if family == "bert":
+            kw["token_type_ids"] = torch.zeros_like(kw["input_ids"])
+        with torch.inference_mode():
+            out = base(**kw)
+        assert torch.equal(fw.pattern, torch.stack([a[0] for a in out.attentions]))
+        L = rt.adapter.n_layers
+        assert torch.equal(fw.hidden_states[:L], torch.stack(out.hidden_states[:L])[:, 0])
+        assert torch.equal(fw.final_hidden_state, out.hidden_states[L][0])
+    filled.clear()
+    old = rt.settings.forward_batch_size
+    rt.settings.forward_batch_size = 2
+    try:
+        batch = rt._forward_batch([it.input_ids for it in items])  # padded: copied
+    finally:
+        rt.settings.forward_batch_size = old
+    assert 4 in filled
+    for a, b in zip(alone, batch):
+        assert ((a.pattern - b.pattern).abs() <= 1e-5).all()  # as test_batch_equals_alone
+
+
+def test_a_wrong_pattern_written_in_place_is_caught(gpt2_runtime, bundled_dir):
+    """The planted fault: the in-place attention drops the causal mask (only where it writes
+    into a buffer); the comparison with Hugging Face above fails on every layer, and the
+    fault is gone once the real function is registered again."""
+    from transformers import AttentionInterface
+
+    from attnscope.service.runtime import inplace_attention as ia
+
+    rt = gpt2_runtime
+
+    def unmasked(module, query, key, value, attention_mask, **kw):
+        if getattr(ia._local, "targets", None):
+            attention_mask = None
+        return ia.attention_into_buffer(module, query, key, value, attention_mask, **kw)
+
+    it = rt.tokenize(SENTENCE + uuid.uuid4().hex[:6])
+    with torch.inference_mode():
+        out = _fresh_hf(rt, bundled_dir).transformer(input_ids=torch.tensor([it.input_ids]),
+                                                     output_attentions=True)
+    ref = torch.stack([a[0] for a in out.attentions])
+    AttentionInterface.register(ia.NAME, unmasked)
+    try:
+        bad = rt._forward_batch([it.input_ids])[0]
+    finally:
+        AttentionInterface.register(ia.NAME, ia.attention_into_buffer)
+    assert all(not torch.equal(bad.pattern[i], ref[i]) for i in range(rt.adapter.n_layers))
+    assert torch.equal(rt._forward_batch([it.input_ids])[0].pattern, ref)

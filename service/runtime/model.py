@@ -24,6 +24,7 @@ import torch
 from attnscope.service.config import BUNDLED_MODEL_ID, Settings
 from attnscope.service.errors import ContextLengthExceeded, InvalidRequest, scrub_paths
 from attnscope.service.runtime.adapters import ADAPTERS, Adapter, LayerHandles
+from attnscope.service.runtime import inplace_attention
 from attnscope.service.runtime.cache import ByteLRU
 from attnscope.service.runtime.loading import ModelLoadError, _load_pretrained
 from attnscope.service.runtime.memory import recorded_bytes
@@ -59,6 +60,9 @@ class Runtime:
         self.device = next(model.parameters()).device
         self._handles = adapter.layers()
         self.scaling = tuple(h.scaling for h in self._handles)
+        #: a text forwarded alone gets its patterns written straight into its buffer
+        #: (service/runtime/inplace_attention.py); else they are copied there
+        self.inplace_attention = inplace_attention.install(model, [h.attn for h in self._handles])
         self._tok_lock = threading.Lock()  # the tokenizer (not shared between threads)
         self._tok_cache_lock = threading.Lock()  # its LRU (also read on the event loop)
         self._tok_cache: OrderedDict[tuple[str, bool], TokenizedText] = OrderedDict()
@@ -311,9 +315,11 @@ class Runtime:
         final_norm = self.adapter.final_norm()
         bufs = self._recording_buffers([len(x) for x in batch], final_norm is not None)
         rec = _Recorder(self._handles, final_norm)
+        targets = {h.attn: bufs[0]["pattern"][i] for i, h in enumerate(self._handles)} \
+            if self.inplace_attention and len(batch) == 1 else {}
         try:
             rec.attach()
-            with torch.inference_mode():
+            with torch.inference_mode(), inplace_attention.recording(targets):
                 out = self.adapter.base()(**kwargs)
                 self.forward_count += 1
                 return [self._unpad(out, rec, b, mask[b], bufs[b]) for b in range(len(batch))]
@@ -422,8 +428,14 @@ class Runtime:
             fb = buf["final_state"]
             final = (fb.copy_(fin) if fin.dtype == fb.dtype and fin.shape == fb.shape
                      else fin.cpu().clone())
+        pat = buf["pattern"]
+        if not all(a.data_ptr() == pat[i].data_ptr() and a.shape == pat.shape[1:]
+                   for i, a in enumerate(attn)):  # else written in place (inplace_attention)
+            ptr = pat.untyped_storage().data_ptr()
+            pat = (torch.stack(attn) if any(a.untyped_storage().data_ptr() == ptr for a in attn)
+                   else fill(pat, attn))  # (a part in the buffer at another layer's place)
         return ForwardTensors(
-            fill(buf["pattern"], attn),
+            pat,
             fill(buf["hidden_states"], (rows(h[b], 0) for h in states)),
             q, k, v,
             fill(buf["attn_input"], (rows(x[b], 0) for x in rec.attn_in)),

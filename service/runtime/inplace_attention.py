@@ -1,0 +1,100 @@
+"""Eager attention that writes each layer's pattern straight into the recording buffer.
+
+Hugging Face's eager attention (``eager_attention_forward`` of GPT-2 and BERT) computes, per
+layer, ``pattern = softmax(q.k^T * scaling + mask)`` (Vaswani et al. 2017, eq. 1; S000) into a
+fresh tensor, which the runtime then copied into the text's ``[layer, head, query_pos,
+key_pos]`` buffer: at T = 1024 on GPT-2-small shapes a 604 MB copy into memory faulted in for
+it (~0.15 s of a ~2.4 s forward) and two copies of every pattern alive at once.
+
+:func:`install` registers :func:`attention_into_buffer` with the transformers
+``AttentionInterface`` under :data:`NAME` (and Hugging Face's own eager mask under the same
+name) and points the served model's config at it. For a module with a recording target (set
+by the runtime for the duration of one forward, on its own thread, see :func:`recording`) the
+function runs the eager operations in the eager order, the softmax written into the target
+(``torch.softmax(..., out=)``: the same kernel, bit for bit); every other call (no target,
+a batch of several texts, another device, dtype or shape) runs the family's own
+``eager_attention_forward`` unchanged. ``tests/test_runtime.py`` compares patterns, hidden
+states and logits bit for bit with Hugging Face's eager forward.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+#: the attention implementation name the served model's config carries once installed
+NAME = "attnscope_eager"
+
+_local = threading.local()
+
+
+def attention_into_buffer(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: torch.Tensor | None,
+                          scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """Eager attention (the transformers ``AttentionInterface`` signature): ``query``,
+    ``key``, ``value`` ``[batch, head, pos, d_head]``, additive ``attention_mask``
+    ``[batch | 1, 1, query_pos, key_pos]`` or None. Returns ``(attn_output [batch, query_pos,
+    head, d_head], pattern [batch, head, query_pos, key_pos])``; the pattern is a view of the
+    recording target when ``module`` has one (batch of one), else the family's own eager
+    function's result."""
+    targets = getattr(_local, "targets", None)
+    out = targets.get(module) if targets else None
+    if out is None or query.shape[0] != 1 or out.device != query.device \
+            or out.dtype != query.dtype or out.shape != (query.shape[1], query.shape[2],
+                                                         key.shape[2]):
+        return module._attnscope_eager(module, query, key, value, attention_mask,
+                                       scaling=scaling, dropout=dropout, **kwargs)
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    pattern = torch.softmax(scores, dim=-1, out=out.unsqueeze(0))
+    del scores
+    pattern = pattern.type(value.dtype)
+    pattern = nn.functional.dropout(pattern, p=dropout, training=module.training)
+    return torch.matmul(pattern, value).transpose(1, 2), pattern
+
+
+def install(model: nn.Module, attention_modules: list[nn.Module]) -> bool:
+    """Serve ``model`` through :func:`attention_into_buffer` when it is safe: the config asks
+    for 'eager', every attention module's Python module defines ``eager_attention_forward``
+    (kept on the module as its fallback) and no GPT-2 ``reorder_and_upcast_attn`` (its eager
+    path is another function). Returns whether it was installed (else nothing changes)."""
+    cfg = model.config
+    if getattr(cfg, "_attn_implementation", None) != "eager" or \
+            getattr(cfg, "reorder_and_upcast_attn", False):
+        return False
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    except ImportError:  # pragma: no cover - older transformers: the copy stays
+        return False
+    fallbacks = []
+    for m in attention_modules:
+        fn = getattr(sys.modules.get(type(m).__module__), "eager_attention_forward", None)
+        if fn is None:
+            return False
+        fallbacks.append(fn)
+    for m, fn in zip(attention_modules, fallbacks):
+        m._attnscope_eager = fn
+    AttentionInterface.register(NAME, attention_into_buffer)
+    AttentionMaskInterface.register(NAME, eager_mask)
+    cfg._attn_implementation = NAME
+    return True
+
+
+@contextmanager
+def recording(targets: dict[nn.Module, torch.Tensor]) -> Iterator[None]:
+    """For the forward run inside: each attention module of ``targets`` writes its pattern
+    ``[head, query_pos, key_pos]`` into its target (this thread only)."""
+    _local.targets = targets
+    try:
+        yield
+    finally:
+        _local.targets = None
