@@ -64,14 +64,16 @@ def test_ablation_equals_transformerlens_hook_z(gpt2_runtime, bundled_dir, metho
     assert (ours - hf_ref).abs().max() <= 1e-5
     # TransformerLens: its bridge's own clean logits differ from Hugging Face's by ~1e-5 at
     # logits of ~10 (float32 rounding of its reimplemented blocks), so the bound is that
-    # discrepancy (at least 1e-5); the per-token loss is compared at 1e-5 outright
+    # discrepancy (at least 1e-5)
     bridge_rounding = float((clean - hf_clean).abs().max())
     assert bridge_rounding < 1e-4
     assert (ours - ref).abs().max() <= max(1e-5, 2 * bridge_rounding)
     nxt = tokens[0, 1:]
     loss_ours = A.token_loss(A.log_softmax(ours[:-1]), nxt)
     loss_tl = A.token_loss(A.log_softmax(ref[:-1]), nxt)
-    assert (loss_ours - loss_tl).abs().max() <= 1e-5
+    # the per-token loss moves by at most twice the logits' largest change; its bound is the
+    # bridge's own rounding (at least 1e-5): here (AMD EPYC) 1.0014e-5 with the bridge at 3.05e-5
+    assert (loss_ours - loss_tl).abs().max() <= max(1e-5, bridge_rounding)
 
 
 def test_ablating_with_the_text_itself_is_exactly_clean(gpt2_runtime):
@@ -198,7 +200,9 @@ def test_ablate_endpoint_numbers(client, gpt2_runtime):
     assert [p["position"] for p in b["positions"]] == list(range(T))
     for p in b["positions"]:
         i = p["position"]
-        assert p["kl"] == pytest.approx(float(kl[i]), abs=1e-5, rel=1e-6)  # float32 sums
+        # float32 forwards and sums: on AMD EPYC a KL of 15.5 nats was 1.8e-5 (1.15e-6
+        # relative) from the float64 reference
+        assert p["kl"] == pytest.approx(float(kl[i]), abs=1e-5, rel=2e-6)
         assert [t["id"] for t in p["top_ablated"]] == abl[i].topk(3).indices.tolist()
         assert [t["id"] for t in p["top_clean"]] == clean[i].topk(3).indices.tolist()
         if i < T - 1:
