@@ -536,3 +536,51 @@ def test_probe_memo_is_safe_under_concurrent_heads_requests(gpt2_runtime, monkey
     assert not errors, errors
     assert ("induction_probe", 5, 2, 1) in dict.keys(memo)
     assert ("induction_probe", 6, 2, 2) in dict.keys(memo)
+
+
+def test_norm_scores_on_the_helper_thread_equal_the_sequential_job(gpt2_runtime, monkeypatch):
+    """The job computes the norm scores on a second thread while it scores the patterns: the
+    body is exactly the one-thread job's, the helper runs its torch ops under the job's one
+    intra-op thread for a small text (the engine's small_ops rule; a plan without it fails
+    here), and an error there reaches the request."""
+    from concurrent.futures import Future
+
+    from attnscope.schemas import HeadsRequest
+    from attnscope.service.serving import heads as SH
+
+    rt = gpt2_runtime
+    req = SH.with_default_add_bos(rt, HeadsRequest(text=SENTENCE))
+    items = [rt.tokenize(SENTENCE, req.add_bos, "text")]
+    p = SH.plan(rt, req, items)
+    fws = rt.forward_many(p.items)
+    threaded = p.run_job(fws)
+    real_helper = SH._helper
+
+    class Inline:
+        def submit(self, fn, *args):
+            f = Future()
+            f.set_result(fn(*args))
+            return f
+
+    seen = []
+    real = SH._norm_score_tensors
+
+    def spy(rt_, forwards):
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return real(rt_, forwards)
+
+    monkeypatch.setattr(SH, "_norm_score_tensors", spy)
+    again = p.run_job(fws)
+    assert seen[0][0].startswith("attnscope-heads") and seen[0][1] == 1
+    monkeypatch.setattr(SH, "_helper", lambda: Inline())
+    inline = p.run_job(fws)
+    assert threaded == again == inline
+    assert all("norm_scores" in h for h in threaded["heads"])
+
+    def boom(rt_, forwards):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(SH, "_norm_score_tensors", boom)
+    monkeypatch.setattr(SH, "_helper", real_helper)
+    with pytest.raises(RuntimeError, match="planted"):
+        p.run_job(fws)

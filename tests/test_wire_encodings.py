@@ -404,3 +404,31 @@ def test_client_base64_with_line_breaks_still_decodes():
     got = wire.decode_tensor({"encoding": "base64", "dtype": "float32", "shape": [12],
                               "data": text})
     assert np.array_equal(got, a)
+
+
+def test_array_bytes_equals_its_recursive_definition(client):
+    """The iterative size walk that decides streaming counts exactly what the recursive
+    definition counts, on hand-made bodies (every kind of leaf: arrays, lazy wire forms,
+    strings, bytes, scalars and their subclasses, long scalar lists, tuples) and on real
+    bodies of four endpoints."""
+    from attnscope.service.encoding import responses as R
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    lazy = encoding.encode_tensor(np.tril(np.ones((1, 4, 4), np.float32)), "base64", "float16",
+                                  layout="tril")["data"]
+    bodies = [
+        {}, [], "", 1, 2.5, True, None, np.float64(3.0), np.int32(2), a, lazy, b"xyz",
+        {"a": 1, "b": [1, 2.0, None, "four", {"c": a}], "d": (a, lazy), "e": np.float32(1)},
+        {"long": list(range(5000)), "long_floats": [0.5] * 4096, "short": list(range(4095))},
+        [[1, [2, [3, [4, "deep"]]]], {"x": {"y": {"z": [a, a]}}}],
+        {"mixed": [1, "s", b"b", np.bool_(True), (1, 2, (3,))]},
+    ]
+    for path, extra in (("/v1/heads", {"add_bos": False}), ("/v1/links", {"layer": 0}),
+                        ("/v1/trajectories", {}), ("/v1/attention", {"round": 3})):
+        r = client.post(path, json={"text": SENTENCE, **extra})
+        assert r.status_code == 200, r.text
+        bodies.append(orjson.loads(r.content))
+    for b in bodies:
+        assert R._array_bytes(b) == R._array_bytes_recursive(b), repr(b)[:200]
+    # a planted fault: a walk that forgets the scalars in dicts is caught
+    assert R._array_bytes({"a": 1, "b": 2}) == 16

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -82,6 +83,9 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
             # a NaN/inf anywhere makes the sum non-finite (patterns are in [0, 1]: no overflow)
             if not torch.isfinite(fw.pattern.sum()):
                 raise NonFiniteValues("the model's attention pattern holds NaN/inf; refusing to score it")
+        # the norm scores (independent of the pattern scores) on the second core meanwhile
+        norms = (_helper().submit(_norm_score_lists, rt, forwards[: len(items)])
+                 if req.norm_scores else None)
         per_text = [H.head_scores(fw.pattern, fw.tokens.input_ids, rt.adapter.causal,
                                   req.exclude_bos, req.exclude_current_token)
                     for fw in forwards[: len(items)]]
@@ -101,8 +105,11 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
                 out.append({"layer": layer, "head": head, "label": c["label"],
                             "labels": c["labels"], "margin": c["margin"],
                             "margins": c["margins"], "scores": s})
-        if req.norm_scores:
-            _add_norm_scores(rt, out, forwards[: len(items)], req.round)
+        if norms is not None:
+            lists = norms.result()
+            for r in out:
+                r["norm_scores"] = {k: _num(lists[k][r["layer"]][r["head"]], req.round)
+                                    for k in lists}
         return {
             "model": rt.model_ref(),
             "n_texts": len(items),
@@ -131,8 +138,27 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
                 detail=", one of them the induction probe" if probe else "", small_ops=True)
 
 
-def _add_norm_scores(rt: Runtime, out: list[dict], forwards, nd: int | None) -> None:
-    """Each head's ``norm_scores`` (service.analysis.norms.noop_scores), mean over texts."""
+def _helper() -> ThreadPoolExecutor:
+    """One thread beside the device thread for a job's independent half (made on first use)."""
+    global _HELPER
+    with _PROBE_MEMO_LOCK:
+        if _HELPER is None:
+            _HELPER = ThreadPoolExecutor(1, thread_name_prefix="attnscope-heads")
+    return _HELPER
+
+
+_HELPER: ThreadPoolExecutor | None = None
+
+
+def _norm_score_lists(rt: Runtime, forwards) -> dict[str, list]:
+    """Each head's norm scores (service.analysis.norms.noop_scores), mean over texts, as
+    ``{name: [layer][head]}`` lists. Runs on :func:`_helper`'s thread while the job waits in
+    its own ``Plan.run_job`` block, so the job's intra-op thread count (process-wide in torch)
+    applies here too."""
+    return _norm_score_tensors(rt, forwards)
+
+
+def _norm_score_tensors(rt: Runtime, forwards) -> dict[str, list]:
     from attnscope.service.analysis.norms import noop_scores, value_gram, value_norms
 
     L, NH = rt.adapter.n_layers, rt.adapter.n_heads
@@ -154,6 +180,4 @@ def _add_norm_scores(rt: Runtime, out: list[dict], forwards, nd: int | None) -> 
             vn = value_norms(fw.tensors.v[layer], p.W_o, gram=gram)  # ||f_h(x_j)|| [head, key]
             for k, v in noop_scores(fw.pattern[layer], vn).items():
                 acc[k][layer] += v / len(forwards)
-    lists = {k: v.tolist() for k, v in acc.items()}
-    for r in out:
-        r["norm_scores"] = {k: _num(lists[k][r["layer"]][r["head"]], nd) for k in lists}
+    return {k: v.tolist() for k, v in acc.items()}
