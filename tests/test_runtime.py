@@ -360,7 +360,10 @@ def test_a_batch_holding_a_text_at_n_ctx(side, gpt2_runtime):
     for fw in rt.forward_many(items):
         hf = hf_reference_with_qkv(gpt2_runtime, list(fw.tokens.input_ids))
         for name, ref in hf.items():
-            assert (getattr(fw.tensors, name) - ref).abs().max() <= 2e-5, name
+            # float32: 2e-5 plus 2e-6 relative (a padded batch's matmuls round apart; seen
+            # 2.48e-5 on a hidden state of a random text on AMD EPYC); patterns in [0, 1]
+            err = (getattr(fw.tensors, name) - ref).abs()
+            assert bool((err <= 2e-5 + 2e-6 * ref.abs()).all()), (name, float(err.max()))
     assert len(rt.cache) == 2
 
 
