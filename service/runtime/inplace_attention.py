@@ -10,8 +10,10 @@ it (~0.15 s of a ~2.4 s forward) and two copies of every pattern alive at once.
 ``AttentionInterface`` under :data:`NAME` (and Hugging Face's own eager mask under the same
 name) and points the served model's config at it. For a module with a recording target (set
 by the runtime for the duration of one forward, on its own thread, see :func:`recording`) the
-function runs the eager operations in the eager order, the softmax written into the target
-(``torch.softmax(..., out=)``: the same kernel, bit for bit); every other call (no target,
+function runs the eager operations in the eager order, the pre-softmax scores in one
+scratch buffer that every layer of the forward reuses (the product with ``out=``, the scaling
+and the mask in place) and the softmax written into the target (``torch.softmax(...,
+out=)``): the same kernels, bit for bit; every other call (no target,
 a batch of several texts, another device, dtype or shape) runs the family's own
 ``eager_attention_forward`` unchanged. ``tests/test_runtime.py`` compares patterns, hidden
 states and logits bit for bit with Hugging Face's eager forward.
@@ -51,14 +53,36 @@ def attention_into_buffer(module: nn.Module, query: torch.Tensor, key: torch.Ten
                                        scaling=scaling, dropout=dropout, **kwargs)
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    scores = _scratch(out).unsqueeze(0)  # [1, head, query_pos, key_pos], reused by every layer
+    torch.matmul(query, key.transpose(-1, -2), out=scores)
+    scores.mul_(scaling)
     if attention_mask is not None:
-        scores = scores + attention_mask
+        if attention_mask.dtype == scores.dtype and \
+                torch.broadcast_shapes(attention_mask.shape, scores.shape) == scores.shape:
+            scores.add_(attention_mask)
+        else:
+            scores = scores + attention_mask
     pattern = torch.softmax(scores, dim=-1, out=out.unsqueeze(0))
     del scores
     pattern = pattern.type(value.dtype)
     pattern = nn.functional.dropout(pattern, p=dropout, training=module.training)
     return torch.matmul(pattern, value).transpose(1, 2), pattern
+
+
+def _scratch(like: torch.Tensor) -> torch.Tensor:
+    """This thread's pre-softmax scores buffer of ``like``'s shape, dtype and device for the
+    forward being recorded (:func:`recording`): made at the first layer, written by every
+    layer's ``q.k^T``, scaling and mask in place (the same kernels as Hugging Face's
+    out-of-place operations, bit for bit). Hugging Face's eager attention makes three fresh
+    ``[head, query_pos, key_pos]`` tensors per layer (the product, the scaled scores, the
+    masked scores); at T = 1024 on GPT-2-small shapes each is 50 MB, past glibc's mmap
+    threshold, so every one was mapped and faulted in afresh: 36 of them, 1.8 GB of page
+    faults, per forward."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.shape != like.shape or buf.dtype != like.dtype \
+            or buf.device != like.device:
+        buf = _local.scratch = torch.empty_like(like)
+    return buf
 
 
 def install(model: nn.Module, attention_modules: list[nn.Module]) -> bool:
@@ -94,7 +118,9 @@ def recording(targets: dict[nn.Module, torch.Tensor]) -> Iterator[None]:
     """For the forward run inside: each attention module of ``targets`` writes its pattern
     ``[head, query_pos, key_pos]`` into its target (this thread only)."""
     _local.targets = targets
+    _local.scratch = None
     try:
         yield
     finally:
         _local.targets = None
+        _local.scratch = None  # freed with the forward
