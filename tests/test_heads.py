@@ -540,9 +540,9 @@ def test_probe_memo_is_safe_under_concurrent_heads_requests(gpt2_runtime, monkey
 
 def test_norm_scores_on_the_helper_thread_equal_the_sequential_job(gpt2_runtime, monkeypatch):
     """The job computes the norm scores on a second thread while it scores the patterns: the
-    body is exactly the one-thread job's, the helper runs its torch ops under the job's one
-    intra-op thread for a small text (the engine's small_ops rule; a plan without it fails
-    here), and an error there reaches the request."""
+    body is exactly the one-thread job's, the helper runs its torch ops on the job's intra-op
+    thread count (one for a small text, the engine's small_ops rule; torch's own otherwise),
+    and an error there reaches the request."""
     from concurrent.futures import Future
 
     from attnscope.schemas import HeadsRequest
@@ -572,6 +572,13 @@ def test_norm_scores_on_the_helper_thread_equal_the_sequential_job(gpt2_runtime,
     monkeypatch.setattr(SH, "_norm_score_tensors", spy)
     again = p.run_job(fws)
     assert seen[0][0].startswith("attnscope-heads") and seen[0][1] == 1
+    # a job that keeps torch's own count (texts over SMALL_JOB_TOKENS) hands it to the helper,
+    # which first ran under one thread (a thread keeps its count: the bug a breaker found)
+    own = torch.get_num_threads()
+    monkeypatch.setattr(p, "small_ops", False)
+    assert p.run_job(fws) == threaded
+    assert seen[-1][1] == own
+    monkeypatch.setattr(p, "small_ops", True)
     monkeypatch.setattr(SH, "_helper", lambda: Inline())
     inline = p.run_job(fws)
     assert threaded == again == inline

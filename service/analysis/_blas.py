@@ -83,9 +83,10 @@ SMALL_JOB_TOKENS = 256
 @contextmanager
 def torch_threads_for(n_tokens: int) -> Iterator[None]:
     """Context manager: torch ops in the block run on one intra-op thread when the job's
-    longest text has at most :data:`SMALL_JOB_TOKENS` tokens (else torch's own count). The
-    count is process-wide in torch (a thread that runs while the block is open, such as
-    /v1/heads' norm-score helper, sees it too); the previous count comes back.
+    longest text has at most :data:`SMALL_JOB_TOKENS` tokens (else torch's own count). For
+    the calling thread (torch keeps a count per thread; a thread started inside the block
+    starts with it, and keeps it: /v1/heads hands its helper the job's count); the previous
+    count comes back.
 
     Small jobs are many small ops (/v1/heads' norm scores: ~10 ops of ~100k elements per
     layer), each above torch's grain size, so each an OpenMP parallel region; when the cores

@@ -84,8 +84,8 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
             if not torch.isfinite(fw.pattern.sum()):
                 raise NonFiniteValues("the model's attention pattern holds NaN/inf; refusing to score it")
         # the norm scores (independent of the pattern scores) on the second core meanwhile
-        norms = (_helper().submit(_norm_score_lists, rt, forwards[: len(items)])
-                 if req.norm_scores else None)
+        norms = (_helper().submit(_norm_score_lists, rt, forwards[: len(items)],
+                                  torch.get_num_threads()) if req.norm_scores else None)
         per_text = [H.head_scores(fw.pattern, fw.tokens.input_ids, rt.adapter.causal,
                                   req.exclude_bos, req.exclude_current_token)
                     for fw in forwards[: len(items)]]
@@ -150,12 +150,19 @@ def _helper() -> ThreadPoolExecutor:
 _HELPER: ThreadPoolExecutor | None = None
 
 
-def _norm_score_lists(rt: Runtime, forwards) -> dict[str, list]:
+def _norm_score_lists(rt: Runtime, forwards, n_threads: int) -> dict[str, list]:
     """Each head's norm scores (service.analysis.norms.noop_scores), mean over texts, as
-    ``{name: [layer][head]}`` lists. Runs on :func:`_helper`'s thread while the job waits in
-    its own ``Plan.run_job`` block, so the job's intra-op thread count (process-wide in torch)
-    applies here too."""
-    return _norm_score_tensors(rt, forwards)
+    ``{name: [layer][head]}`` lists. Runs on :func:`_helper`'s thread with the job's intra-op
+    thread count ``n_threads`` (torch keeps a count per thread: the helper would otherwise keep
+    the one it first ran with), restored after."""
+    prev = torch.get_num_threads()
+    if prev != n_threads:
+        torch.set_num_threads(n_threads)
+    try:
+        return _norm_score_tensors(rt, forwards)
+    finally:
+        if prev != n_threads:
+            torch.set_num_threads(prev)
 
 
 def _norm_score_tensors(rt: Runtime, forwards) -> dict[str, list]:
