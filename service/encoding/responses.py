@@ -73,65 +73,35 @@ _SCALAR_TYPES = frozenset(_SCALARS)  # exact types (a subclass, e.g. np.float64,
 
 def _array_bytes(obj: Any) -> int:
     """About how many bytes of arrays/strings ``obj`` holds (decides streaming and pieces):
-    an array's or lazy wire form's ``nbytes``, a string's length, 8 per scalar, 24 per item
-    of a list of 4096 or more scalars. One iterative walk with the scalars counted in place
-    (a /v1/heads body of ~10k scalars: ~0.3 ms instead of ~2.6 ms of recursive calls on the
-    event loop)."""
+    an array's or lazy wire form's ``nbytes``, a string's length, 8 per scalar or other leaf,
+    24 per item of a list of 4096 or more scalars. One iterative walk that counts the scalars
+    of a dict or list in place (a /v1/heads body of ~10k scalars: ~1.2 ms instead of ~2.6 ms
+    for one call per value, on the event loop)."""
     total = 0
     stack = [obj]
-    pop, push = stack.pop, stack.extend
-    scalars = _SCALAR_TYPES
     while stack:
-        x = pop()
-        t = type(x)
-        if t in scalars:
+        x = stack.pop()
+        if type(x) in _SCALAR_TYPES:
             total += 8
-        elif t is dict:
-            vals = x.values()
-            n = len(vals)
-            inner = [v for v in vals if type(v) not in scalars]
-            total += 8 * (n - len(inner))
-            push(inner)
-        elif t is list or t is tuple:
-            if len(x) >= 4096 and isinstance(x[0], _SCALARS):
-                total += 24 * len(x)
-                continue
-            inner = [v for v in x if type(v) not in scalars]
-            total += 8 * (len(x) - len(inner))
-            push(inner)
-        elif t is str or t is bytes:
-            total += len(x)
-        elif isinstance(x, np.ndarray) or isinstance(x, LAZY):
+            continue
+        if isinstance(x, (np.ndarray, *LAZY)):
             total += x.nbytes
-        elif isinstance(x, (str, bytes)):
+            continue
+        if isinstance(x, (str, bytes)):
             total += len(x)
-        elif isinstance(x, dict):
-            push(list(x.values()))
-        elif isinstance(x, (list, tuple)):
-            if len(x) >= 4096 and isinstance(x[0], _SCALARS):
-                total += 24 * len(x)
-            else:
-                push(list(x))
-        else:
+            continue
+        if isinstance(x, dict):
+            x = list(x.values())
+        elif not isinstance(x, (list, tuple)):
             total += 8
+            continue
+        elif len(x) >= 4096 and isinstance(x[0], _SCALARS):
+            total += 24 * len(x)
+            continue
+        inner = [v for v in x if type(v) not in _SCALAR_TYPES]
+        total += 8 * (len(x) - len(inner))
+        stack.extend(inner)
     return total
-
-
-def _array_bytes_recursive(obj: Any) -> int:
-    """The reference definition of :func:`_array_bytes` (tests compare the two)."""
-    if isinstance(obj, np.ndarray):
-        return obj.nbytes
-    if isinstance(obj, LAZY):
-        return obj.nbytes
-    if isinstance(obj, (str, bytes)):
-        return len(obj)
-    if isinstance(obj, dict):
-        return sum(_array_bytes_recursive(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        if len(obj) >= 4096 and isinstance(obj[0], _SCALARS):
-            return 24 * len(obj)
-        return sum(_array_bytes_recursive(v) for v in obj)
-    return 8
 
 
 def _pieces(obj: Any, chunk: int) -> Iterator[bytes | memoryview]:
