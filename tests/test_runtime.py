@@ -378,9 +378,11 @@ def _fresh_hf(rt, path):
 def test_patterns_written_in_place_equal_hugging_face_bit_for_bit(
         family, gpt2_runtime, bert_runtime, bundled_dir, minilm_path, monkeypatch):
     """A text forwarded alone gets its patterns written by the attention itself into its
-    ``[layer, head, query_pos, key_pos]`` buffer (no copy: the runtime's fill never sees the
-    pattern buffer), and every recorded tensor equals Hugging Face's separately loaded eager
-    model bit for bit; a padded batch takes the copying path and still equals it per text."""
+    ``[layer, head, query_pos, key_pos]`` buffer and its q/k/v, attention inputs and outputs
+    copied into theirs during the forward (the runtime's fill finds every part already in
+    place: only the hidden states are stacked afterwards), and every recorded tensor equals
+    Hugging Face's separately loaded eager model bit for bit; a padded batch takes the
+    copying path and still equals it per text."""
     from attnscope.service.runtime import inplace_attention
 
     rt, path = (gpt2_runtime, bundled_dir) if family == "gpt2" else (bert_runtime, minilm_path)
@@ -388,24 +390,56 @@ def test_patterns_written_in_place_equal_hugging_face_bit_for_bit(
     assert rt.info["attn_implementation"] == "eager"
     ref = _fresh_hf(rt, path)
     base = getattr(ref, "transformer", None) or getattr(ref, "bert", None) or ref
-    filled = []
+    filled = []  # per fill: (the buffer's first dimension, every part already in place)
     orig = rt._fill
-    monkeypatch.setattr(rt, "_fill", lambda buf, parts: (filled.append(buf.dim()), orig(buf, parts))[1])
+
+    def spy(buf, parts):
+        parts = list(parts)
+        filled.append((buf.shape[0], all(t.data_ptr() == buf[i].data_ptr()
+                                          for i, t in enumerate(parts))))
+        return orig(buf, parts)
+
+    monkeypatch.setattr(rt, "_fill", spy)
     texts = [SENTENCE + uuid.uuid4().hex[:6], "Short " + uuid.uuid4().hex[:6]]
     items = [rt.tokenize(t) for t in texts]
     alone = [rt._forward_batch([it.input_ids])[0] for it in items]
-    assert 4 not in filled  # the pattern ([L, H, n, n]) was never copied
+    L = rt.adapter.n_layers
+    n_qkv = len(rt._handles[0].qkv)  # GPT-2: one fused module, BERT: three
+    # per text: the pattern, q/k/v, attention input and output in place; hidden states copied
+    assert sorted(filled) == sorted(([(L, True)] * (3 + n_qkv) + [(L + 1, False)]) * 2)
     for it, fw in zip(items, alone):
         kw = dict(input_ids=torch.tensor([it.input_ids]), output_attentions=True,
                   output_hidden_states=True)
         if family == "bert":
             kw["token_type_ids"] = torch.zeros_like(kw["input_ids"])
-        with torch.inference_mode():
-            out = base(**kw)
+        seen: dict = {"attn_input": [], "attn_output": [], "qkv": []}  # HF's, per layer
+        hooks = []
+        for h in type(rt.adapter)(ref).layers():
+            hooks.append(h.attn.register_forward_pre_hook(
+                lambda m, a, k: seen["attn_input"].append((a[0] if a else k["hidden_states"])[0]
+                                                          .clone()), with_kwargs=True))
+            hooks.append(h.out_proj.register_forward_hook(
+                lambda m, a, o: seen["attn_output"].append(o[0].clone())))
+            hooks += [m.register_forward_hook(lambda m, a, o: seen["qkv"].append(o[0].clone()))
+                      for m in h.qkv]
+        try:
+            with torch.inference_mode():
+                out = base(**kw)
+        finally:
+            for h in hooks:
+                h.remove()
         assert torch.equal(fw.pattern, torch.stack([a[0] for a in out.attentions]))
         L = rt.adapter.n_layers
         assert torch.equal(fw.hidden_states[:L], torch.stack(out.hidden_states[:L])[:, 0])
         assert torch.equal(fw.final_hidden_state, out.hidden_states[L][0])
+        for name in ("attn_input", "attn_output"):
+            assert torch.equal(getattr(fw, name), torch.stack(seen[name])), name
+        H, dh, T = rt.adapter.n_heads, rt.adapter.d_head, len(it)
+        qkv = [torch.cat(seen["qkv"][i * n_qkv:(i + 1) * n_qkv], -1) for i in range(L)]
+        for j, name in enumerate("qkv"):  # [layer, head, pos, d_head] of each module's output
+            want = torch.stack([x.split(rt.adapter.d_model, -1)[j].reshape(T, H, dh)
+                                .transpose(0, 1) for x in qkv])
+            assert torch.equal(getattr(fw, name), want), name
     filled.clear()
     old = rt.settings.forward_batch_size
     rt.settings.forward_batch_size = 2
@@ -413,7 +447,7 @@ def test_patterns_written_in_place_equal_hugging_face_bit_for_bit(
         batch = rt._forward_batch([it.input_ids for it in items])  # padded: copied
     finally:
         rt.settings.forward_batch_size = old
-    assert 4 in filled
+    assert filled and not any(in_place for _, in_place in filled)
     for a, b in zip(alone, batch):
         assert ((a.pattern - b.pattern).abs() <= 1e-5).all()  # as test_batch_equals_alone
 

@@ -314,7 +314,7 @@ class Runtime:
         ids, mask, kwargs = self._padded_inputs(batch)
         final_norm = self.adapter.final_norm()
         bufs = self._recording_buffers([len(x) for x in batch], final_norm is not None)
-        rec = _Recorder(self._handles, final_norm)
+        rec = _Recorder(self._handles, final_norm, bufs[0] if len(batch) == 1 else None)
         targets = {h.attn: bufs[0]["pattern"][i] for i, h in enumerate(self._handles)} \
             if self.inplace_attention and len(batch) == 1 else {}
         try:
@@ -365,7 +365,8 @@ class Runtime:
         ``attn_output [L, n, d_model]``.
 
         Allocated BEFORE the forward (so they sit apart from its transient tensors) and filled
-        once it is done. Kept per layer, as Hugging Face returns them, a cached forward left
+        once it is done (a text forwarded alone: its patterns, q/k/v, attention inputs and
+        outputs during it, see :class:`_Recorder`). Kept per layer, as Hugging Face returns them, a cached forward left
         ~100 small tensors between the holes of the freed transients: the heap's free memory
         grew with every cached forward (+10 MB each at T = 128) and, once trimmed, every
         forward faulted its memory in again (~15k pages). Evicting a text now frees blocks of
@@ -389,10 +390,17 @@ class Runtime:
 
     def _fill(self, buf: torch.Tensor, parts) -> torch.Tensor:
         """Stack the per-layer ``parts`` into ``buf`` (a fresh tensor instead if their dtype
-        or shape differs, so no value is ever cast)."""
+        or shape differs, so no value is ever cast). ``buf`` itself when every part already is
+        its slice ``buf[i]`` (written there during the forward: :class:`_Recorder`, the
+        in-place attention); a fresh stack when only some parts lie in ``buf``."""
         parts = [t.cpu() for t in parts] if self.device.type != "cpu" else list(parts)
         if any(t.dtype != buf.dtype or t.shape != buf.shape[1:] for t in parts):
             return torch.stack(parts)
+        if all(t.data_ptr() == buf[i].data_ptr() for i, t in enumerate(parts)):
+            return buf
+        ptr = buf.untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() == ptr for t in parts):
+            return torch.stack(parts)  # (a part in the buffer at another layer's place)
         return torch.stack(parts, out=buf)
 
     def _unpad(self, out, rec: "_Recorder", b: int, row_mask: torch.Tensor,
@@ -428,14 +436,8 @@ class Runtime:
             fb = buf["final_state"]
             final = (fb.copy_(fin) if fin.dtype == fb.dtype and fin.shape == fb.shape
                      else fin.cpu().clone())
-        pat = buf["pattern"]
-        if not all(a.data_ptr() == pat[i].data_ptr() and a.shape == pat.shape[1:]
-                   for i, a in enumerate(attn)):  # else written in place (inplace_attention)
-            ptr = pat.untyped_storage().data_ptr()
-            pat = (torch.stack(attn) if any(a.untyped_storage().data_ptr() == ptr for a in attn)
-                   else fill(pat, attn))  # (a part in the buffer at another layer's place)
         return ForwardTensors(
-            pat,
+            fill(buf["pattern"], attn),
             fill(buf["hidden_states"], (rows(h[b], 0) for h in states)),
             q, k, v,
             fill(buf["attn_input"], (rows(x[b], 0) for x in rec.attn_in)),
@@ -453,13 +455,19 @@ class _Recorder:
     input ``attn_in[i]``, the q/k/v modules' outputs ``qkv[i][j]`` and the output projection's
     output ``attn_out[i]`` (each ``[batch, pos, width]``), and ``last``, the final LayerNorm's
     input (the last block's output; None without a final LayerNorm). References to the
-    model's own tensors, no copies. :meth:`attach` registers the hooks, :meth:`detach` removes
+    model's own tensors; with ``buf`` (a text forwarded alone: its
+    :meth:`Runtime._recording_buffers`) each of the first three is copied into its slice of
+    ``buf`` the moment the module gives it, while it is in the CPU's cache, and the forward
+    goes on with that slice (the same values; the model's own tensor is freed at once): no
+    stacking afterwards. :meth:`attach` registers the hooks, :meth:`detach` removes
     every one registered (also after a partial attach): nothing outlives the call."""
 
-    def __init__(self, handles: list[LayerHandles], final_norm: torch.nn.Module | None):
+    def __init__(self, handles: list[LayerHandles], final_norm: torch.nn.Module | None,
+                 buf: dict | None = None):
         L = len(handles)
         self.handles = handles
         self.final_norm = final_norm
+        self.buf = buf
         self.attn_in: list = [None] * L
         self.qkv: list = [[None] * len(h.qkv) for h in handles]
         self.attn_out: list = [None] * L
@@ -470,19 +478,39 @@ class _Recorder:
         def last_hook(module, args):
             self.last = args[0]
 
+        buf = self.buf
+
+        def into(x, target):  # the slice the forward goes on with, or None: left as it is
+            if target is None or not isinstance(x, torch.Tensor) or x.device != target.device \
+                    or x.dtype != target.dtype or x.shape != (1, *target.shape):
+                return None
+            target.copy_(x[0])
+            return target.unsqueeze(0)
+
         def pre_hook(i):
             def fn(module, args, kwargs):
-                self.attn_in[i] = args[0] if args else kwargs["hidden_states"]
+                x = args[0] if args else kwargs["hidden_states"]
+                y = into(x, buf["attn_input"][i] if buf else None)
+                self.attn_in[i] = x if y is None else y
+                if y is None:
+                    return None
+                if args:
+                    return (y, *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": y}
             return fn
 
         def qkv_hook(i, j):
             def fn(module, args, output):
-                self.qkv[i][j] = output
+                y = into(output, buf["qkv"][j][i] if buf else None)
+                self.qkv[i][j] = output if y is None else y
+                return y
             return fn
 
         def out_hook(i):
             def fn(module, args, output):
-                self.attn_out[i] = output
+                y = into(output, buf["attn_output"][i] if buf else None)
+                self.attn_out[i] = output if y is None else y
+                return y
             return fn
 
         hooks = self._hooks
