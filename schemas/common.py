@@ -315,8 +315,20 @@ def _not_blank(v: str) -> str:
 NonBlankText = Annotated[str, AfterValidator(_not_blank)]
 
 
+#: the text of the request examples in the OpenAPI document (/docs "Try it out" sends them)
+EXAMPLE_TEXT = "When Mary and John went to the store, John gave a drink to"
+
+
+def example(**body: Any) -> ConfigDict:
+    """A request model's config with ``body`` as its OpenAPI example (a body that the
+    service answers with 200 on any causal model: tests/test_api.py sends every one)."""
+    return ConfigDict(json_schema_extra={"examples": [body]})
+
+
 class TextOrTexts(StrictModel):
     """Mixin: exactly one of ``text`` or ``texts``."""
+
+    model_config = example(text=EXAMPLE_TEXT)
 
     text: str | None = Field(
         None, description="One text. Always treated as text: strings that spell special tokens "

@@ -14,8 +14,8 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from attnscope.schemas.common import (
-    MAX_HEAD_PAIRS, MAX_POSITIONS, MAX_TEXTS, LenientModel, ModelRef, NonBlankText, StrictModel,
-    TensorField, TensorOptions, TextOrTexts, Token,
+    EXAMPLE_TEXT, MAX_HEAD_PAIRS, MAX_POSITIONS, MAX_TEXTS, LenientModel, ModelRef, NonBlankText,
+    StrictModel, TensorField, TensorOptions, TextOrTexts, Token, example,
 )
 
 Index = Annotated[int, Field(ge=0)]
@@ -94,6 +94,8 @@ class LogitDiffOptions(StrictModel):
 class AblateRequest(TensorOptions):
     """Ablate chosen attention heads (or, with ``scan``, every head alone) of a causal LM on
     one text and report what changes in the next-token predictions."""
+
+    model_config = example(text=EXAMPLE_TEXT, heads=[[0, 0]])
 
     text: NonBlankText = Field(description="The text to run.")
     add_bos: bool = Field(False, description="Prepend the BOS token (to every text of the request).")
@@ -212,6 +214,11 @@ class AblateResponse(LenientModel):
 class PatchRequest(StrictModel):
     """Activation patching clean -> corrupted (TransformerLens ``patching``): the clean run's
     head outputs (and residual stream) patched into the corrupted run one at a time."""
+
+    model_config = example(
+        clean_text="When Mary and John went to the store, she gave a drink to",
+        corrupted_text="When Mary and John went to the store, he gave a drink to",
+        logit_diff={"target": " him", "distractor": " her"})
 
     clean_text: NonBlankText = Field(description="The clean prompt (the behaviour to restore).")
     corrupted_text: NonBlankText = Field(description="The corrupted prompt, same token count.")

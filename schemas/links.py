@@ -6,12 +6,15 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from attnscope.schemas.common import MAX_POSITIONS, LenientModel, ModelRef, TextOrTexts, Token
+from attnscope.schemas.common import (
+    EXAMPLE_TEXT, MAX_POSITIONS, LenientModel, ModelRef, TextOrTexts, Token, example)
 
 
 class LinksRequest(TextOrTexts):
     """Strongest links of one layer's head mean or of one head (S000, 000_1c89b6c8c2a32040.txt,
     ``strongest_previous_token``)."""
+
+    model_config = example(text=EXAMPLE_TEXT, layer=0)
 
     layer: int = Field(ge=0, description="Layer index (0-based, < n_layers).")
     head: int | None = Field(

@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from attnscope.schemas.common import LenientModel, ModelRef, TensorField, TensorOptions, Token
+from attnscope.schemas.common import (
+    LenientModel, ModelRef, TensorField, TensorOptions, Token, example)
 
 MAX_POS = 512
 """Most rows (positions) a q/k/v matrix may have."""
@@ -60,6 +61,8 @@ invalid number (a row of a million strings costs one error)."""
 class ScratchAttentionRequest(TensorOptions):
     """softmax(Q K^T / sqrt(d_k) + mask) V on matrices you give, or on a text's static token
     embeddings. Give either all of ``q``, ``k``, ``v`` or ``text``."""
+
+    model_config = example(text="The cat sat on the mat")
 
     q: Matrix | None = Field(
         None, max_length=MAX_POS, fail_fast=True,

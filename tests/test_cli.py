@@ -128,8 +128,13 @@ def test_request_options_are_dash_dash_option(run):
     (["heads", "x", "--option", "thresholds={\"sink\": 3}"], 2, ["thresholds.sink"]),
     (["attention", "x", "--layers", "a"], 2, ["comma-separated integers"]),
     (["attention", "x", "--layers", "0", "--plot", "no/such/dir/f.png"], 2,
-     ["cannot use", "no/such/dir/f.png", "No such file"]),
-    (["links", "x y", "-o", "no/such/dir/out.json"], 2, ["cannot write --output"]),
+     ["--plot no/such/dir/f.png: the folder", "does not exist"]),     # refused before sending
+    (["heads", "x", "--plot", "no/such/dir/f.png"], 2, ["--plot no/such/dir/f.png: the folder"]),
+    (["attention", "x", "--option", "layers=[0"], 2, ["--option layers=[0: not valid JSON"]),
+    (["ablate", "x y"], 2, ["give --heads L:H", "--scan"]),
+    (["ablate", "x y", "--heads", "0:0", "--plot", "g.png"], 2, ["add --scan"]),
+    (["patch", "a b", "c d"], 2, ["needs --target and --distractor", "--metric loss"]),
+    (["links", "x y", "-o", "no/such/dir/out.json"], 2, ["--output no/such/dir/out.json: the folder"]),
     (["batch", "no-such-input.jsonl", "-o", "out.jsonl"], 2, ["cannot read no-such-input"]),
 ])
 def test_usage_and_server_errors_are_clean(run, tmp_path, monkeypatch, args, code, words):

@@ -193,12 +193,21 @@ def test_local_validation_before_sending(api):
                             (lambda: api.heads("x", thresholds={"sink": 2}), "thresholds.sink"),
                             (lambda: api.scratch_attention(q=[[1.0]], variant="sideways"),
                              "variant"),
-                            (lambda: api.attention(["a"], texts=["b"]), "texts")]:
+                            (lambda: api.attention(["a"], texts=["b"]), "texts"),
+                            (lambda: api.ablate("hi", heads=[[0]]), "heads.0"),
+                            (lambda: api.ablate("hi there", heads=(1, 0)), "heads"),  # flat
+                            (lambda: api.ablate("hi there"), None),  # neither heads nor scan
+                            (lambda: api.patch("a b", "a"), None),  # no logit_diff
+                            (lambda: api.patch("a b", "", metric="loss"), "corrupted_text")]:
             with pytest.raises(ac.AttnscopeError) as ei:
                 call()
             e = ei.value
             assert type(e) is ac.RequestValidationError and isinstance(e, ValueError)
             assert not isinstance(e, pydantic.ValidationError)
+            assert "Value error" not in e.message and "errors.pydantic" not in e.message
+            if param is None:  # a model-level rule: its own message, no field
+                assert e.message.startswith("invalid /v1/"), e.message
+                continue
             assert e.param == param and param.split(".")[0] in e.message, (param, e.message)
     finally:
         api._http.event_hooks["request"].remove(sent.append)

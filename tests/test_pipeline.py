@@ -17,6 +17,8 @@ import pytest
 
 from attnscope.client import batch as batch_mod
 from attnscope.client import cli as cli_mod
+from attnscope.schemas.links import LinksRequest
+from attnscope.schemas.tokenize import TokenizeRequest
 
 pytestmark = pytest.mark.e2e
 
@@ -53,11 +55,23 @@ def test_resume_refuses_other_analyses_or_options(batch, tmp_path):
     rc, err = batch(*a)
     assert rc == 0 and "done 4" in err
     rec = json.loads(Path(batch_mod.settings_path(str(out))).read_text())
-    assert rec == {"analyses": {"links": {"layer": 1}, "tokenize": {}}}
+    # every option recorded, defaults included (the request models' own)
+    assert rec == {"analyses": {
+        "links": LinksRequest(text="x", layer=1).model_dump(mode="json", exclude={"text", "texts"}),
+        "tokenize": TokenizeRequest(text="x").model_dump(mode="json", exclude={"text", "texts"})}}
+    assert rec["analyses"]["links"]["layer"] == 1 and rec["analyses"]["links"]["top_k"] == 1
     before = out.read_bytes()
-    # the same request resumes: everything skipped
+    # the same request resumes: everything skipped; so does one spelling out a default
     rc, err = batch(*a)
     assert rc == 0 and "done 0, skipped 4" in err
+    rc, err = batch(str(src), "-o", str(out), "-a", "tokenize", "-a", "links",
+                    "--params", '{"links": {"layer": 1, "top_k": 1, "head": null}}')
+    assert rc == 0 and "done 0, skipped 4" in err, err
+    # a record written with only the options typed (an older attnscope) is read the same way
+    Path(batch_mod.settings_path(str(out))).write_text(
+        '{"analyses": {"links": {"layer": 1}, "tokenize": {}}}')
+    rc, err = batch(*a)
+    assert rc == 0 and "done 0, skipped 4" in err, err
     # other analyses, other options (a default included), fewer analyses: refused, untouched
     for other in (["-a", "tokenize", "-a", "links", "-a", "heads", "--params",
                    '{"links": {"layer": 1}}'],
@@ -68,11 +82,15 @@ def test_resume_refuses_other_analyses_or_options(batch, tmp_path):
         assert rc == 2, (other, err)
         assert "will not resume" in err and "--force" in err and str(out) in err
         assert out.read_bytes() == before
+    # the refusal names the option that differs, with both values
+    rc, err = batch(str(src), "-o", str(out), "-a", "tokenize", "-a", "links",
+                    "--params", '{"links": {"layer": 0}}')
+    assert rc == 2 and "links.layer = 1 (this run: 0)" in err, err
     # told to: appends, and the record now names this run's settings
     rc, err = batch(str(src), "-o", str(out), "-a", "tokenize", "--force")
     assert rc == 0 and "--force: appending anyway" in err and "skipped 4" in err
     assert json.loads(Path(batch_mod.settings_path(str(out))).read_text())["analyses"] == \
-        {"tokenize": {}}
+        {"tokenize": TokenizeRequest(text="x").model_dump(mode="json", exclude={"text", "texts"})}
 
 
 def test_an_output_without_a_record_is_checked_by_its_lines(batch, tmp_path):

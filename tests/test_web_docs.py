@@ -48,3 +48,25 @@ def test_docs_assets_are_only_what_docs_needs(live_server):
     assert "SwaggerUIBundle" in js and "3.1" in js
     for other in ("LICENSE", "index.html", "swagger-initializer.js", "../__init__.py"):
         assert httpx.get(f"{live_server.url}/static/swagger-ui/{other}").status_code == 404
+
+
+def test_try_it_out_sends_the_example_and_gets_200(live_server, page):  # noqa: F811
+    """A new user's first call: /v1/attention -> "Try it out" -> "Execute" starts from the
+    schema's example body (one text; Swagger's generated body held both ``text`` and
+    ``texts``, a 422) and the service answers 200."""
+    spec = httpx.get(live_server.url + "/openapi.json").json()
+    example = spec["components"]["schemas"]["AttentionRequest"]["examples"][0]
+    page.goto(live_server.url + "/docs")
+    op = page.locator(".opblock-post", has=page.locator("[data-path='/v1/attention']")).first
+    op.wait_for(timeout=30_000)
+    op.locator(".opblock-summary").click()
+    op.locator("button.try-out__btn").click()
+    area = op.locator("textarea.body-param__text")
+    area.wait_for(timeout=10_000)
+    import json
+
+    assert json.loads(area.input_value()) == example
+    op.locator("button.execute").click()
+    status = op.locator(".live-responses-table tbody .response-col_status").first
+    status.wait_for(timeout=60_000)
+    assert status.inner_text().strip().startswith("200"), status.inner_text()

@@ -434,6 +434,15 @@ export interface components {
          * AblateRequest
          * @description Ablate chosen attention heads (or, with ``scan``, every head alone) of a causal LM on
          *     one text and report what changes in the next-token predictions.
+         * @example {
+         *       "heads": [
+         *         [
+         *           0,
+         *           0
+         *         ]
+         *       ],
+         *       "text": "When Mary and John went to the store, John gave a drink to"
+         *     }
          */
         AblateRequest: {
             /**
@@ -655,6 +664,9 @@ export interface components {
         /**
          * AttentionRequest
          * @description Attention of the resident model for one text or a batch of texts.
+         * @example {
+         *       "text": "When Mary and John went to the store, John gave a drink to"
+         *     }
          */
         AttentionRequest: {
             /**
@@ -1106,6 +1118,9 @@ export interface components {
         /**
          * HeadsRequest
          * @description Scores and a label for every head, from one text or several (scores averaged over texts).
+         * @example {
+         *       "text": "When Mary and John went to the store, John gave a drink to"
+         *     }
          */
         HeadsRequest: {
             /**
@@ -1346,6 +1361,10 @@ export interface components {
          * LinksRequest
          * @description Strongest links of one layer's head mean or of one head (S000, 000_1c89b6c8c2a32040.txt,
          *     ``strongest_previous_token``).
+         * @example {
+         *       "layer": 0,
+         *       "text": "When Mary and John went to the store, John gave a drink to"
+         *     }
          */
         LinksRequest: {
             /**
@@ -1632,6 +1651,9 @@ export interface components {
          * NormsRequest
          * @description Contribution norms ``||alpha^h_ij f_h(x_j)||`` of the resident model for one text or a
          *     batch, with ``f_h(x) = (x W_V^h + b_V^h) W_O^h`` (Kobayashi et al. 2020, eq. 5-7).
+         * @example {
+         *       "text": "When Mary and John went to the store, John gave a drink to"
+         *     }
          */
         NormsRequest: {
             /**
@@ -1785,6 +1807,14 @@ export interface components {
          * PatchRequest
          * @description Activation patching clean -> corrupted (TransformerLens ``patching``): the clean run's
          *     head outputs (and residual stream) patched into the corrupted run one at a time.
+         * @example {
+         *       "clean_text": "When Mary and John went to the store, she gave a drink to",
+         *       "corrupted_text": "When Mary and John went to the store, he gave a drink to",
+         *       "logit_diff": {
+         *         "distractor": " her",
+         *         "target": " him"
+         *       }
+         *     }
          */
         PatchRequest: {
             /**
@@ -1972,6 +2002,9 @@ export interface components {
         /**
          * PredictionsRequest
          * @description Next-token predictions of a causal LM at every position (or chosen ``positions``).
+         * @example {
+         *       "text": "When Mary and John went to the store, John gave a drink to"
+         *     }
          */
         PredictionsRequest: {
             /**
@@ -2081,6 +2114,9 @@ export interface components {
          * @description Rollout ``R_l = Â_l ... Â_1`` with ``Â_l = rownorm((1 - residual) F_l + residual I)``,
          *     ``F_l`` the fused heads of layer l (after the sink and discard steps), and optionally the
          *     attention flow (max-flow over the layered graph with capacities Â).
+         * @example {
+         *       "text": "When Mary and John went to the store, John gave a drink to"
+         *     }
          */
         RolloutRequest: {
             /**
@@ -2244,6 +2280,9 @@ export interface components {
          * ScratchAttentionRequest
          * @description softmax(Q K^T / sqrt(d_k) + mask) V on matrices you give, or on a text's static token
          *     embeddings. Give either all of ``q``, ``k``, ``v`` or ``text``.
+         * @example {
+         *       "text": "The cat sat on the mat"
+         *     }
          */
         ScratchAttentionRequest: {
             /**
@@ -2566,6 +2605,9 @@ export interface components {
         /**
          * TokenizeRequest
          * @description Tokenize text(s) exactly as the analyses will (framing and add_bos included).
+         * @example {
+         *       "text": "When Mary and John went to the store, John gave a drink to"
+         *     }
          */
         TokenizeRequest: {
             /**
@@ -2641,6 +2683,9 @@ export interface components {
         /**
          * TrajectoriesRequest
          * @description Per-token paths of the hidden states through the layers, PCA-projected.
+         * @example {
+         *       "text": "When Mary and John went to the store, John gave a drink to"
+         *     }
          */
         TrajectoriesRequest: {
             /**
@@ -2828,6 +2873,9 @@ export interface components {
          * VerifyRequest
          * @description Recompute the forward from scratch (float64, from the weights) and compare it, layer by
          *     layer, with what the service serves for the text.
+         * @example {
+         *       "text": "When Mary and John went to the store, John gave a drink to"
+         *     }
          */
         VerifyRequest: {
             /**
@@ -3138,7 +3186,7 @@ export interface operations {
             };
         };
         responses: {
-            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (README, 'Binary responses'). */
+            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (README, 'Tensors on the wire'). */
             200: {
                 headers: {
                     [name: string]: unknown;
@@ -3217,7 +3265,7 @@ export interface operations {
             };
         };
         responses: {
-            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (README, 'Binary responses'). */
+            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (README, 'Tensors on the wire'). */
             200: {
                 headers: {
                     [name: string]: unknown;
@@ -3637,7 +3685,7 @@ export interface operations {
             };
         };
         responses: {
-            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (README, 'Binary responses'). */
+            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (README, 'Tensors on the wire'). */
             200: {
                 headers: {
                     [name: string]: unknown;

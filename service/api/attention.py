@@ -16,7 +16,7 @@ router = v1_router(tags=["attention"])
 
 ERRORS = {
     200: {"content": {SAFETENSORS: {}}, "description": "JSON, or with Accept: "
-          "application/x-safetensors one safetensors file (README, 'Binary responses')."},
+          "application/x-safetensors one safetensors file (README, 'Tensors on the wire')."},
     406: {"model": ErrorResponse, "description": "Accept names no media type we produce."},
     413: {"model": ErrorResponse, "description": "Request body too large."},
     422: {"model": ErrorResponse, "description": "Invalid request (field, limit and value named)."},

@@ -243,6 +243,27 @@ class BaseClient:
             raise status_error(response) from exc
 
 
+def _validated(request_model: type[M], path: str, **fields) -> M:
+    """``request_model(**fields)``; raises :class:`RequestValidationError` (not pydantic's
+    error) when the fields do not fit it."""
+    try:
+        return request_model(**fields)
+    except pydantic.ValidationError as exc:
+        raise RequestValidationError.from_pydantic(exc, f"{path} request") from exc
+
+
+def _head_pairs(heads: Any) -> list[list[int]]:
+    """``heads`` as ``[[layer, head], ...]``; raises :class:`RequestValidationError` for a
+    flat pair (``(1, 0)``: give ``[(1, 0)]``) or anything that is not a list of pairs."""
+    try:
+        pairs = [list(h) for h in heads]
+    except TypeError:
+        raise RequestValidationError(
+            f"invalid /v1/ablate request: heads: give a list of [layer, head] pairs, e.g. "
+            f"[[1, 0]] or [(1, 0), (1, 3)]; got {heads!r}", "heads") from None
+    return pairs
+
+
 class _Endpoints:
     """One method per endpoint, written once for both clients: ``_call`` is synchronous in
     :class:`Client` and a coroutine in :class:`AsyncClient` (so ``await`` the methods there)."""
@@ -263,10 +284,7 @@ class _Endpoints:
             fields["text"] = text
         if texts is not None:
             fields["texts"] = texts
-        try:
-            req = request_model(**fields)
-        except pydantic.ValidationError as exc:
-            raise RequestValidationError.from_pydantic(exc, f"{path} request") from exc
+        req = _validated(request_model, path, **fields)
         body = req.model_dump(mode="json", exclude_unset=True)
         return self._call("POST", path, body, response_model, binary)
 
@@ -333,11 +351,7 @@ class _Endpoints:
         for name in ("q", "k", "v"):
             if hasattr(options.get(name), "tolist"):
                 options[name] = options[name].tolist()
-        try:
-            req = ScratchAttentionRequest(**options)
-        except pydantic.ValidationError as exc:
-            raise RequestValidationError.from_pydantic(
-                exc, "/v1/scratch-attention request") from exc
+        req = _validated(ScratchAttentionRequest, "/v1/scratch-attention", **options)
         return self._call("POST", "/v1/scratch-attention",
                           req.model_dump(mode="json", exclude_unset=True),
                           ScratchAttentionResponse)
@@ -409,8 +423,8 @@ class _Endpoints:
         fields = dict(options)
         binary = bool(fields.pop("binary", False))
         if heads is not None:
-            fields["heads"] = [list(h) for h in heads]
-        req = AblateRequest(text=text, **fields)
+            fields["heads"] = _head_pairs(heads)
+        req = _validated(AblateRequest, "/v1/ablate", text=text, **fields)
         return self._call("POST", "/v1/ablate", req.model_dump(mode="json", exclude_unset=True),
                           AblateResponse, binary)
 
@@ -421,7 +435,8 @@ class _Endpoints:
         ``residual`` -> ``.residual`` ``[layer][pos]``; ``metric`` 'logit_diff' (with
         ``logit_diff={"target", "distractor"}``) or 'loss'; ``method='attribution'`` for the
         linear approximation from one backward (``.approximation`` says so)."""
-        req = PatchRequest(clean_text=clean_text, corrupted_text=corrupted_text, **options)
+        req = _validated(PatchRequest, "/v1/patch", clean_text=clean_text,
+                         corrupted_text=corrupted_text, **options)
         return self._call("POST", "/v1/patch", req.model_dump(mode="json", exclude_unset=True),
                           PatchResponse)
 

@@ -110,7 +110,10 @@ class RequestValidationError(AttnscopeError, ValueError):
         for e in errs:
             loc = ".".join(str(x) for x in e.get("loc", ()))
             param = param or loc or None
-            parts.append(f"{loc or what}: {e.get('msg')}")
+            msg = str(e.get("msg"))
+            if e.get("type") == "value_error":  # a validator's own message, without pydantic's
+                msg = msg.removeprefix("Value error, ")  # "Value error, " in front
+            parts.append(f"{loc}: {msg}" if loc else msg)
         return cls(f"invalid {what}: " + "; ".join(parts), param, errs)
 
 

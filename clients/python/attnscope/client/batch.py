@@ -227,7 +227,20 @@ def settings_path(output: str) -> str:
 
 
 def _settings(analyses: dict[str, dict]) -> dict:
-    return {"analyses": {n: analyses[n] for n in sorted(analyses)}}
+    """What a run asks for, every option of every analysis spelled out (the request model's
+    defaults filled in), so an option given at its default asks for the same."""
+    return {"analyses": {n: _with_defaults(n, analyses[n]) for n in sorted(analyses)}}
+
+
+def _with_defaults(name: str, opts: Any) -> Any:
+    """``opts`` of analysis ``name`` with every option its request model has, defaults
+    filled in (as JSON); ``opts`` as given where it does not fit the model (an unknown
+    analysis, or a record from another version)."""
+    try:
+        req = _request_model(name)(text="check", **opts)
+    except (KeyError, TypeError, ValueError, AttributeError, ImportError):
+        return opts  # (pydantic's ValidationError is a ValueError)
+    return req.model_dump(mode="json", exclude={"text", "texts"})
 
 
 def _analyses_in(path: str, limit: int = 1000) -> set[str]:
@@ -261,15 +274,35 @@ def resume_conflict(output: str, failures: str, analyses: dict[str, dict]) -> st
                 have = json.load(f)
         except (OSError, ValueError) as exc:
             return f"{rec} cannot be read ({exc}); cannot tell what {output} was made with"
-        if have.get("analyses") != want["analyses"]:
-            return (f"{output} was made with {json.dumps(have.get('analyses'), sort_keys=True)};"
-                    f" this run asks for {json.dumps(want['analyses'], sort_keys=True)}")
+        had = have.get("analyses")
+        if isinstance(had, dict):  # a record written with only the options typed: as full
+            had = {n: _with_defaults(n, o) for n, o in had.items()}
+        if had != want["analyses"]:
+            return (f"{output} was made with {_differences(had, want['analyses'])}")
         return None
     found = _analyses_in(output)
     if found and found != set(analyses):
         return (f"{output} holds results of {sorted(found)}; this run asks for "
                 f"{sorted(analyses)}")
     return None
+
+
+def _differences(had: Any, want: dict) -> str:
+    """What differs between the recorded and the requested analyses, option by option."""
+    if not isinstance(had, dict) or set(had) != set(want):
+        names = sorted(had) if isinstance(had, dict) else had
+        return f"the analyses {json.dumps(names)}; this run asks for {json.dumps(sorted(want))}"
+    diffs = []
+    for n in sorted(want):
+        a, b = had[n], want[n]
+        if not (isinstance(a, dict) and isinstance(b, dict)):
+            diffs.append(f"{n} {json.dumps(a)} (this run: {json.dumps(b)})")
+            continue
+        for k in sorted(set(a) | set(b)):
+            if a.get(k, "<unset>") != b.get(k, "<unset>"):
+                diffs.append(f"{n}.{k} = {json.dumps(a.get(k, '<unset>'))} (this run: "
+                             f"{json.dumps(b.get(k, '<unset>'))})")
+    return "; ".join(diffs)
 
 
 def record_settings(output: str, analyses: dict[str, dict]) -> None:

@@ -205,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", choices=["logit_diff", "loss"], default=None, help="(logit_diff)")
     p.add_argument("--method", choices=["exact", "attribution"], default=None, help="(exact)")
     p.add_argument("--residual", action="store_true", default=None, help="also [layer, pos]")
-    p.add_argument("-o", "--option", action="append", default=[], metavar="KEY=JSON",
+    p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
                    help="any request option, value as JSON; repeatable")
+    _output_arg(p)
     p.add_argument("--plot", metavar="FILE", default=None, help="save the effect grid figure")
     p = sub.add_parser("norms", help="contribution norms ||alpha f(x)|| (Kobayashi et al. 2020)")
     _common(p)
@@ -259,7 +260,10 @@ def _options(args, names: dict[str, str]) -> dict[str, Any]:
             raise UsageError(f"--option expects KEY=JSON, got {item!r}")
         try:
             out[key] = json.loads(raw)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as exc:
+            if raw.lstrip()[:1] in ("[", "{", '"'):  # meant as JSON: say where it breaks
+                raise UsageError(f"--option {key}={raw}: not valid JSON ({exc.msg} at "
+                                 f"character {exc.pos})")
             out[key] = raw  # a bare string
     return out
 
@@ -320,6 +324,26 @@ def _check_args(args) -> None:
                              "(--head, --kind heads) needs a request without --head-mean")
     if args.cmd == "trajectories" and args.kind != "paths" and not args.plot:
         raise UsageError("--kind chooses the figure and needs --plot FILE")
+    for flag in ("plot", "output"):  # a file the answer is written to: its folder must exist
+        path = getattr(args, flag, None)
+        if path and args.cmd != "batch" and path != "-":
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):
+                raise UsageError(f"--{flag} {path}: the folder {folder} does not exist")
+    if args.cmd == "ablate":
+        given = {o.partition("=")[0] for o in args.option or []}
+        if not args.scan and args.heads is None and "heads" not in given and "scan" not in given:
+            raise UsageError("give --heads L:H[,L:H ...] (the heads ablated together) or --scan "
+                             "(every head alone)")
+        if args.plot and not args.scan and "scan" not in given:
+            raise UsageError("--plot draws the scan's effect grid: add --scan")
+    if args.cmd == "patch":
+        given = {o.partition("=")[0] for o in args.option or []}
+        if (args.metric or "logit_diff") == "logit_diff" and args.target is None \
+                and args.distractor is None and "logit_diff" not in given:
+            raise UsageError("the logit_diff metric (the default) needs --target and "
+                             "--distractor (one token each, e.g. ' Mary' ' John'), or give "
+                             "--metric loss")
 
 
 def _check_in(value, present: list[int], what: str, flag: str) -> None:
@@ -362,9 +386,10 @@ def cmd_model(args) -> int:
     if args.json:
         _print_json(info)
         return EXIT_OK
-    for k, v in info.model_dump().items():
-        if v is not None:
-            print(f"{k:<16} {v}")
+    rows = {k: v for k, v in info.model_dump().items() if v is not None}
+    w = max(map(len, rows), default=0)
+    for k, v in rows.items():
+        print(f"{k:<{w}}  {v}")
     return EXIT_OK
 
 
@@ -562,6 +587,7 @@ def cmd_predict(args) -> int:
     opts = _options(args, {"top_k": "top_k", "positions": "positions"})
     with _client(args) as c:
         res = c.predictions(_read_text(args.text), **opts)
+    _write_output(args, res)
     if args.json:
         _print_json(res)
         return EXIT_OK
@@ -586,6 +612,7 @@ def cmd_ablate(args) -> int:
     text = _read_text(args.text)
     with _client(args) as c:
         res = c.ablate(text, heads=args.heads, **opts)
+    _write_output(args, res)
     if args.json:
         _print_json(res)
     elif res.scan is not None:
@@ -621,6 +648,7 @@ def cmd_patch(args) -> int:
         opts["logit_diff"] = _ld(args)
     with _client(args) as c:
         res = c.patch(args.clean_text, args.corrupted_text, **opts)
+    _write_output(args, res)
     if args.json:
         _print_json(res)
     else:
@@ -646,6 +674,7 @@ def cmd_norms(args) -> int:
     opts.setdefault("value_norms", False)
     with _client(args) as c:
         res = c.attention_norms(_read_text(args.text), **opts)
+    _write_output(args, res)
     if args.json:
         _print_json(res)
         return EXIT_OK
@@ -683,6 +712,7 @@ def cmd_rollout(args) -> int:
         opts["sink"] = "drop"
     with _client(args) as c:
         res = c.rollout(_read_text(args.text), **opts)
+    _write_output(args, res)
     if args.json:
         _print_json(res)
         return EXIT_OK
