@@ -165,6 +165,10 @@ def test_head_grid_scores_and_click_opens_the_head(live_server, page, patterns):
         title = b.get_attribute("title")
         for name, v in h["scores"].items():
             assert f"{name}: {'n/a' if v is None else f'{v:.3f}'}" in title, (name, title)
+        first = title.split("\n")[0]  # every label the head earns, the primary one first
+        others = [x for x in h["labels"] if x != h["label"]]
+        assert first == f"layer {h['layer']}, head {h['head']}: {h['label']}" + (
+            f" (also {', '.join(others)})" if others else ""), (first, h["labels"])
     # same label, same colour
     colours = {}
     for b in cells.all():
@@ -243,19 +247,74 @@ def test_line_view_links_trajectories_verification(live_server, page, patterns):
 
 
 def test_errors_are_shown_and_the_page_recovers(live_server, page):
-    page.goto(f"{live_server.url}/explorer")
-    page.wait_for_function("document.body.dataset.state === 'idle'")
+    open_explorer(page, live_server.url)  # a text's results on screen first
+    assert page.locator("#tokens .token").count() > 4
     page.fill("#text", "word " * 400)  # over the bundled model's 256-token context
     page.click("#run")
     page.wait_for_function("document.body.dataset.state === 'error'", timeout=60_000)
     status = page.inner_text("#status")
     assert "422 context_length_exceeded (text)" in status and "256" in status
+    # the URL now names the failing text: no panel shows the previous text's results
+    assert parse_qs(urlparse(page.url).query)["text"] == ["word " * 400]
+    for sel in ("#tokens .token", "#heatmap canvas", "#lineview line", "#headgrid button",
+                "#links tr", "#trajectories line", "#verify p"):
+        assert page.locator(sel).count() == 0, sel
+    assert page.inner_text("#token-count") == ""
     # the browser itself logs the failed fetch; nothing else went wrong
     page.errors[:] = [e for e in page.errors if "status of 422" not in e]
     page.fill("#text", "A short text again.")
     page.keyboard.press("Control+Enter")
     page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
     assert page.locator("#tokens .token").count() >= 4
+
+
+def test_url_values_past_the_model_are_said_and_rollout_has_no_head(live_server, page):
+    m = httpx.get(live_server.url + "/v1/model").json()
+    L, H = m["n_layers"], m["n_heads"]
+    open_explorer(page, live_server.url, layer=L + 7, head=H + 3)
+    status = page.inner_text("#status")
+    assert f"layer {L + 7} is past the model's {L} layers: showing layer {L - 1}" in status, status
+    assert f"head {H + 3} is past its {H} heads: showing head {H - 1}" in status, status
+    qs = parse_qs(urlparse(page.url).query)
+    assert qs["layer"] == [str(L - 1)] and qs["head"] == [str(H - 1)]
+    assert not page.locator("#head").is_disabled()
+    page.select_option("#view", "rollout")
+    page.wait_for_function("document.querySelector('#heatmap .view-title').textContent.includes('rollout')")
+    assert page.locator("#head").is_disabled()
+    page.select_option("#view", "weight")
+    page.wait_for_function("!document.querySelector('#head').disabled")
+
+
+def test_line_view_legend_once_and_trajectory_labels_apart(live_server, page):
+    text = "And God said, Let there be light: and there was light. And God saw the light."
+    open_explorer(page, live_server.url, text=text, layer=1, head=0)
+    # the head checkboxes carry the swatches; the line view adds only its count note
+    assert page.locator("#line-heads .swatch").count() >= 2
+    assert page.locator("#lineview .legend .swatch").count() == 0
+    assert "lines (weights" in page.inner_text("#lineview .legend")
+    # token labels at the paths' ends: inside the plot, no two overlapping; any left out is said
+    boxes = page.locator("#trajectories text.toklabel").evaluate_all(
+        "ts => ts.map(t => { const b = t.getBBox(); return [b.x, b.y, b.x + b.width, b.y + b.height]; })")
+    W, H = (float(page.locator("#trajectories svg").get_attribute(a)) for a in ("width", "height"))
+    n = len(api(live_server.url, "/v1/tokenize", {"text": text})["tokens"]["tokens"])
+    assert boxes and all(b[0] >= 0 and b[1] >= 0 and b[2] <= W and b[3] <= H for b in boxes), boxes
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not (a[0] < b[2] - 0.5 and b[0] < a[2] - 0.5 and a[1] < b[3] - 0.5
+                        and b[1] < a[3] - 0.5), (a, b)
+    if len(boxes) < n:
+        assert f"{n - len(boxes)} token label(s) not drawn" in page.inner_text("#panel-trajectories")
+    assert page.locator("#trajectories g.path title").count() == n
+    screenshot(page, "explorer-trajectories-labels", "#panel-trajectories")
+    # a head with two labels names both in its tooltip (this text gives L1H0 two)
+    heads = api(live_server.url, "/v1/heads", {"text": text, "add_bos": False})["heads"]
+    multi = [h for h in heads if len(h["labels"]) > 1]
+    assert multi, [h["labels"] for h in heads]
+    for h in multi:
+        title = page.locator(f"#headgrid button[data-layer='{h['layer']}'][data-head='{h['head']}']"
+                             ).get_attribute("title")
+        others = ", ".join(x for x in h["labels"] if x != h["label"])
+        assert title.startswith(f"layer {h['layer']}, head {h['head']}: {h['label']} (also {others})\n"), title
 
 
 def test_long_text_uses_compact_wire_forms_and_caps_the_line_view(live_server, page):

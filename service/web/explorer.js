@@ -196,6 +196,9 @@ async function renderAttention() {
   $("#layer").value = String(state.layer);
   $("#head").value = String(state.head);
   $("#view").value = state.view;
+  // rollout fuses every head (their mean): the head picker does not apply to it
+  $("#head").disabled = state.view === "rollout";
+  $("#head").title = state.view === "rollout" ? "rollout fuses all heads (their mean)" : "";
   ready("attention");
 }
 
@@ -226,7 +229,7 @@ async function renderLines() {
     const m = t.at(0).at(h);
     return { head: h, colour: headColour(h), get: (q, k) => m.get(q, k) };
   });
-  lineView($("#lineview"), views, { labels });
+  lineView($("#lineview"), views, { labels, legend: false });
   ready("lines");
 }
 
@@ -348,10 +351,18 @@ async function analyse() {
   const my = ++runId;
   document.body.dataset.state = "loading";
   setStatus("analysing\u2026");
-  cache = new Map();
-  heads = null;
-  state.layer = Math.min(state.layer, model.n_layers - 1);
-  if (state.head !== "mean") state.head = Math.min(state.head, model.n_heads - 1);
+  // the last text's results go: a panel this analysis cannot fill stays empty, never showing
+  // another text's numbers under this text's URL
+  clearResults();
+  const clamped = [];  // URL values past the model's layers/heads, said in the status line
+  if (state.layer > model.n_layers - 1) {
+    clamped.push(`layer ${state.layer} is past the model's ${model.n_layers} layers: showing layer ${model.n_layers - 1}`);
+    state.layer = model.n_layers - 1;
+  }
+  if (state.head !== "mean" && state.head > model.n_heads - 1) {
+    clamped.push(`head ${state.head} is past its ${model.n_heads} heads: showing head ${model.n_heads - 1}`);
+    state.head = model.n_heads - 1;
+  }
   writeUrl();
   try {
     await layerPattern(state.layer, state.head === "mean");
@@ -360,10 +371,27 @@ async function analyse() {
     await Promise.all([renderAttention(), renderLines(), renderHeads(), renderLinks(), renderTrajectories(), renderVerify(),
       ...panels.map(renderPanel)]);
     if (my !== runId) return;
-    setStatus(`${tokens.length} tokens analysed by ${model.id}`);
+    setStatus(`${tokens.length} tokens analysed by ${model.id}` + (clamped.length ? ` (${clamped.join("; ")})` : ""));
     document.body.dataset.state = "ready";
   } catch (e) {
     if (my === runId) fail(e);
+  }
+}
+
+/** Empty every result panel and forget the last text's patterns and head scores. */
+function clearResults() {
+  tokens = [];
+  cache = new Map();
+  heads = null;
+  for (const id of ["tokens", "heatmap", "cbar", "line-heads", "lineview", "headgrid", "links", "trajectories", "verify"]) {
+    const box = $(`#${id}`);
+    box.replaceChildren();
+    delete box.dataset.key;
+  }
+  for (const id of ["token-count", "heads-note", "links-note", "traj-note"]) $(`#${id}`).textContent = "";
+  for (const p of panels) p.body.replaceChildren();
+  for (const s of document.querySelectorAll("section.panel[data-ready]")) {
+    if (s.id !== "panel-model") s.dataset.ready = "0";
   }
 }
 

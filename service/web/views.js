@@ -254,9 +254,11 @@ export function lineView(container, heads, opts = {}) {
       class: "tok ktok", "data-pos": i, text: showLabel(s) }));
   });
   const legend = el("div", { class: "legend" });
-  for (const h of heads) {
-    legend.append(el("span", { class: "legend-item" }, el("span", { class: "swatch", style: `background:${h.colour}` }),
-      h.head === "mean" ? "head mean" : `head ${h.head}`));
+  if (opts.legend !== false) {  // (the explorer's head checkboxes carry the swatches)
+    for (const h of heads) {
+      legend.append(el("span", { class: "legend-item" }, el("span", { class: "swatch", style: `background:${h.colour}` }),
+        h.head === "mean" ? "head mean" : `head ${h.head}`));
+    }
   }
   legend.append(el("span", { class: "note", text: total > count
     ? `the strongest ${count} of ${total} lines (weights \u2265 ${minW})` : `${count} lines (weights \u2265 ${minW})` }));
@@ -286,11 +288,13 @@ export function headGrid(container, res, onPick, selected = null) {
       const td = el("td");
       if (it) {
         const scores = Object.entries(it.scores).map(([k, v]) => `${k}: ${v === null ? "n/a" : Number(v).toFixed(3)}`).join("\n");
+        const others = (it.labels || []).filter((x) => x !== it.label);  // every label it earns
+        const named = others.length ? `${it.label} (also ${others.join(", ")})` : it.label;
         const b = el("button", {
           class: "headcell" + (selected && selected[0] === l && selected[1] === h ? " selected" : ""),
           style: `background:${LABEL_COLOURS[it.label] || "#ccc"}`,
-          title: `layer ${l}, head ${h}: ${it.label}\n${scores}`,
-          "aria-label": `layer ${l} head ${h}, ${it.label}; ${scores.replace(/\n/g, ", ")}`,
+          title: `layer ${l}, head ${h}: ${named}\n${scores}`,
+          "aria-label": `layer ${l} head ${h}, ${named}; ${scores.replace(/\n/g, ", ")}`,
           "data-layer": l, "data-head": h, "data-label": it.label,
           text: it.label === "none" ? "\u00b7" : it.label.replace("_token", "").replace("duplicate", "dup"),
         });
@@ -337,6 +341,8 @@ export function trajectoryPlot(container, t) {
       text: `PC 2 (${pct(t.evr[1])})` }));
   for (const [v, x] of [[xmin, pad], [xmax, W - pad]]) svg.append(el("text", { x, y: H - pad + 16, "text-anchor": "middle", class: "tick", text: v.toFixed(1) }));
   for (const [v, y] of [[ymin, H - pad], [ymax, pad]]) svg.append(el("text", { x: pad - 6, y, "text-anchor": "end", class: "tick", text: v.toFixed(1) }));
+  const placed = [];  // boxes of the token labels drawn so far
+  let hidden = 0;
   for (let i = 0; i < nT; i++) {
     const col = PALETTE[i % PALETTE.length];
     const id = `arrow-${i}-${Math.random().toString(36).slice(2, 8)}`;
@@ -351,10 +357,40 @@ export function trajectoryPlot(container, t) {
     for (const s of [0, nS - 1]) {
       g.append(el("text", { x: sx(t.paths.get(i, s, 0)) + 3, y: sy(t.paths.get(i, s, 1)) - 3, class: "state", text: String(t.states[s]) }));
     }
-    g.append(el("text", { x: sx(t.paths.get(i, nS - 1, 0)) + 6, y: sy(t.paths.get(i, nS - 1, 1)) + 12, fill: col, class: "toklabel",
-      text: showLabel(t.labels[t.positions[i]]) }));
+    const word = showLabel(t.labels[t.positions[i]]);
+    g.append(el("title", { text: `position ${t.positions[i]}: ${word}` }));
+    const spot = labelSpot(placed, sx(t.paths.get(i, nS - 1, 0)), sy(t.paths.get(i, nS - 1, 1)), word.length, W, H);
+    if (spot) {
+      g.append(el("text", { x: spot.x, y: spot.y, "text-anchor": spot.anchor, fill: col, class: "toklabel",
+        "data-pos": t.positions[i], text: word }));
+    } else {
+      hidden++;
+    }
     svg.append(g);
   }
-  container.replaceChildren(svg);
+  const parts = [svg];
+  if (hidden) parts.push(el("p", { class: "note", text: `${hidden} token label(s) not drawn where they would overlap another; hover a path for its token` }));
+  container.replaceChildren(...parts);
   return svg;
+}
+
+/**
+ * Where a token label of `len` characters goes next to its path's end (x, y): below right,
+ * above right, then to the left of it, inside the W x H plot and clear of every label in
+ * `placed` (boxes of ~7.8 px per character, 14 px high; the chosen box is added). Null when
+ * every spot overlaps (the label is left out; the path's tooltip names the token).
+ */
+function labelSpot(placed, x, y, len, W, H) {
+  const w = 7.8 * Math.max(1, len) + 2, h = 14;
+  const tries = [[x + 6, y + 12, "start"], [x + 6, y - 6, "start"], [x - 6, y + 12, "end"], [x - 6, y - 6, "end"],
+    [x + 6, y + 26, "start"], [x + 6, y - 20, "start"]];
+  for (const [tx, ty, anchor] of tries) {
+    const x0 = anchor === "start" ? tx : tx - w;
+    const box = [x0, ty - h + 3, x0 + w, ty + 3];
+    if (box[0] < 0 || box[2] > W || box[1] < 0 || box[3] > H) continue;
+    if (placed.some((b) => box[0] < b[2] && b[0] < box[2] && box[1] < b[3] && b[1] < box[3])) continue;
+    placed.push(box);
+    return { x: tx, y: ty, anchor };
+  }
+  return null;
 }
