@@ -33,7 +33,14 @@ def serve(args: argparse.Namespace) -> int:
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:
-        print(f"attnscope serve: invalid configuration:\n{exc}", file=sys.stderr)
+        # one line per setting at fault, named as its flag (and its environment variable)
+        for e in exc.errors(include_url=False):
+            name = str(e["loc"][0]) if e.get("loc") else ""
+            where = (f"--{name.replace('_', '-')} (env ATTNSCOPE_{name.upper()})" if name
+                     else "configuration")
+            msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+            got = f" (got {e['input']!r})" if name and not isinstance(e.get("input"), dict) else ""
+            print(f"attnscope serve: {where}: {msg}{got}", file=sys.stderr)
         return 2
     from attnscope.service.logs import logging_config
 

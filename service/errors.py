@@ -94,6 +94,11 @@ class NonFiniteValues(AttnscopeError):
     status = 500
 
 
+def n_tokens(n: int) -> str:
+    """``"1 token"``, ``"2 tokens"``: a token count in an error message."""
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 def envelope(type_: str, message: str, param: str | None = None) -> dict:
     return {"error": {"type": type_, "message": message, "param": param}}
 

@@ -118,7 +118,7 @@ def test_index_checks_read_at_most_limit_plus_one_entries(head):
 def test_ignore_out_of_range_names_first_offender(client):
     e = _err(client.post("/v1/links", json={"texts": ["a b c d e f", "a"], "layer": 0,
                                             "ignore": [0, 3, 5]}), type_="out_of_range")
-    assert e["param"] == "ignore.1" and "texts.1 has 1 tokens" in e["message"]
+    assert e["param"] == "ignore.1" and "texts.1 has 1 token (valid positions 0..0)" in e["message"]
 
 
 # ------------------------------------------------------------------ memory limit

@@ -202,6 +202,24 @@ def test_bad_model_dir_is_a_clear_startup_error(tmp_path):
     with pytest.raises(ModelLoadError) as e:
         Runtime.load(Settings(model=str(tmp_path)))
     assert "could not load model" in str(e.value)
+    # a path that is not there (or a file) is said as such, not as a hub id left uncached
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    for name, why in ((str(tmp_path / "no" / "such"), "no such directory"),
+                      ("./no-such-checkpoint", "no such directory"),
+                      (str(tmp_path / "weights.bin"), "a file, not a checkpoint directory")):
+        with pytest.raises(ModelLoadError) as e:
+            Runtime.load(Settings(model=name, strict_model=True))
+        assert why in str(e.value) and "hub" not in str(e.value), str(e.value)
+
+
+def test_serve_names_the_flag_of_a_bad_setting(capsys):
+    from attnscope.service import cli
+
+    assert cli.main(["serve", "--port", "abc", "--max-batch", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "attnscope serve: --port (env ATTNSCOPE_PORT): " in err and "(got 'abc')" in err
+    assert "--max-batch (env ATTNSCOPE_MAX_BATCH): " in err
+    assert "pydantic" not in err and "validation error for" not in err
 
 
 def test_probe_rejects_non_eager_attention(bundled_dir):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from attnscope.service.analysis._blas import one_blas_thread
-from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
+from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
 
 
 def state_names(n_layers: int, include_final: bool) -> list[str]:
@@ -183,8 +183,8 @@ def check_trajectory_request(
     for i, p in enumerate(positions):
         if not 0 <= p < n_token:
             raise OutOfRange(
-                f"{where}: positions[{i}] = {p} is out of range: the text has {n_token} "
-                f"tokens (valid positions 0..{n_token - 1})", f"positions.{i}",
+                f"{where}: positions[{i}] = {p} is out of range: the text has "
+                f"{n_tokens(n_token)} (valid positions 0..{n_token - 1})", f"positions.{i}",
             )
     seen: dict[int, int] = {}
     for i, p in enumerate(positions):

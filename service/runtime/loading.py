@@ -91,6 +91,14 @@ def _load_pretrained(name: str, settings: Settings):
     else:
         path, model_id = Path(name).expanduser(), name
     local = path.is_dir()
+    if not local and (path.is_absolute() or name.startswith(("./", "../", "~", ".\\"))
+                      or path.exists()):
+        # spelled as a path (a hub id is "name" or "org/name"): no hub lookup to blame
+        raise ModelLoadError(
+            f"could not load model {name!r}: "
+            + ("it is a file, not a checkpoint directory" if path.exists()
+               else "no such directory")
+        )
     source = str(path) if local else name
     kw: dict = {"trust_remote_code": False}
     if not local:

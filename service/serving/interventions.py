@@ -24,7 +24,7 @@ import torch
 from attnscope.schemas.interventions import AblateRequest, PatchRequest, PredictionsRequest
 from attnscope.service.analysis import interventions as A
 from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
-from attnscope.service.errors import BatchTooLarge, InvalidRequest, OutOfRange
+from attnscope.service.errors import BatchTooLarge, InvalidRequest, OutOfRange, n_tokens
 from attnscope.service.runtime import interventions as I
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_distinct, check_index
@@ -86,7 +86,7 @@ def _positions(positions: list[int] | None, T: int, field: str, where: str) -> l
     check_distinct(positions, field)
     for i, p in enumerate(positions):
         if p >= T:
-            raise OutOfRange(f"{field}[{i}] = {p} is out of range: {where} has {T} tokens "
+            raise OutOfRange(f"{field}[{i}] = {p} is out of range: {where} has {n_tokens(T)} "
                              f"(valid positions 0..{T - 1})", f"{field}.{i}")
     return list(positions)
 
@@ -111,7 +111,7 @@ def _logit_diff_tokens(rt, opts, T: int, where: str) -> tuple[int, int, int]:
                              "logit_diff.distractor")
     pos = T - 1 if opts.position is None else opts.position
     if pos >= T:
-        raise OutOfRange(f"logit_diff.position = {pos} is out of range: {where} has {T} tokens "
+        raise OutOfRange(f"logit_diff.position = {pos} is out of range: {where} has {n_tokens(T)} "
                          f"(valid positions 0..{T - 1})", "logit_diff.position")
     return tgt, dis, pos
 
@@ -208,7 +208,7 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
         resample = rt.tokenize(req.resample_text, req.add_bos, "resample_text")
         if len(resample) != T:
             raise InvalidRequest(
-                f"resample_text has {len(resample)} tokens but text has {T}; method 'resample' "
+                f"resample_text has {n_tokens(len(resample))} but text has {T}; method 'resample' "
                 "needs texts of the same token count", "resample_text")
         items.append(resample)
     heads = _check_heads(rt, req.heads) if req.heads is not None else None
@@ -341,7 +341,7 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
     T = len(clean_t)
     if len(corr_t) != T:
         raise InvalidRequest(
-            f"clean_text has {T} tokens and corrupted_text has {len(corr_t)}; activation "
+            f"clean_text has {n_tokens(T)} and corrupted_text has {len(corr_t)}; activation "
             "patching needs the same token count (pad or reword one of them)", "corrupted_text")
     ids = clean_t.input_ids
     ld = None

@@ -8,7 +8,7 @@ import torch
 from attnscope.schemas import LinksRequest
 from attnscope.service.analysis.links import skipped_queries, strongest_links
 from attnscope.service.encoding.estimates import links_bytes
-from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange
+from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_distinct, check_index
 from attnscope.service.serving.common import text_or_results
@@ -34,8 +34,8 @@ def plan(rt, req: LinksRequest, items) -> Plan:
             if top >= len(it):
                 j, top = next((j, p) for j, p in enumerate(req.ignore) if p >= len(it))
                 where = "text" if req.text is not None else f"texts.{i}"
-                raise OutOfRange(f"ignore[{j}] = {top} is out of range: {where} has {len(it)} "
-                                 f"tokens (valid positions 0..{len(it) - 1})", f"ignore.{j}")
+                raise OutOfRange(f"ignore[{j}] = {top} is out of range: {where} has "
+                                 f"{n_tokens(len(it))} (valid positions 0..{len(it) - 1})", f"ignore.{j}")
 
     def job(forwards) -> dict:
         out = _build(req, forwards, rt)

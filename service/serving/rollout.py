@@ -6,7 +6,7 @@ import torch
 
 from attnscope.service.analysis import rollout as RO
 from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
-from attnscope.service.errors import InvalidRequest, NonFiniteValues
+from attnscope.service.errors import InvalidRequest, NonFiniteValues, n_tokens
 from attnscope.service.runtime.engine import Plan
 from attnscope.service.serving.checks import check_indices
 from attnscope.service.serving.common import text_or_results
@@ -32,7 +32,7 @@ def check(rt, req, lengths: list[int] | None = None) -> tuple[list[int], list[in
                 raise InvalidRequest(
                     f"attention flow is limited to {RO.FLOW_MAX_TOKENS} tokens (flow_max_tokens:"
                     f" one max-flow per query and input token, its cost grows as T^4 x layers);"
-                    f" {where} has {n} tokens. Send a shorter text or set flow to false "
+                    f" {where} has {n_tokens(n)}. Send a shorter text or set flow to false "
                     "(rollout has no such limit)", "flow",
                 )
     layers = req.layers if req.layers is not None else list(range(L))
