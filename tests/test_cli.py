@@ -62,9 +62,13 @@ def test_one_variable_for_the_server_address(run, live_server):
     rc, out, err = run("model", "--max-retries", "0",
                        env={"ATTNSCOPE_BASE_URL": dead, "ATTNSCOPE_URL": live_server.url})
     assert rc == 3 and dead in err and "ATTNSCOPE_BASE_URL" in err
-    # --url beats both, silently
+    # --url beats both, silently; before the command as after it (the command's own wins)
     rc, out, err = run("model", "--url", live_server.url, env={"ATTNSCOPE_BASE_URL": dead})
     assert rc == 0 and err == ""
+    rc, out, err = run("--url", live_server.url, "model", env={"ATTNSCOPE_BASE_URL": dead})
+    assert rc == 0 and err == "" and "n_layers" in out
+    rc, out, err = run("--url", dead, "model", "--url", live_server.url, env={})
+    assert rc == 0 and "n_layers" in out
 
 
 def test_the_python_client_reads_the_same_variable(monkeypatch, live_server):

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 1 server error, 2 usage error, 3 connection failure, "
                "4 negative result (verify failed / batch items failed)",
     )
+    # the connection flags also before the command (attnscope --url URL model), as after it
+    ap.add_argument("--url", dest="global_url", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--api-key", dest="global_api_key", default=None, help=argparse.SUPPRESS)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     sub.add_parser("serve", help="start the HTTP service (attnscope serve --help)", add_help=False)
 
@@ -792,6 +795,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     args.argv = argv  # batch's resume hint repeats the command
+    for name in ("url", "api_key"):  # given before the command: the command's, unless it has its own
+        if getattr(args, name, None) is None and getattr(args, f"global_{name}", None) is not None:
+            setattr(args, name, getattr(args, f"global_{name}"))
     try:
         _check_args(args)
         if args.cmd == "batch":
