@@ -138,6 +138,11 @@ def test_request_options_are_dash_dash_option(run):
     (["ablate", "x y"], 2, ["give --heads L:H", "--scan"]),
     (["ablate", "x y", "--heads", "0:0", "--plot", "g.png"], 2, ["add --scan"]),
     (["patch", "a b", "c d"], 2, ["needs --target and --distractor", "--metric loss"]),
+    (["ablate", "x y", "--option", "heads=[[0,1]]"], 2, ["--option heads: give it as --heads"]),
+    (["attention", "x", "--option", 'text="y"'], 2, ["--option text: give it as the TEXT argument"]),
+    (["patch", "a b", "c d", "--metric", "loss", "--option", 'clean_text="A"'], 2,
+     ["--option clean_text: give it as the CLEAN_TEXT argument"]),
+    (["predict", "x", "--output", "-"], 2, ["use --json"]),
     (["links", "x y", "-o", "no/such/dir/out.json"], 2, ["--output no/such/dir/out.json: the folder"]),
     (["batch", "no-such-input.jsonl", "-o", "out.jsonl"], 2, ["cannot read no-such-input"]),
 ])
@@ -208,3 +213,9 @@ def test_serve_execs_the_service_cli(tmp_path):
             "print(any(m.startswith('attnscope.service') for m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_patch_metric_given_through_option_is_read(run):
+    rc, out, err = run("patch", "The cat sat", "The dog sat", "--option", "metric=loss", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["metric"] == "loss"

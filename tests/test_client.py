@@ -196,6 +196,7 @@ def test_local_validation_before_sending(api):
                             (lambda: api.attention(["a"], texts=["b"]), "texts"),
                             (lambda: api.ablate("hi", heads=[[0]]), "heads.0"),
                             (lambda: api.ablate("hi there", heads=(1, 0)), "heads"),  # flat
+                            (lambda: api.ablate("hi there", heads=np.array([1, 0])), "heads"),
                             (lambda: api.ablate("hi there"), None),  # neither heads nor scan
                             (lambda: api.patch("a b", "a"), None),  # no logit_diff
                             (lambda: api.patch("a b", "", metric="loss"), "corrupted_text")]:
@@ -544,3 +545,14 @@ def test_client_decodes_base64_batches_exactly(client, gpt2_runtime):
     for text, r in zip(texts, sp.results):
         p = _fw(gpt2_runtime, text).pattern.numpy()
         assert np.array_equal(r.pattern.numpy(), _expect_sparse(p, 2, 0.05))
+
+
+def test_head_pairs_from_arrays_are_plain_ints():
+    import torch
+
+    from attnscope.client._client import _head_pairs
+
+    for heads in (np.array([[1, 0], [1, 3]]), torch.tensor([[1, 0], [1, 3]]),
+                  [np.array([1, 0]), (1, 3)]):
+        got = _head_pairs(heads)
+        assert got == [[1, 0], [1, 3]] and all(type(x) is int for h in got for x in h), got

@@ -154,3 +154,27 @@ def test_ctrl_c_ends_with_the_summary_and_how_to_resume(live_server, tmp_path):
     assert f"done {n - len(first)}, skipped {len(first)}, failed 0 of {n}" in r.stderr
     ids = _ids(out) + _ids(fails)
     assert sorted(ids) == list(range(n))
+
+
+def test_odd_records_and_params_are_usage_errors(batch, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": 1, "text": "one two"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    rc, err = batch(str(src), "-o", str(out), "-a", "tokenize")
+    assert rc == 0
+    rec = Path(batch_mod.settings_path(str(out)))
+    for bad in ("[]", "null", '"x"'):  # JSON, but not a settings record
+        rec.write_text(bad)
+        rc, err = batch(str(src), "-o", str(out), "-a", "tokenize")
+        assert rc == 2 and "not a settings record" in err, err
+    # a record from another version with an option this one lacks: only that option differs
+    rec.write_text('{"analyses": {"tokenize": {"zzz": 1}}}')
+    rc, err = batch(str(src), "-o", str(out), "-a", "tokenize")
+    assert rc == 2 and "tokenize.zzz = 1" in err and err.count("<unset>") == 1, err
+    # the text comes from the input lines, never from --params; no pydantic prefix
+    rc, err = batch(str(src), "-o", str(tmp_path / "p.jsonl"), "-a", "attention",
+                    "--params", '{"attention": {"text": "x"}}')
+    assert rc == 2 and "text is not an option here" in err, err
+    rc, err = batch(str(src), "-o", str(tmp_path / "p.jsonl"), "-a", "attention",
+                    "--params", '{"attention": {"round": 99}}')
+    assert rc == 2 and "--params attention: round" in err and "Value error" not in err, err

@@ -457,3 +457,58 @@ def test_extra_panels_plug_in_with_register_panel(live_server, page):
     assert page.inner_text("#panel-probe .panel-body") == f"attnscope-tiny-gpt2 layer 0 head 1: {n} tokens"
     page.select_option("#head", "3")
     page.wait_for_function("document.querySelector('#panel-probe .panel-body').textContent.includes('head 3')")
+
+
+def test_a_late_reply_for_an_earlier_text_is_not_shown(live_server, page):
+    """Analyse text A, then text B before A's head scores arrive: A's late /v1/heads reply
+    (held back here until B is on screen) must not replace B's head grid."""
+    a, b = "The cat sat on the mat and the cat sat on the mat.", "Hi there, friend"
+    held = []
+
+    def hold_first(route):
+        if not held:
+            held.append(route)  # answered below, after B is shown
+        else:
+            route.continue_()
+
+    page.route("**/v1/heads", hold_first)
+    page.goto(f"{live_server.url}/explorer")
+    page.wait_for_function("document.body.dataset.state === 'idle'")
+    page.fill("#text", a)
+    page.click("#run")
+    page.wait_for_function("document.querySelectorAll('#tokens .token').length > 0")
+    assert len(held) == 1
+    page.fill("#text", b)
+    page.click("#run")
+    page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
+    want = api(live_server.url, "/v1/heads", {"text": b, "add_bos": False})["heads"]
+    late = held[0].fetch()
+    with page.expect_response("**/v1/heads"):
+        held[0].fulfill(response=late)
+    page.evaluate("() => new Promise((r) => setTimeout(r, 200))")  # its handlers have run
+    for h in want:
+        title = page.locator(f"#headgrid button[data-layer='{h['layer']}'][data-head='{h['head']}']"
+                             ).get_attribute("title")
+        assert f"self: {h['scores']['self']:.3f}" in title, (h, title)
+    assert page.locator("#tokens .token").count() == len(
+        api(live_server.url, "/v1/tokenize", {"text": b})["tokens"]["tokens"])
+
+
+def test_a_panel_that_cannot_be_computed_says_why_and_the_rest_stand(live_server, page):
+    """A 1-token text: head scores need 2 tokens; the heads panel says so, the heat map,
+    tokens and links are there, and the status line names the panel."""
+    open_explorer(page, live_server.url, text="x")
+    assert page.locator("#tokens .token").count() == 1
+    assert page.locator("#heatmap canvas").count() >= 1
+    err = page.inner_text("#headgrid .panel-error")
+    assert "422" in err and "2 tokens" in err, err
+    status = page.inner_text("#status")
+    assert status.startswith("1 token analysed by "), status
+    assert "heads: 422" in status, status
+    page.errors[:] = [e for e in page.errors if "status of 422" not in e]  # the browser's own log
+    # URL values that are not indices are said too
+    page.goto(f"{live_server.url}/explorer?text=hello%20world&layer=abc&head=-2")
+    page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
+    status = page.inner_text("#status")
+    assert "layer=abc is not a layer index: showing layer 0" in status, status
+    assert "head=-2 is not a head index: showing head mean" in status, status

@@ -53,12 +53,20 @@ function describeError(e) {
   return String(e && e.message ? e.message : e);
 }
 
+const urlNotes = [];  // URL values that are not indices, said in the status line
+
 function readUrl() {
   const u = new URLSearchParams(location.search);
   state.text = u.get("text") || "";
-  state.layer = Math.max(0, parseInt(u.get("layer") || "0", 10) || 0);
+  const index = (name, raw, fallback) => {
+    if (raw === null || raw === "") return fallback;
+    if (/^\d+$/.test(raw) && Number.isSafeInteger(+raw)) return +raw;
+    urlNotes.push(`${name}=${raw} is not a ${name} index: showing ${name} ${fallback}`);
+    return fallback;
+  };
+  state.layer = index("layer", u.get("layer"), 0);
   const h = u.get("head");
-  state.head = h === null || h === "mean" ? "mean" : Math.max(0, parseInt(h, 10) || 0);
+  state.head = h === null || h === "mean" ? "mean" : index("head", h, "mean");
   state.addBos = u.get("add_bos") === "1";
   state.view = ["norm", "rollout"].includes(u.get("view")) ? u.get("view") : "weight";
 }
@@ -77,6 +85,8 @@ function ready(id, on = true) {
   const s = $(`#panel-${id}`);
   if (s) s.dataset.ready = on ? "1" : "0";
 }
+
+const nTokens = (n) => `${n} token${n === 1 ? "" : "s"}`;
 
 function shortText(t, n = 60) {
   return t.length > n ? `${t.slice(0, n - 1)}\u2026` : t;
@@ -125,7 +135,7 @@ function renderTokens() {
     s.append(i);
     return s;
   }));
-  $("#token-count").textContent = `${tokens.length} tokens`;
+  $("#token-count").textContent = nTokens(tokens.length);
   ready("tokens");
 }
 
@@ -137,8 +147,9 @@ async function layerPattern(layer, mean) {
     const body = { text: state.text, add_bos: state.addBos, layers: [layer], encoding: "base64", dtype: "float16" };
     if (model.causal) body.layout = "tril";
     if (mean) body.head_mean = true;
+    const my = runId;
     cache.set(key, client.attention(body).then((r) => {
-      tokens = r.attention.tokens;
+      if (my === runId) tokens = r.attention.tokens;  // (a reply for an earlier text: not ours)
       return decodeTensor(r.attention.pattern);
     }));
   }
@@ -166,6 +177,7 @@ async function viewMatrix(view, layer, head) {
 }
 
 async function renderAttention() {
+  const my = runId;
   ready("attention", false);
   const mean = state.head === "mean";
   const labels = tokens.map((x) => x.label);
@@ -173,10 +185,12 @@ async function renderAttention() {
   let m, vmax = 1, what = "attention weight (post-softmax)", where;
   if (state.view === "weight") {
     const t = await layerPattern(state.layer, mean);
+    if (my !== runId) return;
     m = mean ? t.at(0) : t.at(0).at(state.head);
     where = `layer ${state.layer}, ${mean ? "head mean" : `head ${state.head}`}`;
   } else {
     m = await viewMatrix(state.view, state.layer, state.head);
+    if (my !== runId) return;
     if (state.view === "norm") {
       vmax = 0;
       for (let q = 0; q < n; q++) for (let k = 0; k < n; k++) vmax = Math.max(vmax, m.get(q, k));
@@ -203,9 +217,11 @@ async function renderAttention() {
 }
 
 async function renderLines() {
+  const my = runId;
   ready("lines", false);
-  const labels = tokens.map((x) => x.label);
   const t = await layerPattern(state.layer, false);
+  if (my !== runId) return;
+  const labels = tokens.map((x) => x.label);
   const nH = t.shape[1];
   const box = $("#line-heads");
   const key = `${state.text}|${state.layer}|${state.head}|${nH}`;
@@ -237,7 +253,10 @@ async function renderLines() {
 
 async function renderHeads() {
   ready("heads", false);
-  heads = heads || await client.heads({ text: state.text, add_bos: state.addBos });
+  const my = runId;
+  const r = heads || await client.heads({ text: state.text, add_bos: state.addBos });
+  if (my !== runId) return;  // a reply for an earlier text
+  heads = r;
   drawHeadGrid();
   $("#heads-note").textContent = `scores averaged over ${heads.n_texts} text; induction from the probe ` +
     (heads.probe ? `(${heads.probe.segment_length} tokens x ${heads.probe.repeats})` : "(off)") + "; hover a cell for every score, click to open its pattern";
@@ -258,7 +277,9 @@ async function renderLinks() {
   ready("links", false);
   const body = { text: state.text, add_bos: state.addBos, layer: state.layer, top_k: 3 };
   if (state.head !== "mean") body.head = state.head;
+  const my = runId;
   const r = await client.links(body);
+  if (my !== runId) return;
   const tb = document.createElement("table");
   tb.className = "links";
   tb.innerHTML = "<tr><th>query</th><th>strongest earlier keys (weight)</th></tr>";
@@ -279,7 +300,9 @@ async function renderLinks() {
 
 async function renderTrajectories() {
   ready("trajectories", false);
+  const my = runId;
   const r = await client.trajectories({ text: state.text, add_bos: state.addBos, encoding: "base64", dtype: "float32" });
+  if (my !== runId) return;
   const t = r.trajectories;
   if (t.n_components < 2 || t.tokens.length < 2) {
     $("#trajectories").textContent = "too few tokens for a 2-component PCA";
@@ -296,7 +319,9 @@ async function renderTrajectories() {
 
 async function renderVerify() {
   ready("verify", false);
+  const my = runId;
   const r = await client.verify({ text: state.text, add_bos: state.addBos });
+  if (my !== runId) return;
   const v = r.verification;
   const box = $("#verify");
   const head = document.createElement("p");
@@ -323,6 +348,24 @@ async function renderVerify() {
     : `attention step re-run from the recorded q/k/v in ${v.dtype}; tolerance ${v.tolerance}`;
   box.replaceChildren(head, tb, note);
   ready("verify");
+}
+
+/** Run one panel's render; on an API error write it into the panel (`box`) and resolve with
+ * "panel: error" (other errors propagate). Resolves with null when it rendered. */
+async function guarded(id, box, render) {
+  const my = runId;
+  try {
+    await render();
+    return null;
+  } catch (e) {
+    if (!(e instanceof ApiError) || e.status === 401) throw e;
+    if (my !== runId) return null;
+    const p = document.createElement("p");
+    p.className = "fail panel-error";
+    p.textContent = describeError(e);
+    $(box).replaceChildren(p);
+    return `${id}: ${describeError(e)}`;
+  }
 }
 
 async function renderPanel(p) {
@@ -354,7 +397,7 @@ async function analyse() {
   // the last text's results go: a panel this analysis cannot fill stays empty, never showing
   // another text's numbers under this text's URL
   clearResults();
-  const clamped = [];  // URL values past the model's layers/heads, said in the status line
+  const clamped = urlNotes.splice(0);  // URL values not indices or past the model's, said
   if (state.layer > model.n_layers - 1) {
     clamped.push(`layer ${state.layer} is past the model's ${model.n_layers} layers: showing layer ${model.n_layers - 1}`);
     state.layer = model.n_layers - 1;
@@ -368,10 +411,16 @@ async function analyse() {
     await layerPattern(state.layer, state.head === "mean");
     if (my !== runId) return;
     renderTokens();
-    await Promise.all([renderAttention(), renderLines(), renderHeads(), renderLinks(), renderTrajectories(), renderVerify(),
-      ...panels.map(renderPanel)]);
+    // a panel that fails shows its own error; the others stand (e.g. head scores need 2 tokens)
+    const failed = (await Promise.all([
+      guarded("attention", "#heatmap", renderAttention), guarded("lines", "#lineview", renderLines),
+      guarded("heads", "#headgrid", renderHeads), guarded("links", "#links", renderLinks),
+      guarded("trajectories", "#trajectories", renderTrajectories), guarded("verify", "#verify", renderVerify),
+      ...panels.map(renderPanel)])).filter(Boolean);
     if (my !== runId) return;
-    setStatus(`${tokens.length} tokens analysed by ${model.id}` + (clamped.length ? ` (${clamped.join("; ")})` : ""));
+    const notes = clamped.concat(failed);
+    setStatus(`${nTokens(tokens.length)} analysed by ${model.id}` + (notes.length ? ` (${notes.join("; ")})` : ""),
+      failed.length ? "error" : "info");
     document.body.dataset.state = "ready";
   } catch (e) {
     if (my === runId) fail(e);

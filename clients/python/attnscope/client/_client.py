@@ -253,10 +253,12 @@ def _validated(request_model: type[M], path: str, **fields) -> M:
 
 
 def _head_pairs(heads: Any) -> list[list[int]]:
-    """``heads`` as ``[[layer, head], ...]``; raises :class:`RequestValidationError` for a
-    flat pair (``(1, 0)``: give ``[(1, 0)]``) or anything that is not a list of pairs."""
+    """``heads`` (pairs, or a numpy array / tensor ``[n, 2]``) as ``[[layer, head], ...]``;
+    raises :class:`RequestValidationError` for a flat pair (``(1, 0)``: give ``[(1, 0)]``) or anything that is not a list of pairs."""
+    if hasattr(heads, "tolist"):  # a numpy array or torch tensor [n, 2]: plain ints
+        heads = heads.tolist()
     try:
-        pairs = [list(h) for h in heads]
+        pairs = [h.tolist() if hasattr(h, "tolist") else list(h) for h in heads]
     except TypeError:
         raise RequestValidationError(
             f"invalid /v1/ablate request: heads: give a list of [layer, head] pairs, e.g. "

@@ -232,14 +232,30 @@ def _settings(analyses: dict[str, dict]) -> dict:
     return {"analyses": {n: _with_defaults(n, analyses[n]) for n in sorted(analyses)}}
 
 
+def _problem(e: dict) -> str:
+    """One pydantic error as ``"field: what is wrong"`` (a model-level rule: its message
+    alone), without pydantic's "Value error, " prefix."""
+    loc = ".".join(map(str, e.get("loc", ())))
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg
+
+
 def _with_defaults(name: str, opts: Any) -> Any:
     """``opts`` of analysis ``name`` with every option its request model has, defaults
     filled in (as JSON); ``opts`` as given where it does not fit the model (an unknown
     analysis, or a record from another version)."""
     try:
-        req = _request_model(name)(text="check", **opts)
-    except (KeyError, TypeError, ValueError, AttributeError, ImportError):
-        return opts  # (pydantic's ValidationError is a ValueError)
+        model = _request_model(name)
+    except (KeyError, ValueError, AttributeError, ImportError):
+        return opts
+    try:
+        req = model(text="check", **opts)
+    except (TypeError, ValueError):  # (pydantic's ValidationError is a ValueError)
+        if not isinstance(opts, dict):
+            return opts
+        # options this version does not take: the defaults under them, so only they differ
+        defaults = model.model_construct().model_dump(mode="json", exclude={"text", "texts"})
+        return {**defaults, **opts}
     return req.model_dump(mode="json", exclude={"text", "texts"})
 
 
@@ -274,6 +290,9 @@ def resume_conflict(output: str, failures: str, analyses: dict[str, dict]) -> st
                 have = json.load(f)
         except (OSError, ValueError) as exc:
             return f"{rec} cannot be read ({exc}); cannot tell what {output} was made with"
+        if not isinstance(have, dict):
+            return (f"{rec} holds {type(have).__name__} JSON, not a settings record; cannot "
+                    f"tell what {output} was made with")
         had = have.get("analyses")
         if isinstance(had, dict):  # a record written with only the options typed: as full
             had = {n: _with_defaults(n, o) for n, o in had.items()}
@@ -397,8 +416,7 @@ async def run_batch(client, lines: list[str], output: str, failures: str,
                 body = models[name](text=text, **opts).model_dump(mode="json", exclude_unset=True)
             except pydantic.ValidationError as exc:
                 e = exc.errors()[0]
-                fail(_error_record(id_, name, "validation_error",
-                                   f"{'.'.join(map(str, e['loc']))}: {e['msg']}",
+                fail(_error_record(id_, name, "validation_error", _problem(e),
                                    param=".".join(map(str, e["loc"])) or None))
                 return
             try:
@@ -473,13 +491,17 @@ def run_cli(args) -> int:
     unknown = set(params) - set(names)
     if unknown:
         raise UsageError(f"--params names analyses not requested with -a: {sorted(unknown)}")
+    for n, opts in params.items():
+        given = sorted({"text", "texts"} & set(opts))
+        if given:
+            raise UsageError(f"--params {n}: {', '.join(given)} is not an option here: each "
+                             "input line's text is the request's text")
     analyses = {n: {**ANALYSES[n][2], **params.get(n, {})} for n in names}
     for n, opts in analyses.items():  # bad options: a usage error now, not N failures later
         try:
             _request_model(n)(text="check", **opts)
         except pydantic.ValidationError as exc:
-            e = exc.errors()[0]
-            raise UsageError(f"--params {n}: {'.'.join(map(str, e['loc']))}: {e['msg']}")
+            raise UsageError(f"--params {n}: {_problem(exc.errors()[0])}")
     if args.concurrency < 1:
         raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
     try:

@@ -248,6 +248,29 @@ def _read_text(s: str) -> str:
     return sys.stdin.read() if s == "-" else s
 
 
+#: request fields a command takes as its positional arguments (and their names in --help)
+_POSITIONAL = {
+    "ablate": {"text": "the TEXT argument", "heads": "--heads"},
+    "patch": {"clean_text": "the CLEAN_TEXT argument", "corrupted_text": "the CORRUPTED_TEXT argument"},
+    **{c: {"text": "the TEXT argument", "texts": "one TEXT per command (or attnscope batch)"}
+       for c in ("tokenize", "attention", "trajectories", "verify", "heads", "links", "predict",
+                 "norms", "rollout")},
+}
+
+
+def _option_value(args, key: str) -> Any:
+    """The value ``--option KEY=...`` gives ``key`` (JSON, else the bare string), or None."""
+    val = None
+    for item in getattr(args, "option", []) or []:
+        k, sep, raw = item.partition("=")
+        if sep and k == key:
+            try:
+                val = json.loads(raw)
+            except json.JSONDecodeError:
+                val = raw
+    return val
+
+
 def _options(args, names: dict[str, str]) -> dict[str, Any]:
     """Request options from dedicated flags (``names``: attr -> field) and ``-o key=JSON``."""
     out: dict[str, Any] = {}
@@ -261,6 +284,9 @@ def _options(args, names: dict[str, str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise UsageError(f"--option expects KEY=JSON, got {item!r}")
+        if key in _POSITIONAL.get(args.cmd, {}):
+            raise UsageError(f"--option {key}: give it as {_POSITIONAL[args.cmd][key]}, not "
+                             "through --option")
         try:
             out[key] = json.loads(raw)
         except json.JSONDecodeError as exc:
@@ -327,22 +353,29 @@ def _check_args(args) -> None:
                              "(--head, --kind heads) needs a request without --head-mean")
     if args.cmd == "trajectories" and args.kind != "paths" and not args.plot:
         raise UsageError("--kind chooses the figure and needs --plot FILE")
+    if args.cmd != "batch" and getattr(args, "output", None) == "-":
+        raise UsageError("--output - : to print the response on standard output use --json")
     for flag in ("plot", "output"):  # a file the answer is written to: its folder must exist
         path = getattr(args, flag, None)
-        if path and args.cmd != "batch" and path != "-":
+        if path and args.cmd != "batch":
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):
                 raise UsageError(f"--{flag} {path}: the folder {folder} does not exist")
+    for item in getattr(args, "option", []) or []:  # fields the command's own arguments give
+        key = item.partition("=")[0]
+        if key in _POSITIONAL.get(args.cmd, {}):
+            raise UsageError(f"--option {key}: give it as {_POSITIONAL[args.cmd][key]}, not "
+                             "through --option")
     if args.cmd == "ablate":
-        given = {o.partition("=")[0] for o in args.option or []}
-        if not args.scan and args.heads is None and "heads" not in given and "scan" not in given:
+        if not args.scan and args.heads is None and not _option_value(args, "scan"):
             raise UsageError("give --heads L:H[,L:H ...] (the heads ablated together) or --scan "
                              "(every head alone)")
-        if args.plot and not args.scan and "scan" not in given:
+        if args.plot and not args.scan and not _option_value(args, "scan"):
             raise UsageError("--plot draws the scan's effect grid: add --scan")
     if args.cmd == "patch":
         given = {o.partition("=")[0] for o in args.option or []}
-        if (args.metric or "logit_diff") == "logit_diff" and args.target is None \
+        metric = args.metric or _option_value(args, "metric") or "logit_diff"
+        if metric == "logit_diff" and args.target is None \
                 and args.distractor is None and "logit_diff" not in given:
             raise UsageError("the logit_diff metric (the default) needs --target and "
                              "--distractor (one token each, e.g. ' Mary' ' John'), or give "
