@@ -366,8 +366,8 @@ class Runtime:
 
         Allocated BEFORE the forward (so they sit apart from its transient tensors) and filled
         once it is done (a text forwarded alone: its patterns, q/k/v, attention inputs and
-        outputs during it, see :class:`_Recorder`). Kept per layer, as Hugging Face returns them, a cached forward left
-        ~100 small tensors between the holes of the freed transients: the heap's free memory
+        outputs during it, see :class:`_Recorder`). Kept per layer, as Hugging Face returns
+        them, a cached forward left ~100 small tensors between the holes of the freed transients: the heap's free memory
         grew with every cached forward (+10 MB each at T = 128) and, once trimmed, every
         forward faulted its memory in again (~15k pages). Evicting a text now frees blocks of
         exactly the sizes the next text of that length takes. Costs one copy (~38 MB at

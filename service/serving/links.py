@@ -35,7 +35,8 @@ def plan(rt, req: LinksRequest, items) -> Plan:
                 j, top = next((j, p) for j, p in enumerate(req.ignore) if p >= len(it))
                 where = "text" if req.text is not None else f"texts.{i}"
                 raise OutOfRange(f"ignore[{j}] = {top} is out of range: {where} has "
-                                 f"{n_tokens(len(it))} (valid positions 0..{len(it) - 1})", f"ignore.{j}")
+                                 f"{n_tokens(len(it))} (valid positions 0..{len(it) - 1})",
+                                 f"ignore.{j}")
 
     def job(forwards) -> dict:
         out = _build(req, forwards, rt)

@@ -254,7 +254,8 @@ def _validated(request_model: type[M], path: str, **fields) -> M:
 
 def _head_pairs(heads: Any) -> list[list[int]]:
     """``heads`` (pairs, or a numpy array / tensor ``[n, 2]``) as ``[[layer, head], ...]``;
-    raises :class:`RequestValidationError` for a flat pair (``(1, 0)``: give ``[(1, 0)]``) or anything that is not a list of pairs."""
+    raises :class:`RequestValidationError` for a flat pair (``(1, 0)``: give ``[(1, 0)]``) or
+    anything else that is not a list of pairs."""
     if hasattr(heads, "tolist"):  # a numpy array or torch tensor [n, 2]: plain ints
         heads = heads.tolist()
     try:

@@ -108,13 +108,18 @@ class RequestValidationError(AttnscopeError, ValueError):
         errs = exc.errors(include_url=False)
         parts, param = [], None
         for e in errs:
-            loc = ".".join(str(x) for x in e.get("loc", ()))
-            param = param or loc or None
-            msg = str(e.get("msg"))
-            if e.get("type") == "value_error":  # a validator's own message, without pydantic's
-                msg = msg.removeprefix("Value error, ")  # "Value error, " in front
-            parts.append(f"{loc}: {msg}" if loc else msg)
+            param = param or ".".join(str(x) for x in e.get("loc", ())) or None
+            parts.append(pydantic_problem(e))
         return cls(f"invalid {what}: " + "; ".join(parts), param, errs)
+
+
+def pydantic_problem(e: dict) -> str:
+    """One of pydantic's errors (``ValidationError.errors()``) as ``"field: what is wrong"``
+    (a model-level rule: its message alone), without the "Value error, " pydantic puts in
+    front of a validator's own message."""
+    loc = ".".join(str(x) for x in e.get("loc", ()))
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg
 
 
 class APIError(AttnscopeError):

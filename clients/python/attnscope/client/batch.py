@@ -43,6 +43,8 @@ from typing import Any
 
 import pydantic
 
+from attnscope.client._errors import pydantic_problem
+
 ANALYSES = {
     # name: (path, request model import path, default options)
     "tokenize": ("/v1/tokenize", "attnscope.schemas.tokenize:TokenizeRequest", {}),
@@ -232,14 +234,6 @@ def _settings(analyses: dict[str, dict]) -> dict:
     return {"analyses": {n: _with_defaults(n, analyses[n]) for n in sorted(analyses)}}
 
 
-def _problem(e: dict) -> str:
-    """One pydantic error as ``"field: what is wrong"`` (a model-level rule: its message
-    alone), without pydantic's "Value error, " prefix."""
-    loc = ".".join(map(str, e.get("loc", ())))
-    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-    return f"{loc}: {msg}" if loc else msg
-
-
 def _with_defaults(name: str, opts: Any) -> Any:
     """``opts`` of analysis ``name`` with every option its request model has, defaults
     filled in (as JSON); ``opts`` as given where it does not fit the model (an unknown
@@ -416,7 +410,7 @@ async def run_batch(client, lines: list[str], output: str, failures: str,
                 body = models[name](text=text, **opts).model_dump(mode="json", exclude_unset=True)
             except pydantic.ValidationError as exc:
                 e = exc.errors()[0]
-                fail(_error_record(id_, name, "validation_error", _problem(e),
+                fail(_error_record(id_, name, "validation_error", pydantic_problem(e),
                                    param=".".join(map(str, e["loc"])) or None))
                 return
             try:
@@ -501,7 +495,7 @@ def run_cli(args) -> int:
         try:
             _request_model(n)(text="check", **opts)
         except pydantic.ValidationError as exc:
-            raise UsageError(f"--params {n}: {_problem(exc.errors()[0])}")
+            raise UsageError(f"--params {n}: {pydantic_problem(exc.errors()[0])}")
     if args.concurrency < 1:
         raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
     try:

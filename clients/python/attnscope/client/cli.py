@@ -251,23 +251,37 @@ def _read_text(s: str) -> str:
 #: request fields a command takes as its positional arguments (and their names in --help)
 _POSITIONAL = {
     "ablate": {"text": "the TEXT argument", "heads": "--heads"},
-    "patch": {"clean_text": "the CLEAN_TEXT argument", "corrupted_text": "the CORRUPTED_TEXT argument"},
+    "patch": {"clean_text": "the CLEAN_TEXT argument",
+              "corrupted_text": "the CORRUPTED_TEXT argument"},
     **{c: {"text": "the TEXT argument", "texts": "one TEXT per command (or attnscope batch)"}
        for c in ("tokenize", "attention", "trajectories", "verify", "heads", "links", "predict",
                  "norms", "rollout")},
 }
 
 
+def _parse_option(item: str) -> tuple[str, Any]:
+    """``--option KEY=JSON`` as ``(key, value)``: the JSON value, else the bare string. Raises
+    UsageError without ``=`` or key, and for a value meant as JSON (``[``, ``{``, ``"``) that
+    does not parse."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise UsageError(f"--option expects KEY=JSON, got {item!r}")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError as exc:
+        if raw.lstrip()[:1] in ("[", "{", '"'):  # meant as JSON: say where it breaks
+            raise UsageError(f"--option {key}={raw}: not valid JSON ({exc.msg} at "
+                             f"character {exc.pos})")
+        return key, raw  # a bare string
+
+
 def _option_value(args, key: str) -> Any:
-    """The value ``--option KEY=...`` gives ``key`` (JSON, else the bare string), or None."""
+    """The value ``--option KEY=...`` gives ``key`` (the last one), or None."""
     val = None
     for item in getattr(args, "option", []) or []:
-        k, sep, raw = item.partition("=")
-        if sep and k == key:
-            try:
-                val = json.loads(raw)
-            except json.JSONDecodeError:
-                val = raw
+        k, v = _parse_option(item)
+        if k == key:
+            val = v
     return val
 
 
@@ -280,20 +294,9 @@ def _options(args, names: dict[str, str]) -> dict[str, Any]:
             out[field] = v
     if getattr(args, "add_bos", None):
         out["add_bos"] = True
-    for item in getattr(args, "option", []) or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--option expects KEY=JSON, got {item!r}")
-        if key in _POSITIONAL.get(args.cmd, {}):
-            raise UsageError(f"--option {key}: give it as {_POSITIONAL[args.cmd][key]}, not "
-                             "through --option")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            if raw.lstrip()[:1] in ("[", "{", '"'):  # meant as JSON: say where it breaks
-                raise UsageError(f"--option {key}={raw}: not valid JSON ({exc.msg} at "
-                                 f"character {exc.pos})")
-            out[key] = raw  # a bare string
+    for item in getattr(args, "option", []) or []:  # (checked by _check_args before this)
+        key, value = _parse_option(item)
+        out[key] = value
     return out
 
 
@@ -828,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     args.argv = argv  # batch's resume hint repeats the command
-    for name in ("url", "api_key"):  # given before the command: the command's, unless it has its own
+    for name in ("url", "api_key"):  # given before the command: used unless given after it
         if getattr(args, name, None) is None and getattr(args, f"global_{name}", None) is not None:
             setattr(args, name, getattr(args, f"global_{name}"))
     try:
