@@ -15,6 +15,8 @@ import argparse
 import os
 import statistics
 import time
+from attnscope.service.analysis.verify_recorded import AttentionParams
+from attnscope.service.analysis.verify import ScratchModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -49,8 +51,8 @@ def main() -> None:
     print(f"{'model':<18} {'T':>5} {'forward_s':>10} {'scratch_s':>10} {'x fwd':>6} "
           f"{'recorded_s':>10} {'x fwd':>6}")
     for name, rt in runtimes.items():
-        m = rt.adapter.scratch_model()
-        params = {i: rt.adapter.attention_params(i) for i in range(rt.adapter.n_layers)}
+        m = ScratchModel.of(rt.adapter)
+        params = {i: AttentionParams.of(rt.adapter, i) for i in range(rt.adapter.n_layers)}
         for T in args.lengths:
             fwd, scr, rec = [], [], []
             for r in range(args.runs + 1):  # the first run warms up

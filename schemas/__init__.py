@@ -4,7 +4,7 @@ This package imports pydantic only (no torch), so the client installs without to
 Requests are strict (``extra="forbid"``); the client parses responses leniently.
 """
 
-from attnscope.schemas.common import (
+from .common import (
     Base64Tensor,
     BinaryTensorRef,
     SparseTensor,
@@ -16,11 +16,11 @@ from attnscope.schemas.common import (
     TensorField,
     Token,
 )
-from attnscope.schemas.attention import (
+from .attention import (
     AttentionRequest, AttentionResponse, AttentionResult, SparseOptions,
 )
-from attnscope.schemas.tokenize import TokenizeRequest, TokenizeResponse, TokenizeResult
-from attnscope.schemas.heads import (
+from .tokenize import TokenizeRequest, TokenizeResponse, TokenizeResult
+from .heads import (
     HeadResult,
     HeadScoreSet,
     HeadsRequest,
@@ -28,20 +28,20 @@ from attnscope.schemas.heads import (
     HeadThresholds,
     InductionProbe,
 )
-from attnscope.schemas.links import LinksRequest, LinksResponse, LinksResult
-from attnscope.schemas.scratch import ScratchAttentionRequest, ScratchAttentionResponse
-from attnscope.schemas.trajectories import (
+from .links import LinksRequest, LinksResponse, LinksResult
+from .scratch import ScratchAttentionRequest, ScratchAttentionResponse
+from .trajectories import (
     TrajectoriesRequest,
     TrajectoriesResponse,
     TrajectoryResult,
 )
-from attnscope.schemas.interventions import (
+from .interventions import (
     AblateRequest, AblateResponse, PatchRequest, PatchResponse, PredictionsRequest,
     PredictionsResponse,
 )
-from attnscope.schemas.norms import NormsRequest, NormsResponse, NormsResult
-from attnscope.schemas.rollout import RolloutRequest, RolloutResponse, RolloutResult
-from attnscope.schemas.verify import HeadDiff, LayerDiff, VerifyRequest, VerifyResponse, VerifyResult
+from .norms import NormsRequest, NormsResponse, NormsResult
+from .rollout import RolloutRequest, RolloutResponse, RolloutResult
+from .verify import HeadDiff, LayerDiff, VerifyRequest, VerifyResponse, VerifyResult
 
 __all__ = [
     "AblateRequest",

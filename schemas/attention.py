@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from attnscope.schemas.common import (
+from .common import (
     MAX_INDICES, LenientModel, ModelRef, StrictModel, TensorField, TensorOptions, TextOrTexts,
     Token,
 )

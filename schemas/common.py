@@ -11,7 +11,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from attnscope.schemas.errors import ERROR_TYPES
+from .errors import ERROR_TYPES
 
 # Length limits of the lists in requests. Each list field has ``max_length`` (a longer list is
 # refused from its length alone, StrictModel) and ``fail_fast`` (validation stops at the first

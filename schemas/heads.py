@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from attnscope.schemas.common import LenientModel, ModelRef, StrictModel, TextOrTexts, Token
+from .common import LenientModel, ModelRef, StrictModel, TextOrTexts, Token
 
 HeadLabel = Literal[
     "induction", "previous_token", "duplicate_token", "next_token", "self", "sink", "broad", "none"

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from attnscope.schemas.common import (
+from .common import (
     EXAMPLE_TEXT, MAX_HEAD_PAIRS, MAX_POSITIONS, MAX_TEXTS, LenientModel, ModelRef, NonBlankText,
     StrictModel, TensorField, TensorOptions, TextOrTexts, Token, example,
 )

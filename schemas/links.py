@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from attnscope.schemas.common import (
+from .common import (
     EXAMPLE_TEXT, MAX_POSITIONS, LenientModel, ModelRef, TextOrTexts, Token, example)
 
 

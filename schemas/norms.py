@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from attnscope.schemas.attention import SparseOptions
-from attnscope.schemas.common import (
+from .attention import SparseOptions
+from .common import (
     MAX_INDICES, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
 )
 

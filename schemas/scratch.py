@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from attnscope.schemas.common import (
+from .common import (
     LenientModel, ModelRef, TensorField, TensorOptions, Token, example)
 
 MAX_POS = 512

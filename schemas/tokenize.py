@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from attnscope.schemas.common import LenientModel, ModelRef, TextOrTexts, Token
+from .common import LenientModel, ModelRef, TextOrTexts, Token
 
 
 class TokenizeRequest(TextOrTexts):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from attnscope.schemas.common import (
+from .common import (
     MAX_POSITIONS, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
 )
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from attnscope.schemas.common import MAX_INDICES, LenientModel, ModelRef, TextOrTexts, Token
+from .common import MAX_INDICES, LenientModel, ModelRef, TextOrTexts, Token
 
 VerifyMode = Literal["from_scratch", "recorded_qkv"]
 

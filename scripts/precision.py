@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from attnscope.service.analysis.verify import ScratchModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def main() -> None:
             ids = rt.tokenizer(text, add_special_tokens=False)["input_ids"][: rt.adapter.n_ctx - 8]
             tt = rt.tokenize(rt.tokenizer.decode(ids))
             fw = rt.forward_many([tt])[0]
-            v = verify_from_scratch(fw.tensors, rt.adapter.scratch_model(), tt.input_ids, dtype,
+            v = verify_from_scratch(fw.tensors, ScratchModel.of(rt.adapter), tt.input_ids, dtype,
                                     tolerance=1.0)
             if ref is None:
                 ref = (tt.input_ids, fw.pattern.float())

@@ -17,24 +17,24 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from attnscope.service.api import attention, health, model, tokenize
-from attnscope.service.api import heads as heads_api, links as links_api
-from attnscope.service.api import scratch as scratch_api, trajectories as trajectories_api
-from attnscope.service.api import verify as verify_api
-from attnscope.service.api import interventions as interventions_api
-from attnscope.service.api import norms as norms_api, rollout as rollout_api
-from attnscope.service.config import Settings
-from attnscope.service.encoding import ORJSONResponse
-from attnscope.service.errors import AttnscopeError, envelope, scrub_paths
-from attnscope.service.ops import install_ops
-from attnscope.service.runtime.engine import Engine
-from attnscope.service.runtime.slot import DeviceSlot
-from attnscope.service.runtime import ModelLoadError, Runtime
-from attnscope.service.analysis._blas import (
+from .api import attention, health, model, tokenize
+from .api import heads as heads_api, links as links_api
+from .api import scratch as scratch_api, trajectories as trajectories_api
+from .api import verify as verify_api
+from .api import interventions as interventions_api
+from .api import norms as norms_api, rollout as rollout_api
+from .config import Settings
+from .encoding import ORJSONResponse
+from .errors import AttnscopeError, envelope, scrub_paths
+from .ops import install_ops
+from .serving.core.engine import Engine
+from .serving.core.slot import DeviceSlot
+from .runtime import ModelLoadError, Runtime
+from .analysis._blas import (
     one_blas_thread_for_process, preload_analysis_libraries,
 )
-from attnscope.service.encoding.responses import set_heap_release
-from attnscope.service.runtime.memory import (
+from .encoding.responses import set_heap_release
+from .serving.core.memory import (
     release_memory,
     freeze_startup_objects,
     unfreeze_startup_objects,
@@ -227,7 +227,7 @@ def _install_offline_docs(app: FastAPI) -> None:
     from fastapi.openapi.docs import get_swagger_ui_html
     from fastapi.responses import FileResponse
 
-    from attnscope.service.web import SWAGGER_UI_DIR, SWAGGER_UI_FILES
+    from .web import SWAGGER_UI_DIR, SWAGGER_UI_FILES
 
     def asset(name: str):
         path = SWAGGER_UI_DIR / name
@@ -258,7 +258,7 @@ def _install_web(app: FastAPI) -> None:
     stylesheet under ``/static/web/`` (same origin as the API: no CORS needed; no CDN)."""
     from fastapi.responses import FileResponse
 
-    from attnscope.service.web import WEB_DIR, WEB_FILES
+    from .web import WEB_DIR, WEB_FILES
 
     async def index():
         return FileResponse(WEB_DIR / "index.html", headers={"cache-control": "no-cache"})
@@ -301,7 +301,7 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
 
                     hf_logging.disable_progress_bar()  # stderr holds log lines only (JSON)
                     # on the device thread: the probe forward's OpenMP team is the one every
-                    # later forward uses (service/runtime/slot.py)
+                    # later forward uses (service/serving/core/slot.py)
                     app.state.runtime = await app.state.slot.run(Runtime.load, settings,
                                                                  admit=False)
                     frozen = freeze_startup_objects()  # no 250 ms full collections later

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
-    from attnscope.service.config import Settings
+    from .config import Settings
 
     p = sub.add_parser("serve", help="start the HTTP service")
     for name, field in Settings.model_fields.items():
@@ -26,8 +26,8 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from attnscope.service.app import create_app
-    from attnscope.service.config import Settings
+    from .app import create_app
+    from .config import Settings
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("cmd", "func") and v is not None}
     try:
@@ -42,9 +42,9 @@ def serve(args: argparse.Namespace) -> int:
             got = f" (got {e['input']!r})" if name and not isinstance(e.get("input"), dict) else ""
             print(f"attnscope serve: {where}: {msg}{got}", file=sys.stderr)
         return 2
-    from attnscope.service.logs import logging_config
+    from .logs import logging_config
 
-    from attnscope.service.server import serve as run_server
+    from .server import serve as run_server
 
     log_config = logging_config(settings.log_level, settings.log_format)
     logging.config.dictConfig(log_config)

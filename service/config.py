@@ -70,14 +70,14 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         6_442_450_944, ge=0, description="Most memory one request may need, bytes, as estimated "
         "from n_layers, n_heads, tokens, d_model, dtype, batch size and the response encoding "
-        "(service/runtime/memory.py); beyond it 422 'memory_limit_exceeded' before any forward. "
+        "(service/serving/core/memory.py); beyond it 422 'memory_limit_exceeded' before any forward. "
         "0 = no limit.",
     )
     memory_budget_bytes: int = Field(
         0, ge=-1, description="Memory budget of ALL requests in flight together, bytes: a "
         "request is admitted only while the estimates of those in flight (until their last "
         "byte is sent) plus its own fit; otherwise it waits up to budget_wait_s, then 429 "
-        "with Retry-After (service/runtime/budget.py). 0 = derived at start-up: the memory "
+        "with Retry-After (service/serving/core/budget.py). 0 = derived at start-up: the memory "
         "the process may use (cgroup limit or MemTotal) minus its RSS with the model loaded, "
         "minus cache_bytes, minus 10% of that memory. -1 = no global budget.",
     )

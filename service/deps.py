@@ -6,10 +6,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from attnscope.service.errors import NotReady
-from attnscope.service.runtime import Runtime
-from attnscope.service.runtime.engine import Engine
-from attnscope.service.runtime.slot import DeviceSlot
+from .errors import NotReady
+from .runtime import Runtime
+from .serving.core.engine import Engine
+from .serving.core.slot import DeviceSlot
 
 
 # async: FastAPI runs a plain ``def`` dependency in its thread pool (~1-2 ms per request
@@ -34,7 +34,7 @@ SlotDep = Annotated[DeviceSlot, Depends(get_slot)]
 
 async def get_engine(request: Request) -> Engine:
     """The app's engine (runtime, device slot, memory limit, metrics): the one call a
-    /v1 endpoint makes (service/runtime/engine.py)."""
+    /v1 endpoint makes (service/serving/core/engine.py)."""
     return request.app.state.engine
 
 

@@ -78,8 +78,8 @@ def raise_fd_limit() -> int:
 
 def _envelope_response(status: int, reason: str, type_: str, message: str,
                        extra: bytes = b"") -> bytes:
-    from attnscope.service.encoding import dumps
-    from attnscope.service.errors import envelope
+    from .encoding import dumps
+    from .errors import envelope
 
     body = dumps(envelope(type_, message))
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
@@ -123,7 +123,7 @@ class _CycleTransport:
 def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,
                      body_timeout_s: float = 0.0):
     """A uvicorn HTTP protocol class enforcing the limits of the module docstring."""
-    from attnscope.service.ops.middlewares import CLIENT_STATUS_KEY
+    from .ops.middlewares import CLIENT_STATUS_KEY
 
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
@@ -417,7 +417,7 @@ def uvicorn_config(app, settings) -> "Any":
     """The uvicorn.Config for ``app`` with every limit taken from ``settings``."""
     import uvicorn
 
-    from attnscope.service.logs import logging_config
+    from .logs import logging_config
 
     soft = raise_fd_limit()
     max_conn = settings.max_connections

@@ -564,7 +564,7 @@ async def tensor_response(
 
 def _then_release(chunks: Iterator[Any]) -> Iterator[Any]:
     """Yield ``chunks``; once they are all sent (the body freed), trim the heap."""
-    from attnscope.service.runtime.memory import release_memory
+    from attnscope.service.serving.core.memory import release_memory
 
     yield from chunks
     if isinstance(chunks, list):

@@ -180,7 +180,7 @@ def test_concurrent_requests_over_the_budget_wait_or_429_and_memory_stays_bounde
     """16 concurrent scratch requests (16 heads, 512 x 512 weights; each ~130 MB of
     estimate, a 1.4 MB body of matrices): scratch takes the device slot and the budget, so a
     few run at once, the others wait; RSS stays bounded; /healthz answers in under 1 s
-    throughout (the bodies are parsed and validated off the event loop: service/api/common.py
+    throughout (the bodies are parsed and validated off the event loop: service/serving/core/routes.py
     V1Route)."""
     import numpy as np
 

@@ -20,7 +20,7 @@ import attnscope.client as ac
 from attnscope.client import AsyncClient, Client
 from attnscope.service.app import create_app
 from attnscope.service.config import Settings
-from attnscope.service.runtime.slot import DeviceSlot
+from attnscope.service.serving.core.slot import DeviceSlot
 from conftest import SENTENCE
 
 

@@ -1,7 +1,7 @@
 """The device slot and its own thread: forwards and analyses run on the slot thread, admission
 (429 when full, admitted work never refused), concurrent requests equal serial ones, timeouts and
 disconnects during device work, the event loop never blocked; the forward's contiguous buffers,
-evict-before-forward and the cache-hit fast paths (service/runtime/slot.py, model.py, cache.py).
+evict-before-forward and the cache-hit fast paths (service/serving/core/slot.py, model.py, cache.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from attnscope.service.config import Settings
 from attnscope.service.errors import InvalidRequest, Overloaded
 from attnscope.service.runtime import Runtime
 from attnscope.service.runtime.cache import ByteLRU
-from attnscope.service.runtime.slot import DeviceSlot
+from attnscope.service.serving.core.slot import DeviceSlot
 
 from conftest import start_server, stop_server
 from test_api import decode

@@ -1,7 +1,7 @@
 """Every endpoint's response is inside its memory estimate, and the global memory budget
 admits, waits, refuses and gives back (issue 17, "Bounded cost" points 2 and 3).
 
-The estimates (service/encoding/estimates.py, codecs.estimate_encoded_bytes) are what the
+The estimates (service/serving/core/estimates.py, codecs.estimate_encoded_bytes) are what the
 engine counts against ``max_request_bytes`` and the budget; the response body is the part of
 a request's memory that is easy to measure exactly, so each request below checks
 ``len(body) <= Plan.response_bytes`` against the real app on the bundled model.
@@ -15,7 +15,7 @@ import pytest
 
 from attnscope import schemas
 from attnscope.service.errors import MemoryLimitExceeded, Overloaded
-from attnscope.service.runtime.budget import MemoryBudget, default_budget, machine_memory_bytes
+from attnscope.service.serving.core.budget import MemoryBudget, default_budget, machine_memory_bytes
 from attnscope.service.serving import attention, heads, links, scratch, trajectories, verify
 
 LONG = " ".join(f"w{i % 97} and" for i in range(62))  # ~240 tokens of the bundled tokenizer
@@ -116,7 +116,7 @@ def test_concurrent_requests_over_the_budget_get_429_and_the_budget_is_given_bac
     body = {"text": LONG + " fresh budget text", "layout": "tril", "include_scores": True}
     req = schemas.AttentionRequest(**body)
     rt = gpt2_runtime
-    from attnscope.service.runtime.memory import check_memory
+    from attnscope.service.serving.core.memory import check_memory
 
     need = check_memory(rt, [len(rt.tokenize(body["text"]))],
                         attention.plan(rt, req, [rt.tokenize(body["text"])]).response_bytes)

@@ -1,4 +1,4 @@
-"""The layer rule of DESIGN.md, checked on the source: every module's imports, walked with ast.
+"""The layer rule of docs/architecture.md, checked on the source: every module's imports, walked with ast.
 
 Generic import linters cannot see our modules: setuptools' ``package-dir`` remaps
 ``attnscope.service`` to ``service/``, ``attnscope.schemas`` to ``schemas/`` and
@@ -16,8 +16,12 @@ The rules (data flows down, nothing reaches upward or sideways):
   client installs without torch;
 * encoding does not import runtime (nor api, serving, the app);
 * the client never imports the service (``attnscope serve`` starts it as a separate process);
-* runtime never imports api or serving, serving never imports api, and no service module
-  imports the client.
+* runtime owns torch and the model only: it imports neither api, serving (nor its core),
+  encoding, analysis, schemas, pydantic nor HTTP libraries;
+* the serving core (engine, slot, budget, admission, estimates, the route builder) imports no
+  feature module; serving never imports api, and no service module imports the client;
+* imports inside each of the three packages are relative (``from ..runtime import model``),
+  so editors and import-following tools see the structure (:func:`absolute_inner_imports`).
 
 The planted-fault tests below feed the checker a synthetic tree and a synthetic graph with
 one upward import each and see it reported. The same map also checks that every package under
@@ -80,8 +84,17 @@ RULES: tuple[Rule, ...] = (
                     f"{SVC}.deps")),
     Rule("the client never imports the service", ("attnscope.client",),
          forbidden=(SVC,)),
-    Rule("runtime never imports api or serving", (f"{SVC}.runtime",),
-         forbidden=(f"{SVC}.api", f"{SVC}.serving", f"{SVC}.app", f"{SVC}.deps")),
+    Rule("runtime owns torch and the model only", (f"{SVC}.runtime",),
+         forbidden=(f"{SVC}.api", f"{SVC}.serving", f"{SVC}.app", f"{SVC}.deps",
+                    f"{SVC}.encoding", f"{SVC}.analysis", f"{SVC}.ops", "attnscope.schemas",
+                    "pydantic", *HTTP_LIBS)),
+    Rule("the serving core imports no feature", (f"{SVC}.serving.core",),
+         forbidden=(f"{SVC}.api", f"{SVC}.app", f"{SVC}.serving.attention",
+                    f"{SVC}.serving.heads", f"{SVC}.serving.links",
+                    f"{SVC}.serving.trajectories", f"{SVC}.serving.verify",
+                    f"{SVC}.serving.scratch", f"{SVC}.serving.interventions",
+                    f"{SVC}.serving.norms", f"{SVC}.serving.rollout",
+                    f"{SVC}.serving.tokenize", f"{SVC}.serving.run")),
     Rule("serving never imports api", (f"{SVC}.serving",),
          forbidden=(f"{SVC}.api", f"{SVC}.app")),
     Rule("the service never imports the client", (SVC,),
@@ -168,6 +181,28 @@ def violations(g: dict[str, list[tuple[str, int]]], files: dict[str, Path] | Non
     return out
 
 
+def absolute_inner_imports(dirs: dict[str, Path]) -> list[str]:
+    """One line per absolute import of a module's own top package (``from attnscope.service.x
+    import y`` inside ``attnscope.service``): imports inside a package are relative
+    (``from ..runtime import model``), so editors and import-following tools see the structure
+    the package-dir remap otherwise hides. Imports between the three packages stay absolute."""
+    out = []
+    for mod, path in modules(dirs).items():
+        top = next(p for p in dirs if _under(mod, p))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for n in names:
+                if _under(n, top):
+                    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+                    out.append(f"{where}:{node.lineno} {mod} imports {n} absolutely "
+                               f"(imports inside {top} are relative)")
+    return out
+
+
 def unlisted_packages(pyproject: Path) -> list[str]:
     """Packages (folders with an ``__init__.py``) under the mapped directories that
     ``[tool.setuptools] packages`` does not list: a wheel or a non-editable install would ship
@@ -207,7 +242,24 @@ def test_every_package_is_listed_for_setuptools(tmp_path):
 def test_the_layer_rule_holds():
     dirs = package_dirs(ROOT / "pyproject.toml")
     bad = violations(graph(dirs), modules(dirs))
-    assert not bad, "imports that break the layer rule (DESIGN.md):\n" + "\n".join(bad)
+    assert not bad, "imports that break the layer rule (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_imports_inside_a_package_are_relative(tmp_path):
+    dirs = package_dirs(ROOT / "pyproject.toml")
+    bad = absolute_inner_imports(dirs)
+    assert not bad, "\n".join(bad)
+    # the walk resolves them: the serving core's engine imports the runtime, relatively
+    assert any(_under(t, f"{SVC}.runtime") for t, _ in graph(dirs)[f"{SVC}.serving.core.engine"])
+    # planted: one absolute import inside the service, one in the client
+    planted = _tree(tmp_path, {**CLEAN,
+                               "service/analysis/bad.py": "from attnscope.service.errors import X\n",
+                               "clients/python/attnscope/client/bad.py":
+                                   "import attnscope.client.cli\n"})
+    bad = absolute_inner_imports(planted)
+    assert len(bad) == 2 and all("absolutely" in b for b in bad), bad
+    (tmp_path / "clean").mkdir()
+    assert absolute_inner_imports(_tree(tmp_path / "clean", CLEAN)) == []
 
 
 # -- planted faults: the checker must see them -----------------------------------------------
@@ -231,9 +283,14 @@ CLEAN = {
                                 "from . import _blas\n",
     "service/analysis/_blas.py": "import threading\n",
     "service/runtime/__init__.py": "",
-    "service/runtime/model.py": "from attnscope.service.analysis import good\n",
-    "service/encoding.py": "import numpy as np\nfrom attnscope.service.errors import InvalidRequest\n",
-    "schemas/__init__.py": "from attnscope.schemas.common import X\n",
+    "service/runtime/model.py": "import torch\nfrom ..errors import InvalidRequest\n",
+    "service/serving/__init__.py": "",
+    "service/serving/heads.py": "from ..analysis import good\nfrom ..runtime import model\n"
+                                "from .core import engine\n",
+    "service/serving/core/__init__.py": "",
+    "service/serving/core/engine.py": "import fastapi\nfrom ...runtime import model\n",
+    "service/encoding.py": "import numpy as np\nfrom .errors import InvalidRequest\n",
+    "schemas/__init__.py": "from .common import X\n",
     "schemas/common.py": "from typing import Literal\nfrom pydantic import BaseModel\nX = 1\n",
     "clients/python/attnscope/client/__init__.py": "from attnscope.schemas import X\n",
     "clients/python/attnscope/client/cli.py": "import subprocess\n",
@@ -258,18 +315,29 @@ def test_a_clean_synthetic_tree_passes(tmp_path):
     ("schemas/bad.py", "import numpy as np\n", "schemas import pydantic only"),
     ("schemas/bad.py", "from attnscope.service.errors import InvalidRequest\n",
      "schemas import pydantic only"),
-    ("service/encoding.py", "def f():\n    from attnscope.service.runtime.memory import x\n",
+    ("service/encoding.py", "def f():\n    from .runtime.memory import x\n",
      "encoding does not import runtime"),
     ("clients/python/attnscope/client/cli.py", "def serve():\n"
      "    from attnscope.service import cli\n", "the client never imports the service"),
     ("clients/python/attnscope/client/cli.py", "import importlib\n"
      "importlib.import_module('attnscope.service.cli')\n", "the client never imports the service"),
     ("service/runtime/model.py", "from attnscope.service.api import heads\n",
-     "runtime never imports api or serving"),
+     "runtime owns torch and the model only"),
+    # relative, upward: runtime -> serving, runtime -> the serving core
     ("service/runtime/model.py", "from ..serving import heads\n",
-     "runtime never imports api or serving"),
-    ("service/serving/heads.py", "from attnscope.service.api.common import check_index\n",
+     "runtime owns torch and the model only"),
+    ("service/runtime/model.py", "def f():\n    from ..serving.core.engine import Plan\n",
+     "runtime owns torch and the model only"),
+    ("service/runtime/model.py", "from fastapi import Response\n",
+     "runtime owns torch and the model only"),
+    ("service/runtime/model.py", "from .. import encoding\n",
+     "runtime owns torch and the model only"),
+    ("service/runtime/model.py", "from ..analysis.good import x\n",
+     "runtime owns torch and the model only"),
+    ("service/serving/heads.py", "from ..api.common import check_index\n",
      "serving never imports api"),
+    ("service/serving/core/engine.py", "from .. import heads\n",
+     "the serving core imports no feature"),
     ("service/encoding.py", "from attnscope.client import wire\n",
      "the service never imports the client"),
 ])

@@ -105,7 +105,7 @@ def test_index_checks_read_at_most_limit_plus_one_entries(head):
     event-loop time): entries after the first limit + 1 are never read. Planted fault: a check
     that reads the whole list touches an _Untouchable and fails."""
     from attnscope.service.errors import InvalidRequest, OutOfRange
-    from attnscope.service.serving.checks import check_indices
+    from attnscope.service.serving.core.checks import check_indices
 
     values = head + [_Untouchable()] * 100_000
     with pytest.raises((InvalidRequest, OutOfRange)):

@@ -12,6 +12,7 @@ import torch
 from attnscope.service.analysis import norms as N
 
 from conftest import SENTENCE, minilm_dir  # noqa: F401
+from attnscope.service.analysis.verify_recorded import AttentionParams
 
 TEXTS = [SENTENCE, "The cat sat on the mat. The cat sat on the mat again, and again."]
 
@@ -105,7 +106,7 @@ def any_runtime(request):
 
 
 def _ours(rt, fw, layer, **kw):
-    p = rt.adapter.attention_params(layer)
+    p = AttentionParams.of(rt.adapter, layer)
     return N.layer_norms(fw.pattern[layer], fw.tensors.v[layer], p.W_o, p.b_v, p.b_o, **kw)
 
 
@@ -124,7 +125,7 @@ def test_norms_equal_an_einsum_over_hugging_face(any_runtime):
             #    to the attention module's output minus the output-projection bias
             scale = np.abs(lay["y"]).max()
             np.testing.assert_allclose(vec.sum((0, 2)), lay["y"] - lay["b_o"], atol=1e-5 * scale)
-            p = rt.adapter.attention_params(layer)
+            p = AttentionParams.of(rt.adapter, layer)
             f = N.transformed_values(fw.tensors.v[layer], p.W_o)
             ours_vec = N.contribution_vectors(fw.pattern[layer], f).double().numpy()  # [q, k, D]
             np.testing.assert_allclose(ours_vec.sum(1), lay["y"] - lay["b_o"], atol=1e-5 * scale)
@@ -354,7 +355,7 @@ def test_memory_estimate_covers_the_norms_before_any_forward(make_client, gpt2_r
     from conftest import assert_error
 
     from attnscope.schemas import NormsRequest
-    from attnscope.service.runtime.memory import forward_bytes
+    from attnscope.service.serving.core.memory import forward_bytes
     from attnscope.service.serving import norms as serving
 
     rt = gpt2_runtime
@@ -459,7 +460,7 @@ def test_heads_norm_scores_follow_a_weight_change(client, gpt2_runtime):
     fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
 
     def direct(layer):
-        p = rt.adapter.attention_params(layer)
+        p = AttentionParams.of(rt.adapter, layer)
         vn = N.value_norms(fw.tensors.v[layer], p.W_o)  # no kept Gram
         return N.noop_scores(fw.pattern[layer], vn)["sink_norm_share"]
 

@@ -1,5 +1,5 @@
 """Request bodies over ``INLINE_BODY_BYTES`` are parsed and validated in a worker thread
-(service/api/common.py ``V1Route``, issue 17: big bodies parsed on the event loop held
+(service/serving/core/routes.py ``V1Route``, issue 17: big bodies parsed on the event loop held
 ``/healthz`` for seconds), with exactly the answers FastAPI's own path gives: every case below
 is sent once through FastAPI's path (the threshold raised past every body) and once through
 the worker thread (the body padded with JSON whitespace past the threshold), and the two

@@ -265,7 +265,7 @@ def test_memory_estimate_covers_the_rollout_before_any_forward(make_client, gpt2
     from conftest import assert_error
 
     from attnscope.schemas import RolloutRequest
-    from attnscope.service.runtime.memory import forward_bytes
+    from attnscope.service.serving.core.memory import forward_bytes
     from attnscope.service.serving import rollout as serving
 
     rt = gpt2_runtime

@@ -34,17 +34,18 @@ from attnscope.service.runtime import Runtime
 from attnscope.service.runtime.adapters import ADAPTERS
 
 from conftest import SENTENCE, assert_error
+from attnscope.service.analysis.verify_recorded import AttentionParams
 
 URL = "/v1/verify"
 RQ = {"mode": "recorded_qkv"}
 
 
 def all_params(rt):
-    return {layer: rt.adapter.attention_params(layer) for layer in range(rt.adapter.n_layers)}
+    return {layer: AttentionParams.of(rt.adapter, layer) for layer in range(rt.adapter.n_layers)}
 
 
 def scratch(rt, fw, **kw):
-    return verify_from_scratch(fw.tensors, rt.adapter.scratch_model(), fw.tokens.input_ids,
+    return verify_from_scratch(fw.tensors, ScratchModel.of(rt.adapter), fw.tokens.input_ids,
                                rt.info["dtype"], **kw)
 
 
@@ -104,7 +105,7 @@ def test_recomputation_hidden_states_equal_hugging_face(gpt2_runtime, bert_runti
         with torch.no_grad():
             out = rt.adapter.base()(input_ids=torch.tensor([ids]), output_hidden_states=True,
                                     output_attentions=True, **kw)
-        rc = recompute(rt.adapter.scratch_model(), ids)
+        rc = recompute(ScratchModel.of(rt.adapter), ids)
         assert rc.embeddings.dtype == torch.float64
         torch.testing.assert_close(rc.embeddings, out.hidden_states[0][0].double(), atol=1e-5, rtol=0)
         L = rt.adapter.n_layers
@@ -191,7 +192,7 @@ def test_revision_hashes_weights_config_and_tokenizer(tmp_path, gpt2_runtime):
 def test_recomputation_that_ignores_the_inverse_layer_flag_fails_at_layer_1(altered):
     rt = altered["inverse"]
     fw = rt.forward_many([rt.tokenize(SENTENCE)])[0]
-    m = rt.adapter.scratch_model()
+    m = ScratchModel.of(rt.adapter)
     plain = [layer_scale(dataclasses.replace(m, config={**m.config, "scale_attn_by_inverse_layer_idx": False}), i)
              for i in range(2)]
     v = scratch(rt, fw, scales=plain)
@@ -270,7 +271,7 @@ def test_unimplemented_config_switch_is_a_422_naming_it(tmp_path, make_client, b
     assert "activation_function" in e["message"] and "mish" in e["message"]
     assert c.post(URL, json={"text": SENTENCE, **RQ}).status_code == 200  # the cheap mode works
     assert c.get("/healthz").status_code in (200, 404)
-    m = bert_runtime.adapter.scratch_model()
+    m = ScratchModel.of(bert_runtime.adapter)
     for key, value in (("position_embedding_type", "relative_key"), ("is_decoder", True),
                        ("add_cross_attention", True), ("hidden_act", "mish")):
         with pytest.raises(UnsupportedModelConfig, match=key):
@@ -353,7 +354,7 @@ def test_recomputation_equals_hugging_face(fixture, request):
         for layer in range(rt.adapter.n_layers):
             h = out.hidden_states[layer][0]
             (q, k, v), _ = _hf_qkv(fixture, base, layer, h)
-            pattern, attn_out = recompute_layer(q, k, v, rt.adapter.attention_params(layer))
+            pattern, attn_out = recompute_layer(q, k, v, AttentionParams.of(rt.adapter, layer))
             assert (pattern - out.attentions[layer][0]).abs().max().item() <= 1e-5
             nxt = _hf_next_hidden(fixture, base, layer, h, attn_out)
             assert (nxt - out.hidden_states[layer + 1][0]).abs().max().item() <= 1e-4
@@ -606,7 +607,7 @@ def test_verify_projections_sees_a_qkv_weight_change(gpt2_runtime, make_client):
     c = make_client(gpt2_runtime)
     text = "weight change seen by projections only"
     assert c.post("/v1/verify", json={"text": text}).json()["verification"]["passed"]
-    p = gpt2_runtime.adapter.attention_params(0)
+    p = AttentionParams.of(gpt2_runtime.adapter, 0)
     W = p.W_q
     with torch.no_grad():
         saved = W.clone()

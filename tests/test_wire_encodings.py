@@ -179,7 +179,7 @@ def test_large_json_is_streamed_and_correct(client, make_client, gpt2_runtime, m
 
 
 def test_recorded_bytes_estimate_is_exact(gpt2_runtime):
-    from attnscope.service.runtime.memory import recorded_bytes
+    from attnscope.service.runtime.results import recorded_bytes
 
     a = gpt2_runtime.adapter
     for text in (SENTENCE, "In the beginning God created the heaven and the earth. " * 3):

@@ -57,8 +57,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from attnscope.service.analysis._blas import one_blas_thread
-from attnscope.service.errors import ContextLengthExceeded, InvalidRequest
+from ._blas import one_blas_thread
+from ..errors import ContextLengthExceeded, InvalidRequest
 
 #: Order in which labels are tried; the first whose score passes its threshold wins.
 LABEL_ORDER: tuple[str, ...] = (

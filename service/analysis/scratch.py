@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attnscope.service.errors import InvalidRequest
+from ..errors import InvalidRequest
 
 
 def attention(

@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnscope.service.analysis._blas import one_blas_thread
-from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
+from ._blas import one_blas_thread
+from ..errors import InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
 
 
 def state_names(n_layers: int, include_final: bool) -> list[str]:

@@ -71,7 +71,7 @@ from typing import Iterator, Mapping, Protocol, Sequence
 
 import torch
 
-from attnscope.service.errors import UnsupportedModelConfig
+from ..errors import UnsupportedModelConfig
 
 #: Per served dtype: (pattern tolerance, absolute; state tolerance, relative to max(1, scale)).
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -122,6 +122,12 @@ class ScratchModel:
     weights: Mapping[str, torch.Tensor]
     n_layers: int
     n_heads: int
+
+    @classmethod
+    def of(cls, adapter) -> "ScratchModel":
+        """From a runtime adapter's ``scratch_weights()`` (plain values; duck-typed, so the
+        analysis imports nothing of the runtime)."""
+        return cls(**adapter.scratch_weights())
 
 
 class ServedForward(Protocol):

@@ -69,6 +69,12 @@ class AttentionParams:
     upcast: bool  # scores and softmax in float32 (GPT-2 reorder_and_upcast_attn)
     causal: bool
 
+    @classmethod
+    def of(cls, adapter, layer: int) -> "AttentionParams":
+        """Layer ``layer``'s parameters from a runtime adapter's ``attention_weights(layer)``
+        (plain values; duck-typed, so the analysis imports nothing of the runtime)."""
+        return cls(**adapter.attention_weights(layer))
+
 
 
 DEFAULT_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10, torch.float16: 1e-2,

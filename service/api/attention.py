@@ -7,10 +7,10 @@ from functools import partial
 from fastapi import Request
 
 from attnscope.schemas import AttentionRequest, AttentionResponse, ErrorResponse
-from attnscope.service.api.common import v1_router
-from attnscope.service.deps import EngineDep
-from attnscope.service.encoding import SAFETENSORS, wants_binary
-from attnscope.service.serving import attention as serving
+from ..serving.core.routes import v1_router
+from ..deps import EngineDep
+from ..encoding import SAFETENSORS, wants_binary
+from ..serving import attention as serving
 
 router = v1_router(tags=["attention"])
 

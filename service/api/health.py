@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from attnscope.service.encoding import ORJSONResponse
-from attnscope.service.errors import envelope
+from ..encoding import ORJSONResponse
+from ..errors import envelope
 
 router = APIRouter(tags=["health"])
 

@@ -11,10 +11,10 @@ from attnscope.schemas.interventions import (
     AblateRequest, AblateResponse, PatchRequest, PatchResponse, PredictionsRequest,
     PredictionsResponse,
 )
-from attnscope.service.api.common import error_responses, v1_router
-from attnscope.service.deps import EngineDep
-from attnscope.service.encoding import SAFETENSORS, wants_binary
-from attnscope.service.serving import interventions as serving
+from ..serving.core.routes import error_responses, v1_router
+from ..deps import EngineDep
+from ..encoding import SAFETENSORS, wants_binary
+from ..serving import interventions as serving
 
 router = v1_router(tags=["interventions"])
 

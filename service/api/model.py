@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from attnscope.schemas import ModelInfo
-from attnscope.service.deps import RuntimeDep
+from ..deps import RuntimeDep
 
 router = APIRouter(tags=["model"])
 

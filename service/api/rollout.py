@@ -7,11 +7,11 @@ from functools import partial
 from fastapi import Request
 
 from attnscope.schemas import RolloutRequest, RolloutResponse
-from attnscope.service.api.attention import ERRORS as ATTENTION_ERRORS
-from attnscope.service.api.common import v1_router
-from attnscope.service.deps import EngineDep
-from attnscope.service.encoding import wants_binary
-from attnscope.service.serving import rollout as serving
+from .attention import ERRORS as ATTENTION_ERRORS
+from ..serving.core.routes import v1_router
+from ..deps import EngineDep
+from ..encoding import wants_binary
+from ..serving import rollout as serving
 
 router = v1_router(tags=["rollout"])
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from attnscope.schemas import TokenizeRequest, TokenizeResponse
-from attnscope.service.api.common import v1_router
-from attnscope.service.deps import EngineDep
-from attnscope.service.encoding import respond
-from attnscope.service.serving.tokenize import body
+from ..serving.core.routes import v1_router
+from ..deps import EngineDep
+from ..encoding import respond
+from ..serving.tokenize import body
 
 router = v1_router(tags=["tokens"])
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from attnscope.schemas import VerifyRequest, VerifyResponse
-from attnscope.service.api.common import error_responses, v1_router
-from attnscope.service.deps import EngineDep
-from attnscope.service.serving import verify as serving
+from ..serving.core.routes import error_responses, v1_router
+from ..deps import EngineDep
+from ..serving import verify as serving
 
 router = v1_router(tags=["verify"])
 

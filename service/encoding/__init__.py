@@ -20,15 +20,15 @@ mass of every row).
 Everything callers used from the former single module is re-exported here.
 """
 
-from attnscope.service.encoding.codecs import (  # noqa: F401
+from .codecs import (  # noqa: F401
     _ST_DTYPE, _WIRE, LAZY, PIECE_BYTES, Base64Text, BinaryTensor, RoundedArray, TrilRows,
     _b64, _check_finite, _encode_tril, _json_array, _packed, _wire_array, array_pieces,
     encode_sparse, encode_tensor, estimate_encoded_bytes, to_numpy,
 )
-from attnscope.service.encoding.negotiation import SAFETENSORS, wants_binary  # noqa: F401
-from attnscope.service.encoding.responses import (  # noqa: F401
+from .negotiation import SAFETENSORS, wants_binary  # noqa: F401
+from .responses import (  # noqa: F401
     CHUNK_BYTES, DEADLINE_KEY, STREAM_MIN_BYTES, ChunkedResponse, ORJSONResponse,
     _array_bytes, _collect_binary, _default, _then_release, body_response, dumps, iter_json, respond,
     safetensors_parts, tensor_response,
 )
-from attnscope.service.errors import InvalidRequest, NonFiniteValues, NotAcceptable  # noqa: F401
+from ..errors import InvalidRequest, NonFiniteValues, NotAcceptable  # noqa: F401

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from attnscope.service.errors import NotAcceptable
+from ..errors import NotAcceptable
 
 SAFETENSORS = "application/x-safetensors"
 

@@ -30,10 +30,10 @@ import numpy as np
 import orjson
 from fastapi.responses import JSONResponse, Response
 
-from attnscope.service.encoding.codecs import (
+from .codecs import (
     _ST_DTYPE, LAZY, Base64Text, BinaryTensor, RoundedArray, TrilRows, array_pieces,
 )
-from attnscope.service.encoding.negotiation import SAFETENSORS
+from .negotiation import SAFETENSORS
 
 log = logging.getLogger("attnscope.encoding")
 

@@ -28,16 +28,16 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from attnscope.service.ops.cors import cors_middleware
-from attnscope.service.ops.metrics import LATENCY_BUCKETS, Metrics, metrics_router
-from attnscope.service.ops.middlewares import (
+from .cors import cors_middleware
+from .metrics import LATENCY_BUCKETS, Metrics, metrics_router
+from .middlewares import (
     OPEN_PATHS,
     ApiKeyMiddleware,
     RequestContextMiddleware,
     TimeoutMiddleware,
     send_envelope,
 )
-from attnscope.service.ops.openapi import document_errors, openapi_templates
+from .openapi import document_errors, openapi_templates
 
 __all__ = [
     "LATENCY_BUCKETS", "OPEN_PATHS", "ApiKeyMiddleware", "Metrics", "RequestContextMiddleware",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from attnscope.service.encoding import ORJSONResponse
-from attnscope.service.errors import envelope
+from ..encoding import ORJSONResponse
+from ..errors import envelope
 
 
 def cors_middleware():

@@ -20,11 +20,11 @@ import re
 import time
 import uuid
 
-from attnscope.service.encoding import DEADLINE_KEY, ORJSONResponse
-from attnscope.service.errors import envelope
-from attnscope.service.logs import request_id_var
-from attnscope.service.ops.metrics import Metrics
-from attnscope.service.ops.openapi import route_template
+from ..encoding import DEADLINE_KEY, ORJSONResponse
+from ..errors import envelope
+from ..logs import request_id_var
+from .metrics import Metrics
+from .openapi import route_template
 
 log = logging.getLogger("attnscope.ops")
 access_log = logging.getLogger("attnscope.access")

@@ -15,8 +15,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from attnscope.service.analysis.verify import ScratchModel
-from attnscope.service.analysis.verify_recorded import AttentionParams
 
 
 @dataclass
@@ -69,8 +67,10 @@ class Adapter:
         """Static token embedding matrix ``[vocab, d_model]``."""
         return self.model.get_input_embeddings().weight
 
-    def attention_params(self, layer: int) -> AttentionParams:
-        """Layer ``layer``'s q/k/v/output weights in the one layout of :class:`AttentionParams`."""
+    def attention_weights(self, layer: int) -> dict:
+        """Layer ``layer``'s q/k/v/output weights in one layout, as plain values: the fields of
+        ``analysis.verify_recorded.AttentionParams`` (built from this by ``AttentionParams.of``;
+        the runtime imports no analysis types)."""
         raise NotImplementedError
 
     def final_norm(self) -> nn.Module | None:
@@ -79,12 +79,13 @@ class Adapter:
         entry is its output."""
         return None
 
-    def scratch_model(self) -> ScratchModel:
+    def scratch_weights(self) -> dict:
         """The base model's weights (detached views of the CURRENT parameters, by their
-        state-dict names) and config values, for the from-scratch verification."""
+        state-dict names) and config values, for the from-scratch verification: the fields of
+        ``analysis.verify.ScratchModel`` (built from this by ``ScratchModel.of``)."""
         weights = {n: p.detach() for n, p in self.base().named_parameters()}
-        return ScratchModel(self.family, self.config.to_dict(), weights, self.n_layers,
-                            self.n_heads)
+        return dict(family=self.family, config=self.config.to_dict(), weights=weights,
+                    n_layers=self.n_layers, n_heads=self.n_heads)
 
 
 class GPT2Adapter(Adapter):
@@ -113,7 +114,7 @@ class GPT2Adapter(Adapter):
     def final_norm(self) -> nn.Module:
         return self.base().ln_f
 
-    def attention_params(self, layer: int) -> AttentionParams:
+    def attention_weights(self, layer: int) -> dict:
         """GPT-2: ``c_attn`` is a Conv1D (``y = x @ W + b``, W stored ``[d_model, 3*d_model]``,
         columns q | k | v); ``c_proj`` likewise ``[d_model, d_model]``. Scaling from the config:
         1/sqrt(d_head) if ``scale_attn_weights``, divided by (layer+1) if
@@ -124,11 +125,12 @@ class GPT2Adapter(Adapter):
         scaling = self.d_head ** -0.5 if self.config.scale_attn_weights else 1.0
         if self.config.scale_attn_by_inverse_layer_idx:
             scaling /= float(layer + 1)
-        return AttentionParams(
-            w[:, :d], b[:d], w[:, d : 2 * d], b[d : 2 * d], w[:, 2 * d :], b[2 * d :],
-            attn.c_proj.weight.detach(), attn.c_proj.bias.detach(),
-            self.n_heads, self.d_head, float(scaling),
-            bool(getattr(self.config, "reorder_and_upcast_attn", False)), True,
+        return dict(
+            W_q=w[:, :d], b_q=b[:d], W_k=w[:, d : 2 * d], b_k=b[d : 2 * d],
+            W_v=w[:, 2 * d :], b_v=b[2 * d :],
+            W_o=attn.c_proj.weight.detach(), b_o=attn.c_proj.bias.detach(),
+            n_heads=self.n_heads, d_head=self.d_head, scaling=float(scaling),
+            upcast=bool(getattr(self.config, "reorder_and_upcast_attn", False)), causal=True,
         )
 
     def split_qkv(self, outs):
@@ -163,7 +165,7 @@ class BertAdapter(Adapter):
             )
         return out
 
-    def attention_params(self, layer: int) -> AttentionParams:
+    def attention_weights(self, layer: int) -> dict:
         """BERT: ``query``/``key``/``value`` and ``attention.output.dense`` are ``nn.Linear``
         (``y = x @ W.T + b``, W stored ``[d_out, d_in]``), returned transposed. Scaling
         1/sqrt(d_head); bidirectional."""
@@ -173,10 +175,10 @@ class BertAdapter(Adapter):
         def wb(m):
             return m.weight.detach().t(), m.bias.detach()
 
-        return AttentionParams(
-            *wb(sa.query), *wb(sa.key), *wb(sa.value), *wb(dense),
-            self.n_heads, self.d_head, float(self.d_head ** -0.5), False, False,
-        )
+        (W_q, b_q), (W_k, b_k), (W_v, b_v), (W_o, b_o) = map(wb, (sa.query, sa.key, sa.value, dense))
+        return dict(W_q=W_q, b_q=b_q, W_k=W_k, b_k=b_k, W_v=W_v, b_v=b_v, W_o=W_o, b_o=b_o,
+                    n_heads=self.n_heads, d_head=self.d_head, scaling=float(self.d_head ** -0.5),
+                    upcast=False, causal=False)
 
     def split_qkv(self, outs):
         B, T, _ = outs[0].shape

@@ -32,7 +32,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from attnscope.service.errors import InvalidRequest
+from ..errors import InvalidRequest
 
 
 class NoLanguageModelHead(InvalidRequest):

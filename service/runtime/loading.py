@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from attnscope.service.config import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID, Settings
-from attnscope.service.runtime.adapters import ADAPTERS, CAUSAL_TYPES
+from ..config import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID, Settings
+from .adapters import ADAPTERS, CAUSAL_TYPES
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

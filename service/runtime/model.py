@@ -21,20 +21,20 @@ from pathlib import Path
 
 import torch
 
-from attnscope.service.config import BUNDLED_MODEL_ID, Settings
-from attnscope.service.errors import ContextLengthExceeded, InvalidRequest, scrub_paths
-from attnscope.service.runtime.adapters import ADAPTERS, Adapter, LayerHandles
-from attnscope.service.runtime import inplace_attention
-from attnscope.service.runtime.cache import ByteLRU
-from attnscope.service.runtime.loading import ModelLoadError, _load_pretrained
-from attnscope.service.runtime.memory import recorded_bytes
-from attnscope.service.runtime.results import (
+from ..config import BUNDLED_MODEL_ID, Settings
+from ..errors import ContextLengthExceeded, InvalidRequest, scrub_paths
+from .adapters import ADAPTERS, Adapter, LayerHandles
+from . import inplace_attention
+from .cache import ByteLRU
+from .loading import ModelLoadError, _load_pretrained
+from .results import recorded_bytes
+from .results import (
     ForwardResult,
     ForwardTensors,
     TokenInfo,
     TokenizedText,
 )
-from attnscope.service.runtime.tokens import bytelevel_label
+from .tokens import bytelevel_label
 
 __all__ = ["ForwardResult", "ForwardTensors", "ModelLoadError", "Runtime", "TokenInfo",
            "TokenizedText"]
@@ -49,7 +49,7 @@ TOKENIZE_CACHE_MAX_CHARS = 20_000
 
 class Runtime:
     """Owns the model, the tokenizer and the forward cache. Not async: callers serialise
-    forwards through :class:`attnscope.service.runtime.slot.DeviceSlot`."""
+    forwards through :class:`attnscope.service.serving.core.slot.DeviceSlot`."""
 
     def __init__(self, model, tokenizer, adapter: Adapter, info: dict, settings: Settings):
         self.model = model

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from attnscope.schemas import AttentionRequest
-from attnscope.service.analysis.attention import select_heads
-from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
-from attnscope.service.errors import InvalidRequest
-from attnscope.service.runtime.engine import Plan
-from attnscope.service.serving.checks import check_indices
-from attnscope.service.serving.common import text_or_results
+from ..analysis.attention import select_heads
+from ..encoding import encode_tensor, estimate_encoded_bytes
+from ..errors import InvalidRequest
+from .core.engine import Plan
+from .core.checks import check_indices
+from .common import text_or_results
 
 
 def check(rt, req: AttentionRequest) -> None:

@@ -9,11 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from attnscope.schemas import HeadsRequest
-from attnscope.service.analysis import heads as H
-from attnscope.service.errors import InvalidRequest, NonFiniteValues
-from attnscope.service.runtime import Runtime, TokenizedText
-from attnscope.service.encoding.estimates import heads_bytes
-from attnscope.service.runtime.engine import Plan
+from ..analysis import heads as H
+from ..analysis.verify_recorded import AttentionParams
+from ..errors import InvalidRequest, NonFiniteValues
+from ..runtime import Runtime, TokenizedText
+from .core.estimates import heads_bytes
+from .core.engine import Plan
 
 PROBE_MEMO_ENTRIES = 64  # distinct probe options kept per runtime
 _PROBE_MEMO_LOCK = threading.Lock()
@@ -166,13 +167,13 @@ def _norm_score_lists(rt: Runtime, forwards, n_threads: int) -> dict[str, list]:
 
 
 def _norm_score_tensors(rt: Runtime, forwards) -> dict[str, list]:
-    from attnscope.service.analysis.norms import noop_scores, value_gram, value_norms
+    from ..analysis.norms import noop_scores, value_gram, value_norms
 
     L, NH = rt.adapter.n_layers, rt.adapter.n_heads
     acc = {"noop": torch.zeros(L, NH, dtype=torch.float64),
            "sink_norm_share": torch.zeros(L, NH, dtype=torch.float64)}
     for layer in range(L):
-        p = rt.adapter.attention_params(layer)
+        p = AttentionParams.of(rt.adapter, layer)
         # W_O^h W_O^h^T depends on the weights only: kept in rt.memo per layer, keyed by the
         # tensor's storage and version counter (an in-place weight change makes a new key)
         key = ("value_gram", layer, p.W_o.data_ptr(), p.W_o._version)

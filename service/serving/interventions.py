@@ -22,13 +22,13 @@ import numpy as np
 import torch
 
 from attnscope.schemas.interventions import AblateRequest, PatchRequest, PredictionsRequest
-from attnscope.service.analysis import interventions as A
-from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
-from attnscope.service.errors import BatchTooLarge, InvalidRequest, OutOfRange, n_tokens
-from attnscope.service.runtime import interventions as I
-from attnscope.service.runtime.engine import Plan
-from attnscope.service.serving.checks import check_distinct, check_index
-from attnscope.service.serving.common import text_or_results
+from ..analysis import interventions as A
+from ..encoding import encode_tensor, estimate_encoded_bytes
+from ..errors import BatchTooLarge, InvalidRequest, OutOfRange, n_tokens
+from ..runtime import interventions as I
+from .core.engine import Plan
+from .core.checks import check_distinct, check_index
+from .common import text_or_results
 
 ATTRIBUTION_NOTE = (
     "attribution patching (Nanda 2023; Kramár et al. 2024, AtP): a linear approximation "

@@ -6,12 +6,13 @@ import numpy as np
 import torch
 
 from attnscope.schemas import LinksRequest
-from attnscope.service.analysis.links import skipped_queries, strongest_links
-from attnscope.service.encoding.estimates import links_bytes
-from attnscope.service.errors import InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
-from attnscope.service.runtime.engine import Plan
-from attnscope.service.serving.checks import check_distinct, check_index
-from attnscope.service.serving.common import text_or_results
+from ..analysis.links import skipped_queries, strongest_links
+from ..analysis.verify_recorded import AttentionParams
+from .core.estimates import links_bytes
+from ..errors import InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
+from .core.engine import Plan
+from .core.checks import check_distinct, check_index
+from .common import text_or_results
 
 
 def check(rt, req: LinksRequest) -> None:
@@ -89,9 +90,9 @@ def _target(q: int, link, labels, rnd, weights) -> dict:
 def _norms(rt, fw, layer: int, head: int | None) -> torch.Tensor:
     """Contribution norms of one layer ``[query_pos, key_pos]`` (default biases): one head's
     ||alpha f|| or the layer's ||sum_h alpha f|| (head None)."""
-    from attnscope.service.analysis.norms import layer_norms
+    from ..analysis.norms import layer_norms
 
-    p = rt.adapter.attention_params(layer)
+    p = AttentionParams.of(rt.adapter, layer)
     res = layer_norms(fw.pattern[layer], fw.tensors.v[layer], p.W_o, p.b_v, p.b_o,
                       heads=None if head is None else [head], per_head=head is not None,
                       summed=head is None)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from attnscope.service.analysis import norms as N
-from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
-from attnscope.service.errors import InvalidRequest, NonFiniteValues
-from attnscope.service.runtime.engine import Plan
-from attnscope.service.serving.checks import check_indices
-from attnscope.service.serving.common import text_or_results
+from ..analysis import norms as N
+from ..analysis.verify_recorded import AttentionParams
+from ..encoding import encode_tensor, estimate_encoded_bytes
+from ..errors import InvalidRequest, NonFiniteValues
+from .core.engine import Plan
+from .core.checks import check_indices
+from .common import text_or_results
 
 
 def check(rt, req) -> tuple[list[int], list[int]]:
@@ -67,7 +68,7 @@ def build(rt, req, forwards, encoding: str) -> dict:
     """The response body (tensors through encode_tensor)."""
     layers, heads = check(rt, req)
     sel = None if req.heads is None else heads
-    params = {lyr: rt.adapter.attention_params(lyr) for lyr in layers}
+    params = {lyr: AttentionParams.of(rt.adapter, lyr) for lyr in layers}
     out = []
     for i, fw in enumerate(forwards):
         pfx = "norms" if req.text is not None else f"results.{i}"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from attnscope.service.analysis import rollout as RO
-from attnscope.service.encoding import encode_tensor, estimate_encoded_bytes
-from attnscope.service.errors import InvalidRequest, NonFiniteValues, n_tokens
-from attnscope.service.runtime.engine import Plan
-from attnscope.service.serving.checks import check_indices
-from attnscope.service.serving.common import text_or_results
+from ..analysis import rollout as RO
+from ..encoding import encode_tensor, estimate_encoded_bytes
+from ..errors import InvalidRequest, NonFiniteValues, n_tokens
+from .core.engine import Plan
+from .core.checks import check_indices
+from .common import text_or_results
 
 
 def check(rt, req, lengths: list[int] | None = None) -> tuple[list[int], list[int] | None]:

@@ -6,11 +6,11 @@ import torch
 
 from attnscope.schemas import ScratchAttentionRequest
 from attnscope.schemas.scratch import MAX_WEIGHTS
-from attnscope.service.analysis.scratch import as_matrix, embedding_qkv, scratch_attention
-from attnscope.service.encoding import encode_tensor
-from attnscope.service.encoding.estimates import scratch_bytes
-from attnscope.service.errors import InvalidRequest
-from attnscope.service.runtime.engine import Plan
+from ..analysis.scratch import as_matrix, embedding_qkv, scratch_attention
+from ..encoding import encode_tensor
+from .core.estimates import scratch_bytes
+from ..errors import InvalidRequest
+from .core.engine import Plan
 
 
 def check_wire_range(r: dict, dtype: str) -> None:
@@ -38,7 +38,7 @@ def plan(rt, req: ScratchAttentionRequest, items) -> Plan:
     :func:`~attnscope.service.analysis.scratch.scratch_attention`; the body with ``weights``,
     ``scores`` ``[head, query_pos, key_pos]`` and ``output`` ``[query_pos, d_v]``."""
     if req.text is not None and rt is None:
-        from attnscope.service.errors import NotReady
+        from ..errors import NotReady
 
         raise NotReady("the model is not loaded yet; retry shortly (the matrices source needs no model)")
 
@@ -87,7 +87,7 @@ def plan(rt, req: ScratchAttentionRequest, items) -> Plan:
 
 
 def _estimate(rt, req: ScratchAttentionRequest) -> int:
-    """Upper bound of the job's memory (service/encoding/estimates.py): matrices as given, or
+    """Upper bound of the job's memory (service/serving/core/estimates.py): matrices as given, or
     for a text at most min(characters + 2, n_ctx) tokens of d_model-wide embeddings."""
     H = req.n_heads
     if req.text is None:

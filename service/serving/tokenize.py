@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from attnscope.service.serving.common import text_or_results
+from .common import text_or_results
 
 
 def body(rt, req, items) -> dict:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from attnscope.schemas import TrajectoriesRequest
-from attnscope.service.analysis.trajectories import check_trajectory_request, trajectories
-from attnscope.service.encoding import encode_tensor
-from attnscope.service.encoding.estimates import trajectories_bytes
-from attnscope.service.errors import InvalidRequest
-from attnscope.service.runtime.engine import Plan
-from attnscope.service.serving.common import text_or_results
+from ..analysis.trajectories import check_trajectory_request, trajectories
+from ..encoding import encode_tensor
+from .core.estimates import trajectories_bytes
+from ..errors import InvalidRequest
+from .core.engine import Plan
+from .common import text_or_results
 
 
 def plan(rt, req: TrajectoriesRequest, items) -> Plan:

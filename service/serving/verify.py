@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from attnscope.schemas import VerifyRequest
-from attnscope.service.analysis.verify import check_supported, verify_from_scratch
-from attnscope.service.analysis.verify_recorded import verify as verify_recorded_qkv
-from attnscope.service.encoding.estimates import verify_bytes
-from attnscope.service.runtime.engine import Plan
-from attnscope.service.serving.checks import check_indices
-from attnscope.service.serving.common import text_or_results
+from ..analysis.verify import check_supported, verify_from_scratch
+from ..analysis.verify_recorded import verify as verify_recorded_qkv
+from ..analysis.verify import ScratchModel
+from ..analysis.verify_recorded import AttentionParams
+from .core.estimates import verify_bytes
+from .core.engine import Plan
+from .core.checks import check_indices
+from .common import text_or_results
 
 
 def check(rt, req: VerifyRequest) -> None:
@@ -16,7 +18,7 @@ def check(rt, req: VerifyRequest) -> None:
     implemented (422 ``unsupported_model_config`` naming it), before any forward."""
     check_indices(req.layers, rt.adapter.n_layers, "layers", "layer")
     if req.mode == "from_scratch":
-        check_supported(rt.adapter.scratch_model())
+        check_supported(ScratchModel.of(rt.adapter))
 
 
 def plan(rt, req: VerifyRequest, items) -> Plan:
@@ -28,12 +30,12 @@ def plan(rt, req: VerifyRequest, items) -> Plan:
 
     def job(forwards) -> dict:
         if req.mode == "from_scratch":
-            scratch = rt.adapter.scratch_model()
+            scratch = ScratchModel.of(rt.adapter)
             results = [verify_from_scratch(fw.tensors, scratch, fw.tokens.input_ids,
                                            rt.info["dtype"], layers, req.tolerance)
                        for fw in forwards]
         else:
-            params = {layer: rt.adapter.attention_params(layer) for layer in layers}
+            params = {layer: AttentionParams.of(rt.adapter, layer) for layer in layers}
             results = []
             for fw in forwards:
                 r = verify_recorded_qkv(fw.tensors, params, req.tolerance, req.projections)

@@ -1,6 +1,6 @@
 """attnscope's thin Python client: typed results, numpy arrays, retries, typed errors.
 
-    from attnscope.client import Client
+    from . import Client
     with Client() as c:                       # ATTNSCOPE_BASE_URL, ATTNSCOPE_API_KEY
         res = c.attention("Then I tried", layers=[0])
         res.attention.pattern.numpy()         # float32 [layer, head, query_pos, key_pos]
@@ -10,7 +10,7 @@ Installs without torch (httpx, pydantic, numpy; ``[plot]`` adds matplotlib). Plo
 pipeline in ``attnscope.client.batch``.
 """
 
-from attnscope.client._client import (
+from ._client import (
     API_KEY_ENV,
     BASE_URL_ENV,
     DEFAULT_BASE_URL,
@@ -20,10 +20,10 @@ from attnscope.client._client import (
     __version__,
     resolve_base_url,
 )
-from attnscope.client._errors import *  # noqa: F401,F403
-from attnscope.client._errors import ERROR_TYPES, STATUS_ERRORS
-from attnscope.client._errors import __all__ as _errors_all
-from attnscope.client._tensors import EncodedTensor, JsonTensor, to_numpy
+from ._errors import *  # noqa: F401,F403
+from ._errors import ERROR_TYPES, STATUS_ERRORS
+from ._errors import __all__ as _errors_all
+from ._tensors import EncodedTensor, JsonTensor, to_numpy
 
 __all__ = [
     "API_KEY_ENV", "BASE_URL_ENV", "DEFAULT_BASE_URL", "AsyncClient", "BaseClient", "Client",
@@ -34,7 +34,7 @@ __all__ = [
 
 def __getattr__(name: str):
     """Deprecated names (``ValidationError`` -> ``UnprocessableEntityError``), with a warning."""
-    from attnscope.client import _errors
+    from . import _errors
 
     if name in _errors._DEPRECATED:
         return _errors._deprecated(name, 2)

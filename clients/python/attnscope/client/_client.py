@@ -42,7 +42,7 @@ import orjson
 import pydantic
 from pydantic import BaseModel
 
-from attnscope.client._errors import (
+from ._errors import (
     APIConnectionError,
     APIResponseValidationError,
     APIStatusError,
@@ -50,9 +50,9 @@ from attnscope.client._errors import (
     RequestValidationError,
     status_error,
 )
-from attnscope.client import wire
-from attnscope.client._tensors import attach_numpy
-from attnscope.client.notebook import view_class
+from . import wire
+from ._tensors import attach_numpy
+from .notebook import view_class
 from attnscope.schemas import (
     AttentionRequest,
     AttentionResponse,

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 from pydantic import BaseModel, PrivateAttr
 
-from attnscope.client import wire
+from . import wire
 from attnscope.schemas.common import Base64Tensor
 
 try:  # the other wire forms (present in schemas since the wire-encodings work)

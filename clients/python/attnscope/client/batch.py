@@ -43,7 +43,7 @@ from typing import Any
 
 import pydantic
 
-from attnscope.client._errors import pydantic_problem
+from ._errors import pydantic_problem
 
 ANALYSES = {
     # name: (path, request model import path, default options)
@@ -336,7 +336,7 @@ async def run_batch(client, lines: list[str], output: str, failures: str,
     :class:`attnscope.client.AsyncClient`); see the module docstring for the files written.
     ``summary`` (optional) is filled in as the run goes, so a caller still has the counts
     when the run is interrupted."""
-    from attnscope.client._errors import (
+    from ._errors import (
         APIConnectionError,
         APIResponseValidationError,
         APIStatusError,
@@ -471,8 +471,8 @@ def run_cli(args) -> int:
 
     import httpx
 
-    from attnscope.client import AsyncClient
-    from attnscope.client.cli import (
+    from . import AsyncClient
+    from .cli import (
         EXIT_CONNECTION, EXIT_INTERRUPTED, EXIT_NEGATIVE, EXIT_OK, UsageError, default_url)
 
     names = args.analysis or ["attention"]

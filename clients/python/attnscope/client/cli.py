@@ -51,7 +51,7 @@ def _warn(msg: str) -> None:
 
 def default_url() -> str:
     """``ATTNSCOPE_BASE_URL`` (``ATTNSCOPE_URL`` accepted with a warning), else the default."""
-    from attnscope.client._client import DEFAULT_BASE_URL, resolve_base_url
+    from ._client import DEFAULT_BASE_URL, resolve_base_url
 
     return resolve_base_url(None, warn=_warn) or DEFAULT_BASE_URL
 
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flow", action="store_true", help="also compute attention flow (<= 16 tokens)")
     p.add_argument("--round", type=int, default=None, help="decimals in JSON")
 
-    from attnscope.client import batch as _batch
+    from . import batch as _batch
 
     p = sub.add_parser("batch", help="run analyses over a JSONL corpus (resumable)",
                        description=_batch.__doc__.replace("``", "'"),
@@ -301,7 +301,7 @@ def _options(args, names: dict[str, str]) -> dict[str, Any]:
 
 
 def _client(args):
-    from attnscope.client import Client
+    from . import Client
 
     return Client(args.url or default_url(), api_key=args.api_key, timeout=args.timeout,
                   max_retries=args.max_retries)
@@ -398,7 +398,7 @@ def _save(fig, path: str) -> None:
 
 def _plots():
     try:
-        from attnscope.client import plots
+        from . import plots
     except ImportError as exc:
         raise UsageError(f"--plot needs matplotlib ({exc}); pip install matplotlib (the 'plot' extra of attnscope or attnscope-client)")
     return plots
@@ -822,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         return _serve(argv)
-    from attnscope.client._errors import (
+    from ._errors import (
         APIConnectionError, APIResponseValidationError, APIStatusError, RequestValidationError)
 
     ap = build_parser()
@@ -837,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_args(args)
         if args.cmd == "batch":
-            from attnscope.client import batch as _batch
+            from . import batch as _batch
 
             return _batch.run_cli(args)
         return COMMANDS[args.cmd](args)

@@ -8,7 +8,7 @@ links and verify responses small tables. The HTML is self-contained: the explore
 ``views.js`` and ``attnscope.js`` (shipped in the package) are inlined as ES modules loaded
 from blob URLs, the tensors inlined as base64 float32; nothing is fetched from a network.
 
-    from attnscope.client import Client, notebook
+    from . import Client, notebook
     res = Client().attention("The cat sat on the mat.")
     res                                   # in Jupyter: the interactive view
     notebook.to_html(res)                 # the same HTML as a string (e.g. to save a page)
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from attnscope.client._tensors import to_numpy
+from ._tensors import to_numpy
 
 _WEB = Path(__file__).resolve().parent / "_web"
 

@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "attnscope.client.plots needs matplotlib: pip install matplotlib (the 'plot' extra of attnscope or attnscope-client)"
     ) from exc
 
-from attnscope.client._tensors import to_numpy
+from ._tensors import to_numpy
 
 __all__ = [
     "attention_heatmap",

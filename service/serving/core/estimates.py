@@ -1,6 +1,6 @@
 """Memory estimates of every endpoint's response and of its job's own tensors (issue 17,
 "Every endpoint's response is in its estimate"). The serving modules call these and put the
-result in ``Plan.response_bytes``; the engine adds the forwards (service/runtime/memory.py)
+result in ``Plan.response_bytes``; the engine adds the forwards (service/serving/core/memory.py)
 and checks the sum against ``max_request_bytes`` and the global budget.
 
 Each function counts the big allocations of its job (float64 copies, score matrices,
@@ -13,7 +13,7 @@ against its estimate, and tests/test_abuse.py the process's resident memory.
 
 from __future__ import annotations
 
-from attnscope.service.encoding.codecs import estimate_encoded_bytes
+from ...encoding.codecs import estimate_encoded_bytes
 
 #: one token of a response (id, label, offsets, special: a dict + its JSON)
 TOKEN_BYTES = 600

@@ -24,13 +24,13 @@ from typing import Any, Callable
 import anyio.to_thread
 from fastapi import Response
 
-from attnscope.service.analysis._blas import torch_threads_for
-from attnscope.service.encoding import respond
-from attnscope.service.errors import BatchTooLarge, NotReady
-from attnscope.service.runtime.budget import MemoryBudget, Ticket, default_budget
-from attnscope.service.runtime.memory import check_memory, release_memory
-from attnscope.service.runtime.model import Runtime
-from attnscope.service.runtime.results import ForwardResult, TokenizedText
+from ...analysis._blas import torch_threads_for
+from ...encoding import respond
+from ...errors import BatchTooLarge, NotReady
+from .budget import MemoryBudget, Ticket, default_budget
+from .memory import check_memory, release_memory
+from ...runtime.model import Runtime
+from ...runtime.results import ForwardResult, TokenizedText
 
 
 @dataclass
@@ -120,7 +120,7 @@ class Engine:
 
     @property
     def budget(self) -> MemoryBudget:
-        """The global memory budget (service/runtime/budget.py), made on first use (after the
+        """The global memory budget (service/serving/core/budget.py), made on first use (after the
         model loaded: the auto budget subtracts the process's memory with the model)."""
         b = getattr(self._state, "budget", None)
         if b is None:

@@ -7,8 +7,8 @@ requests in flight (from admission until their response's last byte is sent or t
 goes away) plus its own fit in ``Settings.memory_budget_bytes``; otherwise it waits, first
 come first served, up to ``Settings.budget_wait_s``, then gets 429 ``overloaded`` with
 ``Retry-After``. A request bigger than the whole budget can never fit: 422
-``memory_limit_exceeded`` at once. The estimates are the engine's (service/runtime/memory.py
-for the forwards, service/encoding/estimates.py for the responses and the jobs' tensors).
+``memory_limit_exceeded`` at once. The estimates are the engine's (service/serving/core/memory.py
+for the forwards, service/serving/core/estimates.py for the responses and the jobs' tensors).
 
 The default budget (``memory_budget_bytes = 0``: auto) is derived from the machine: the
 memory this process may use (cgroup v2/v1 limit or ``MemTotal``, the smaller) minus what it
@@ -24,7 +24,7 @@ import math
 import os
 from collections import deque
 
-from attnscope.service.errors import MemoryLimitExceeded, Overloaded
+from ...errors import MemoryLimitExceeded, Overloaded
 
 MIN_BUDGET = 256 << 20
 

@@ -10,7 +10,7 @@ forward ran on whichever pool thread was free, the tensors the forward cache evi
 into other threads' arenas, so at steady state every GPT-2-small forward at 128 tokens still
 faulted in ~14k fresh pages (~55 MB) and the heap's free memory grew until it was trimmed.
 The analyses' own torch work (head scores, links, encoding the pattern, verify) runs on the same
-thread, in the same turn as the request's forwards (``service/runtime/engine.py``): each OS thread that runs a parallel torch op gets its own
+thread, in the same turn as the request's forwards (``service/serving/core/engine.py``): each OS thread that runs a parallel torch op gets its own
 OpenMP team, and once the teams' threads outnumber the cores libgomp stops spinning between
 parallel regions, so every op waits for its team to wake up. Measured on 2 cores (GPT-2 small,
 T = 128): /v1/verify's recomputation 19-20 ms with one team, 27-29 ms once a second thread had
@@ -27,7 +27,7 @@ from typing import Callable, TypeVar
 
 import anyio
 
-from attnscope.service.errors import Overloaded
+from ...errors import Overloaded
 
 T = TypeVar("T")
 

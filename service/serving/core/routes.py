@@ -1,6 +1,6 @@
 """What routers share: the route class and router of /v1 (request bodies parsed off the event
 loop) and the OpenAPI error responses of a /v1 route. (The checks are in
-service/serving/checks.py, the forward call in service/runtime/engine.py.)"""
+service/serving/core/checks.py, the forward call in service/serving/core/engine.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
-from attnscope.service.serving.checks import check_distinct, check_index, check_indices  # noqa: F401
+from .checks import check_distinct, check_index, check_indices  # noqa: F401
 
 
 def error_responses(invalid: str = "Invalid request (field, limit and value named).",

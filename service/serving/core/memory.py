@@ -28,14 +28,8 @@ from typing import Sequence
 
 import torch
 
-from attnscope.service.errors import MemoryLimitExceeded
-
-
-def recorded_bytes(n_layers: int, n_heads: int, d_model: int, n_tokens: int, element_size: int) -> int:
-    """Bytes of one text's recorded forward (ForwardTensors) of ``n_tokens`` tokens."""
-    L, H, D, T = n_layers, n_heads, d_model, n_tokens
-    # pattern, L+1 hidden states, the final LayerNorm's output, q/k/v/attn input/attn output
-    return element_size * (L * H * T * T + (L + 2) * T * D + 5 * L * T * D)
+from ...errors import MemoryLimitExceeded
+from ...runtime.results import recorded_bytes
 
 
 def forward_bytes(

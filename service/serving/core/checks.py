@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnscope.service.errors import InvalidRequest, OutOfRange
+from ...errors import InvalidRequest, OutOfRange
 
 
 def check_indices(values: list[int] | None, limit: int, field: str, what: str) -> None:
