@@ -232,8 +232,10 @@ class TensorOptions(StrictModel):
         None,
         ge=0,
         le=10,
-        description="Decimal places for encoding 'json' (numpy round-half-even); null = full "
-        "float32 precision (shortest repr that round-trips).",
+        description="Decimal places for encoding 'json': each value is the decimal with this "
+        "many places nearest the exact float32 value (ties to even; within 0.5e-round of it), "
+        "written as that short decimal; null = full float32 precision (shortest repr that "
+        "round-trips).",
     )
 
 

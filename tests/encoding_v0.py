@@ -166,8 +166,8 @@ def _json_array(a: np.ndarray, round_: int | None) -> np.ndarray:
     if a.dtype.kind == "f":
         if a.dtype not in (np.float32, np.float64):
             a = a.astype(np.float32)
-        if round_ is not None:
-            a = np.round(a, round_)
+        if round_ is not None:  # issue 29: exact from float64 (np.round on float32 before)
+            a = np.round(a.astype(np.float64), round_)
     return np.ascontiguousarray(a)
 
 

@@ -509,7 +509,7 @@ export interface components {
             resample_text?: string | null;
             /**
              * Round
-             * @description Decimal places for encoding 'json' (numpy round-half-even); null = full float32 precision (shortest repr that round-trips).
+             * @description Decimal places for encoding 'json': each value is the decimal with this many places nearest the exact float32 value (ties to even; within 0.5e-round of it), written as that short decimal; null = full float32 precision (shortest repr that round-trips).
              */
             round?: number | null;
             /**
@@ -720,7 +720,7 @@ export interface components {
             layout?: "full" | "tril";
             /**
              * Round
-             * @description Decimal places for encoding 'json' (numpy round-half-even); null = full float32 precision (shortest repr that round-trips).
+             * @description Decimal places for encoding 'json': each value is the decimal with this many places nearest the exact float32 value (ties to even; within 0.5e-round of it), written as that short decimal; null = full float32 precision (shortest repr that round-trips).
              */
             round?: number | null;
             /** @description Send the pattern sparse (top_k per query row and/or a threshold) as a SparseTensor with the kept mass per row; scores, if asked, stay dense. */
@@ -1708,7 +1708,7 @@ export interface components {
             per_head?: boolean;
             /**
              * Round
-             * @description Decimal places for encoding 'json' (numpy round-half-even); null = full float32 precision (shortest repr that round-trips).
+             * @description Decimal places for encoding 'json': each value is the decimal with this many places nearest the exact float32 value (ties to even; within 0.5e-round of it), written as that short decimal; null = full float32 precision (shortest repr that round-trips).
              */
             round?: number | null;
             /** @description Send 'norms' and 'summed' sparse (top_k per query row and/or a threshold on the norm). row_mass is then the sum of the kept norms of each row (not a fraction: norms do not sum to 1). */
@@ -2183,7 +2183,7 @@ export interface components {
             residual?: number;
             /**
              * Round
-             * @description Decimal places for encoding 'json' (numpy round-half-even); null = full float32 precision (shortest repr that round-trips).
+             * @description Decimal places for encoding 'json': each value is the decimal with this many places nearest the exact float32 value (ties to even; within 0.5e-round of it), written as that short decimal; null = full float32 precision (shortest repr that round-trips).
              */
             round?: number | null;
             /**
@@ -2333,7 +2333,7 @@ export interface components {
             query_text?: string | null;
             /**
              * Round
-             * @description Decimal places for encoding 'json' (numpy round-half-even); null = full float32 precision (shortest repr that round-trips).
+             * @description Decimal places for encoding 'json': each value is the decimal with this many places nearest the exact float32 value (ties to even; within 0.5e-round of it), written as that short decimal; null = full float32 precision (shortest repr that round-trips).
              */
             round?: number | null;
             /**
@@ -2727,7 +2727,7 @@ export interface components {
             positions?: number[] | null;
             /**
              * Round
-             * @description Decimal places for encoding 'json' (numpy round-half-even); null = full float32 precision (shortest repr that round-trips).
+             * @description Decimal places for encoding 'json': each value is the decimal with this many places nearest the exact float32 value (ties to even; within 0.5e-round of it), written as that short decimal; null = full float32 precision (shortest repr that round-trips).
              */
             round?: number | null;
             /**
