@@ -528,3 +528,36 @@ def test_one_scores_buffer_serves_every_layer_and_goes_with_the_forward(
                         (seen.append(-1), torch.empty_like(like))[1])
     rt._forward_batch([it.input_ids])
     assert len(set(seen)) > 1  # the planted fault is visible to the first assertion
+
+
+@pytest.mark.regression  # issue 29: "_attn_implementation": "sdpa" in config.json broke start-up
+@pytest.mark.parametrize("key", ["_attn_implementation", "attn_implementation"])
+def test_loader_forces_eager_whatever_config_json_says(key, tmp_path, bundled_dir, gpt2_runtime,
+                                                       caplog):
+    import json
+    import logging
+    import shutil
+
+    ckpt = tmp_path / "sdpa_ckpt"
+    shutil.copytree(bundled_dir, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg[key] = "sdpa"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level(logging.WARNING, logger="attnscope.runtime"):
+        rt = Runtime.load(Settings(model=str(ckpt)))
+    said = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    assert said and "'sdpa'" in said[0] and "overridden" in said[0] and "eager" in said[0]
+    assert rt.info["attn_implementation"] in ("eager", "attnscope_eager")
+    assert rt.model.config._attn_implementation in ("eager", "attnscope_eager")
+    # the same numbers as the bundled checkpoint loaded without the key
+    a, b = rt.tokenize(SENTENCE), gpt2_runtime.tokenize(SENTENCE)
+    pa, pb = rt.forward_many([a])[0].pattern, gpt2_runtime.forward_many([b])[0].pattern
+    assert torch.equal(pa, pb)
+
+
+def test_an_eager_checkpoint_loads_without_an_override_warning(bundled_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="attnscope.runtime"):
+        Runtime.load(Settings(model=str(bundled_dir)))
+    assert not [r for r in caplog.records if "overridden" in r.getMessage()]

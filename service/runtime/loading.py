@@ -9,6 +9,7 @@ checkpoint for the default ``gpt2`` when that one cannot be loaded.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 
@@ -18,6 +19,13 @@ from ..config import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID, Settings
 from .adapters import ADAPTERS, CAUSAL_TYPES
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+log = logging.getLogger("attnscope.runtime")
+
+#: config.json keys by which a checkpoint asks for an attention implementation (Hugging Face
+#: reads ``_attn_implementation``; the others are spellings seen in saved configs). Only
+#: "eager" returns the attention weights every analysis needs (``output_attentions``), so the
+#: loader always asks for eager and says which key it overrode.
+ATTN_KEYS = ("_attn_implementation", "attn_implementation", "_attn_implementation_internal")
 
 
 class ModelLoadError(RuntimeError):
@@ -77,6 +85,46 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def _attn_keys_overridden(source: str, kw: dict, local: bool) -> dict[str, object]:
+    """The :data:`ATTN_KEYS` of the checkpoint's raw config.json (the file as saved, before
+    ``AutoConfig`` drops or applies them) whose value is not "eager": key -> value. Empty when
+    the file cannot be read (the load itself then says why)."""
+    from transformers import PretrainedConfig
+
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(source, local_files_only=True, **kw)
+    except Exception:
+        if local:
+            return {}
+        try:
+            raw, _ = PretrainedConfig.get_config_dict(source, **kw)
+        except Exception:
+            return {}
+    found = {}
+    for cfg in [raw, *(v for v in raw.values() if isinstance(v, dict))]:  # + sub-configs
+        for key in ATTN_KEYS:
+            if cfg.get(key) not in (None, "eager"):
+                found[key] = cfg[key]
+    return found
+
+
+def _force_eager_config(config) -> None:
+    """Set eager attention on ``config`` and its sub-configs (text/vision configs of composite
+    models), whatever config.json said: an implementation kept there would override the
+    ``attn_implementation="eager"`` given to ``from_pretrained`` in some transformers
+    versions (issue 29: ``"_attn_implementation": "sdpa"`` broke start-up)."""
+    for cfg in [config, *(getattr(config, k, None) for k in getattr(config, "sub_configs", {}))]:
+        if cfg is None:
+            continue
+        for key in ("attn_implementation", "_attn_implementation_internal"):
+            if key in cfg.__dict__:
+                cfg.__dict__.pop(key)
+        try:
+            cfg._attn_implementation = "eager"
+        except Exception:  # a version without the setter: the kwarg decides
+            pass
+
+
 def _load_pretrained(name: str, settings: Settings):
     """Load (model, tokenizer, identity) by hub id or local directory. Safetensors only,
     eager attention, never remote code."""
@@ -129,7 +177,13 @@ def _load_pretrained(name: str, settings: Settings):
                 f"{sorted(ADAPTERS)}"
             )
         cls = AutoModelForCausalLM if config.model_type in CAUSAL_TYPES else AutoModel
-        common = dict(kw, attn_implementation="eager", use_safetensors=True,
+        overridden = _attn_keys_overridden(source, kw, local)
+        for key, value in overridden.items():
+            log.warning("model %s: config.json asks for %s=%r; overridden: attention is eager "
+                        "(the only implementation that returns attention weights)",
+                        name, key, value)
+        _force_eager_config(config)
+        common = dict(kw, config=config, attn_implementation="eager", use_safetensors=True,
                       dtype=DTYPES[settings.dtype])
         try:
             model = cls.from_pretrained(source, local_files_only=True, **common)
@@ -144,6 +198,12 @@ def _load_pretrained(name: str, settings: Settings):
     except Exception as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"could not load model {name!r}: {type(exc).__name__}: {msg}") from exc
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in (None, "eager"):
+        keys = ", ".join(f"{k}={v!r}" for k, v in overridden.items()) or "none found"
+        raise ModelLoadError(
+            f"model {name!r} loaded with attention implementation {impl!r}, not 'eager' "
+            f"(config.json attention keys: {keys}); attention weights need eager")
     if not getattr(tok, "is_fast", False):
         raise ModelLoadError(f"model {name!r}: a fast tokenizer is required (character offsets)")
     device = choose_device(settings.device)
