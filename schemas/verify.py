@@ -4,7 +4,7 @@ Mode ``from_scratch`` (default): the whole forward recomputed in float64 from th
 the model's weight tensors and its config, with the project's own blocks (embeddings and
 positions, LayerNorm, q/k/v, the scale the config implies, the mask, softmax, the output
 projection, MLP, residuals), compared layer by layer with the served attention patterns,
-q/k/v, attention outputs and hidden states (DESIGN.md, "verification"; S000's
+q/k/v, attention outputs and hidden states (docs/architecture.md, "Verification"; S000's
 ``attention(Q, K, V, mask)``, S001's multi-head split). Mode ``recorded_qkv``: the cheaper
 consistency check of the attention step alone, from the q/k/v the forward recorded.
 """

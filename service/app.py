@@ -17,16 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api import attention, health, model, tokenize
-from .api import heads as heads_api, links as links_api
-from .api import scratch as scratch_api, trajectories as trajectories_api
-from .api import verify as verify_api
-from .api import interventions as interventions_api
-from .api import norms as norms_api, rollout as rollout_api
 from .config import Settings
 from .encoding import ORJSONResponse
 from .errors import AttnscopeError, envelope, scrub_paths
 from .ops import install_ops
+from .ops import health
+from .serving.core.routes import add_routes
+from .serving.core.table import Endpoint, default_table
 from .serving.core.engine import Engine
 from .serving.core.slot import DeviceSlot
 from .runtime import ModelLoadError, Runtime
@@ -271,14 +268,36 @@ def _install_web(app: FastAPI) -> None:
             return FileResponse(WEB_DIR / name, headers={"cache-control": "no-cache"})
         return serve
 
+    rendered: list[bytes] = []
+
+    async def client_module():
+        # the JS client with the methods of THIS app's endpoint table (the committed file
+        # holds the default table's: scripts/gen-clients)
+        if not rendered:
+            from .serving.core.table import with_js_endpoints
+
+            source = (WEB_DIR / "attnscope.js").read_text()
+            rendered.append(with_js_endpoints(source, app.state.endpoints).encode())
+        from starlette.responses import Response
+
+        return Response(rendered[0], media_type="text/javascript",
+                        headers={"cache-control": "no-cache"})
+
+    app.add_api_route("/static/web/attnscope.js", client_module, methods=["GET"],
+                      include_in_schema=False)
     for name in WEB_FILES:
+        if name == "attnscope.js":
+            continue
         app.add_api_route(f"/static/web/{name}", asset(name), methods=["GET"],
                           include_in_schema=False)
 
 
-def create_app(settings: Settings | None = None, runtime: Runtime | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, runtime: Runtime | None = None,
+               endpoints: list[Endpoint] | None = None) -> FastAPI:
     """Build the app. ``runtime`` given: use it (tests); else load ``settings.model`` in the
-    lifespan, off the event loop."""
+    lifespan, off the event loop. ``endpoints``: the endpoint table (default: every feature
+    module's, :func:`~.serving.core.table.default_table`); one route is made per entry, and
+    the JS client served at /static/web/attnscope.js lists exactly these."""
     settings = settings or Settings()
     set_heap_release(release_memory)  # process-wide: the encoding layer trims after bodies
 
@@ -342,13 +361,10 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None)
     _install_web(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     install_ops(app, settings)  # request id, logs, metrics, keys, CORS, time limit, /metrics
-    for r in (health.router, model.router, tokenize.router, attention.router,
-              heads_api.router, links_api.router,
-              trajectories_api.router, verify_api.router, scratch_api.router,
-              interventions_api.router):
-        app.include_router(r)
-    for r in (norms_api.router, rollout_api.router):
-        app.include_router(r)
+    app.include_router(health.router)
+    table = default_table() if endpoints is None else endpoints
+    app.state.endpoints = table
+    add_routes(app, table)
     return app
 
 

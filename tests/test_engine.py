@@ -1,4 +1,4 @@
-"""The engine: one engine call and one device turn per request (DESIGN.md, "Layers")."""
+"""The engine: one engine call and one device turn per request (docs/architecture.md, "Layers")."""
 
 from __future__ import annotations
 

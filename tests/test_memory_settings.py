@@ -10,7 +10,7 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 
-from attnscope.service.runtime import memory
+from attnscope.service.serving.core import memory
 
 
 def _numpy_flag():
@@ -88,7 +88,7 @@ def test_live_server_freezes_its_start_up_objects(live_server):
 @pytest.mark.regression
 def test_trim_free_bytes_setting(make_client, gpt2_runtime, monkeypatch):
     from attnscope.service.config import Settings
-    from attnscope.service.runtime import memory
+    from attnscope.service.serving.core import memory
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="trim_free_bytes"):
@@ -135,7 +135,7 @@ def test_libc_is_published_only_with_mallinfo2_restype(monkeypatch):
     thread interleaving there called mallinfo2 as returning int (glibc then writes the struct
     through a garbage return-slot pointer: memory corruption). Simulated by running the other
     thread's call re-entrantly at the moment the restype is being set."""
-    from attnscope.service.runtime import memory
+    from attnscope.service.serving.core import memory
 
     seen = []
 
@@ -181,7 +181,7 @@ def test_keep_freed_memory_serves_big_blocks_from_the_heap():
     code = """if True:
         import sys
         import numpy as np
-        from attnscope.service.runtime import memory as M
+        from attnscope.service.serving.core import memory as M
 
         assert M.keep_freed_memory(M.TRIM_FREE_BYTES) is True
         try:

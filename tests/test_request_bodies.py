@@ -13,7 +13,7 @@ import json
 import pytest
 from fastapi.routing import APIRoute
 
-from attnscope.service.api import common
+from attnscope.service.serving.core import routes as common
 
 PAD = 70_000  # bytes of leading JSON whitespace: past INLINE_BODY_BYTES (64 KiB)
 

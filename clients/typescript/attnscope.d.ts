@@ -215,7 +215,7 @@ export interface paths {
          *     n_layers, n_heads, d_model, d_head, n_ctx, vocab size, device, dtype, and whether the
          *     bundled checkpoint was loaded as a fallback for the requested model.
          */
-        get: operations["model_info_v1_model_get"];
+        get: operations["model_v1_model_get"];
         put?: never;
         post?: never;
         delete?: never;
@@ -326,7 +326,7 @@ export interface paths {
          *     (``n_heads``). Returns ``weights`` and ``scores`` ``[head, query_pos, key_pos]`` and
          *     ``output`` ``[query_pos, d_v]``. The matrices source needs no model.
          */
-        post: operations["post_scratch_attention_v1_scratch_attention_post"];
+        post: operations["scratch_attention_v1_scratch_attention_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -377,7 +377,7 @@ export interface paths {
          *     Errors: 422 when PCA cannot be honoured (fewer than 2 states x tokens, ``n_components`` >
          *     min(states x tokens, d_model)), a position out of range, or the usual text checks.
          */
-        post: operations["post_trajectories_v1_trajectories_post"];
+        post: operations["trajectories_v1_trajectories_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -395,7 +395,7 @@ export interface paths {
         put?: never;
         /**
          * Recompute the forward from scratch in float64 and compare it with the served one
-         * @description The from-scratch check (DESIGN.md, "verification"), mode ``from_scratch`` (default):
+         * @description The from-scratch check (docs/architecture.md, "verification"), mode ``from_scratch`` (default):
          *     the forward of each text recomputed in float64 from its token ids, the model's weight
          *     tensors and its config by the project's own blocks (service/analysis/verify.py: wte+wpe /
          *     BERT embeddings, LayerNorm with the config's eps, q/k/v projections (GPT-2's Conv1D
@@ -419,7 +419,7 @@ export interface paths {
          *
          *     HTTP 200 also when the check fails: read ``passed``. A NaN anywhere fails.
          */
-        post: operations["post_verify_v1_verify_post"];
+        post: operations["verify_v1_verify_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -912,11 +912,6 @@ export interface components {
             error: components["schemas"]["ErrorBody"];
         } & {
             [key: string]: unknown;
-        };
-        /** HTTPValidationError */
-        HTTPValidationError: {
-            /** Detail */
-            detail?: components["schemas"]["ValidationError"][];
         };
         /** HeadDiff */
         HeadDiff: {
@@ -2856,19 +2851,6 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
-        /** ValidationError */
-        ValidationError: {
-            /** Context */
-            ctx?: Record<string, never>;
-            /** Input */
-            input?: unknown;
-            /** Location */
-            loc: (string | number)[];
-            /** Message */
-            msg: string;
-            /** Error Type */
-            type: string;
-        };
         /**
          * VerifyRequest
          * @description Recompute the forward from scratch (float64, from the weights) and compare it, layer by
@@ -3098,7 +3080,7 @@ export interface operations {
             };
         };
         responses: {
-            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (the patterns as tensors). */
+            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (README, 'Tensors on the wire'). */
             200: {
                 headers: {
                     [name: string]: unknown;
@@ -3196,6 +3178,15 @@ export interface operations {
                     "application/x-safetensors": unknown;
                 };
             };
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description Accept names no media type we produce. */
             406: {
                 headers: {
@@ -3241,7 +3232,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description The request took longer than request_timeout_s (120 s). */
+            /** @description The request ran past request_timeout_s. */
             504: {
                 headers: {
                     [name: string]: unknown;
@@ -3275,6 +3266,15 @@ export interface operations {
                     "application/x-safetensors": unknown;
                 };
             };
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description Accept names no media type we produce. */
             406: {
                 headers: {
@@ -3320,7 +3320,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description The request took longer than request_timeout_s (120 s). */
+            /** @description The request ran past request_timeout_s. */
             504: {
                 headers: {
                     [name: string]: unknown;
@@ -3487,7 +3487,7 @@ export interface operations {
             };
         };
     };
-    model_info_v1_model_get: {
+    model_v1_model_get: {
         parameters: {
             query?: never;
             header?: never;
@@ -3695,6 +3695,15 @@ export interface operations {
                     "application/x-safetensors": unknown;
                 };
             };
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
             /** @description Accept names no media type we produce. */
             406: {
                 headers: {
@@ -3740,7 +3749,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description The request took longer than request_timeout_s (120 s). */
+            /** @description The request ran past request_timeout_s. */
             504: {
                 headers: {
                     [name: string]: unknown;
@@ -3751,7 +3760,7 @@ export interface operations {
             };
         };
     };
-    post_scratch_attention_v1_scratch_attention_post: {
+    scratch_attention_v1_scratch_attention_post: {
         parameters: {
             query?: never;
             header?: never;
@@ -3851,7 +3860,25 @@ export interface operations {
                     "application/json": components["schemas"]["TokenizeResponse"];
                 };
             };
-            /** @description Validation Error */
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Request body too large. */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Invalid request (field, limit and value named). */
             422: {
                 headers: {
                     [name: string]: unknown;
@@ -3860,7 +3887,16 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description The request took longer than request_timeout_s (120 s). */
+            /** @description The model is not loaded yet. */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The request ran past request_timeout_s. */
             504: {
                 headers: {
                     [name: string]: unknown;
@@ -3871,7 +3907,7 @@ export interface operations {
             };
         };
     };
-    post_trajectories_v1_trajectories_post: {
+    trajectories_v1_trajectories_post: {
         parameters: {
             query?: never;
             header?: never;
@@ -3949,7 +3985,7 @@ export interface operations {
             };
         };
     };
-    post_verify_v1_verify_post: {
+    verify_v1_verify_post: {
         parameters: {
             query?: never;
             header?: never;

@@ -12,3 +12,13 @@ function first(r: Res): number | null {
 // @ts-expect-error: encoding takes only "json" | "base64"
 const bad: Req = { text: "x", encoding: "hex" };
 console.log(req, first, bad);
+// the JS client's methods (client.d.ts, generated from the endpoint table) take and give the schemas
+import type { AttnscopeClient } from "./client.d.ts";
+async function use(c: AttnscopeClient): Promise<number> {
+  const r = await c.attention({ text: "The cat sat." }, { binary: false });
+  const h = await c.heads({ text: "The cat sat." });
+  // @ts-expect-error: heads takes no options (no safetensors form)
+  await c.heads({ text: "x" }, { binary: true });
+  return r.model.id.length + h.heads.length;
+}
+console.log(use);

@@ -1,6 +1,6 @@
 """Verification, mode ``from_scratch`` (the default): the whole forward recomputed in float64.
 
-DESIGN.md ("verification"), S000 (000_1c89b6c8c2a32040.txt: the scaled dot-product
+docs/architecture.md ("Verification"), S000 (000_1c89b6c8c2a32040.txt: the scaled dot-product
 ``attention(Q, K, V, mask)`` and the causal mask), S001 (001_92e9928af52718c3.txt: heads):
 the forward is recomputed from the token ids, the model's OWN weight tensors and its config
 values -- our own implementation of every block, never the library's modules, in float64 --

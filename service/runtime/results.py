@@ -1,6 +1,6 @@
 """What the runtime hands out: tokenized texts and recorded forwards (data classes, no model).
 
-A forward result holds, for one tokenized text of T tokens (DESIGN.md, "The runtime"):
+A forward result holds, for one tokenized text of T tokens (docs/architecture.md, "The runtime"):
 attention patterns ``[layer, head, query_pos, key_pos]`` (post-softmax, exactly Hugging Face's
 ``output_attentions``), the L+1 residual-stream hidden states ``[layer+1, pos, d_model]``
 (index 0 = embedding output, index i = block i-1's output; the last is the last block's output

@@ -7,6 +7,8 @@ from ..analysis.attention import select_heads
 from ..encoding import encode_tensor, estimate_encoded_bytes
 from ..errors import InvalidRequest
 from .core.engine import Plan
+from .core.table import Endpoint
+from attnscope.schemas import AttentionResponse
 from .core.checks import check_indices
 from .common import text_or_results
 
@@ -64,3 +66,31 @@ def plan(rt, req: AttentionRequest, items, *, binary: bool = False) -> Plan:
         return text_or_results(req, body, "attention", out)
 
     return Plan(items, job, est, small_ops=True)
+
+
+ENDPOINTS = [
+    Endpoint(
+        path='/v1/attention', name='attention',
+        request=AttentionRequest, response=AttentionResponse,
+        summary='Attention patterns (and optionally pre-softmax scores) per layer and head',
+        description="""Attention of the resident model for ``text`` (response field ``attention``) or
+``texts`` (response field ``results``, in order).
+
+``pattern``: float32 post-softmax weights ``[layer, head, query_pos, key_pos]`` (or
+``[layer, query_pos, key_pos]`` with ``head_mean``), equal to Hugging Face's
+``output_attentions``. ``scores`` (``include_scores``): pre-softmax ``q.k * scaling``, masked
+entries null/-inf. ``layout`` 'tril' sends the lower triangle (causal models);
+``sparse`` the top-k / thresholded pattern with the kept mass per row. ``Accept:
+application/x-safetensors`` returns the response as one safetensors file (tensors by name,
+the JSON body in ``__metadata__["attnscope"]``). Source: Vaswani et al. 2017;
+000_1c89b6c8c2a32040.txt.
+
+Errors: 422 blank text / too many tokens / layer or head out of range / batch over
+``max_batch`` / 'tril' on an encoder / memory estimate over ``max_request_bytes``; 406
+Accept; 413 body too large; 429 overloaded; 503 not ready.""",
+        plan=plan,
+        check=check,
+        binary=True,
+        tags=('attention',), order=30,
+    ),
+]

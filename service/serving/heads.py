@@ -15,6 +15,8 @@ from ..errors import InvalidRequest, NonFiniteValues
 from ..runtime import Runtime, TokenizedText
 from .core.estimates import heads_bytes
 from .core.engine import Plan
+from .core.table import Endpoint
+from attnscope.schemas import HeadsResponse
 
 PROBE_MEMO_ENTRIES = 64  # distinct probe options kept per runtime
 _PROBE_MEMO_LOCK = threading.Lock()
@@ -189,3 +191,29 @@ def _norm_score_tensors(rt: Runtime, forwards) -> dict[str, list]:
             for k, v in noop_scores(fw.pattern[layer], vn).items():
                 acc[k][layer] += v / len(forwards)
     return {k: v.tolist() for k, v in acc.items()}
+
+
+ENDPOINTS = [
+    Endpoint(
+        path='/v1/heads', name='heads',
+        request=HeadsRequest, response=HeadsResponse,
+        summary='Classify every head: pattern scores, induction probe, label',
+        description="""Tokens: BOS prepended by default where the model has one (``add_bos`` null -> true for
+GPT-2), as TransformerLens' ``detect_head`` and S004 tokenize; echoed in ``add_bos``.
+
+Per head: TransformerLens ``head_detector`` scores (previous_token, duplicate_token,
+induction; fraction of attention mass on the pattern, [0, 1]), next_token (encoders),
+self, sink, entropy (nats) and entropy_normalized ([0, 1]), mean_distance (tokens), the
+induction probe (Olsson et al. 2022: mass on the successors of the token in all earlier
+repeats; [0, 1]), S004's own previous_s004 / sink_s004 (used for S004's thresholds), every
+label a head passes (``labels``), the primary ``label`` and the margins to the thresholds.
+Several texts: each score is the mean over texts. Field descriptions give every formula.
+
+Errors: 422 blank text, text under 2 tokens, over n_ctx tokens, probe over n_ctx;
+413; 429; 503.""",
+        plan=plan,
+        prepare=with_default_add_bos,
+        invalid='Invalid request: blank text, a text of fewer than 2 tokens, too many tokens, a probe longer than n_ctx, a bad threshold.',
+        tags=('heads',), order=40,
+    ),
+]

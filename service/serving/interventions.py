@@ -27,6 +27,8 @@ from ..encoding import encode_tensor, estimate_encoded_bytes
 from ..errors import BatchTooLarge, InvalidRequest, OutOfRange, n_tokens
 from ..runtime import interventions as I
 from .core.engine import Plan
+from .core.table import Endpoint
+from attnscope.schemas import AblateResponse, PatchResponse, PredictionsResponse
 from .core.checks import check_distinct, check_index
 from .common import text_or_results
 
@@ -421,3 +423,55 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
         return body
 
     return Plan([clean_t] if attribution else [clean_t, corr_t], job, est, detail=detail)
+
+
+ENDPOINTS = [
+    Endpoint(
+        path='/v1/predictions', name='predictions',
+        request=PredictionsRequest, response=PredictionsResponse,
+        summary='Next-token predictions',
+        description="""For each position p of ``text`` (or each of ``texts``): the ``top_k`` most probable next
+tokens (probability, logit), the log-probability (nats) and rank (1 = top) of the token that
+actually follows, the per-token loss ``-log p`` (nats), the entropy of the next-token
+distribution (nats) and the mean loss. Equal to Hugging Face's ``GPT2LMHeadModel`` logits
+and loss. Causal LMs only: an encoder answers 422 ``unsupported_model``.""",
+        plan=predictions_plan,
+        check=check_lm,
+        invalid='Invalid request: an encoder without an LM head (unsupported_model), positions out of range, too many tokens.',
+        tags=('interventions',), order=90,
+    ),
+    Endpoint(
+        path='/v1/ablate', name='ablate',
+        request=AblateRequest, response=AblateResponse,
+        summary='Ablate attention heads',
+        description="""Ablate ``heads`` ([[layer, head], ...]) together (``method`` zero / mean / resample,
+on each head's z before the output projection, TransformerLens ``hook_z``) and report per
+position KL(clean ‖ ablated) (nats), the change of loss on the actual next token, top-k
+before/after, the logit difference of ``logit_diff`` before/after and optionally the
+patterns after the ablation ``[layer, head, query_pos, key_pos]`` (any /v1/attention
+encoding; ``Accept: application/x-safetensors`` too). ``scan``: every head ablated alone,
+an effect grid ``[layer, head]`` on ``scan_metric``. Source: S004 (docs/sources.md).""",
+        plan=ablate_plan,
+        check=ablate_check,
+        binary=True,
+        tokenize=False,
+        invalid='Invalid request: no LM head, heads/positions out of range or repeated, target/distractor not one token, resample_text of another token count, memory.',
+        tags=('interventions',), order=91,
+    ),
+    Endpoint(
+        path='/v1/patch', name='patch',
+        request=PatchRequest, response=PatchResponse,
+        summary='Activation patching clean -> corrupted',
+        description="""Patch the clean run's head outputs z into the corrupted run one head at a time ->
+``heads`` ``[layer, head]`` of the normalised metric ``(patched - corrupted) / (clean -
+corrupted)`` (TransformerLens ``get_act_patch_attn_head_out_all_pos``), optionally
+``heads_per_position`` ``[layer, head, pos]`` and ``residual`` ``[layer, pos]``
+(``get_act_patch_resid_pre``). ``method`` 'attribution': the linear approximation from one
+backward (Nanda 2023; Kramár et al. 2024), said so in ``approximation``.""",
+        plan=patch_plan,
+        check=patch_check,
+        tokenize=False,
+        invalid='Invalid request: no LM head, texts of different token counts, target/distractor not one token, too many patched forwards for max_request_bytes.',
+        tags=('interventions',), order=92,
+    ),
+]

@@ -11,6 +11,8 @@ from ..analysis.verify_recorded import AttentionParams
 from .core.estimates import links_bytes
 from ..errors import InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
 from .core.engine import Plan
+from .core.table import Endpoint
+from attnscope.schemas import LinksResponse
 from .core.checks import check_distinct, check_index
 from .common import text_or_results
 
@@ -97,3 +99,25 @@ def _norms(rt, fw, layer: int, head: int | None) -> torch.Tensor:
                       heads=None if head is None else [head], per_head=head is not None,
                       summed=head is None)
     return res.summed if head is None else res.head[0]
+
+
+ENDPOINTS = [
+    Endpoint(
+        path='/v1/links', name='links',
+        request=LinksRequest, response=LinksResponse,
+        summary='Strongest earlier link(s) of every query token',
+        description="""For each query token, its ``top_k`` strongest eligible key tokens in one layer's head
+mean (``head`` null) or one head, as ``strongest_previous_token`` in
+000_1c89b6c8c2a32040.txt defines it: future keys never count, self excluded by default,
+``ignore`` positions never chosen, a query with no eligible key is skipped (listed in
+``skipped``). ``weight`` = attention weight in [0, 1]. Encoders: ``direction`` 'any'
+lets later keys count too.
+
+Errors: 422 layer/head/ignore out of range, 'any' on a causal model, too many tokens;
+413; 429; 503.""",
+        plan=plan,
+        check=check,
+        invalid="Invalid request: layer/head/ignore position out of range, direction 'any' on a causal model, too many tokens.",
+        tags=('links',), order=50,
+    ),
+]

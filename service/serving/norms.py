@@ -12,6 +12,8 @@ from ..analysis.verify_recorded import AttentionParams
 from ..encoding import encode_tensor, estimate_encoded_bytes
 from ..errors import InvalidRequest, NonFiniteValues
 from .core.engine import Plan
+from .core.table import Endpoint
+from attnscope.schemas import NormsRequest, NormsResponse
 from .core.checks import check_indices
 from .common import text_or_results
 
@@ -99,3 +101,34 @@ def build(rt, req, forwards, encoding: str) -> dict:
     body: dict = {"model": rt.model_ref(), "value_bias": req.value_bias,
                   "output_bias": req.output_bias}
     return text_or_results(req, body, "norms", out)
+
+
+ENDPOINTS = [
+    Endpoint(
+        path='/v1/attention-norms', name='attention_norms',
+        request=NormsRequest, response=NormsResponse,
+        summary='Value-weighted contribution norms ||alpha f(x)|| per layer and head (Kobayashi et al. 2020)',
+        description="""What each key position contributes to each query, beyond its attention weight
+(Kobayashi et al. 2020, "Attention is Not Only a Weight"; S004): with ``f_h(x) = (x W_V^h
++ b_V^h) W_O^h`` and ``x`` the attention input (the LayerNorm output entering attention),
+
+* ``norms``: ``||alpha^h_ij f_h(x_j)||`` float32 ``[layer, head, query_pos, key_pos]``;
+* ``summed``: ``||sum_h alpha^h_ij f_h(x_j)||`` ``[layer, query_pos, key_pos]`` (over the
+  selected heads);
+* ``value_norms``: ``||f_h(x_j)||`` ``[layer, head, key_pos]``.
+
+Norms are Euclidean, in the residual stream's units, >= 0. Biases: by default (the
+paper's) b_V is inside f and the output projection's bias b_O is in no key's contribution
+(the contributions sum to the attention output minus b_O); ``value_bias`` /
+``output_bias`` change that. Every wire form of /v1/attention: json, base64, 'tril'
+(causal), sparse, and ``Accept: application/x-safetensors``.
+
+Errors: 422 blank text / too many tokens / layer or head out of range or repeated / empty
+heads or layers / nothing asked for / 'tril' on an encoder / memory estimate over
+``max_request_bytes``; 406 Accept; 413; 429; 503.""",
+        plan=plan,
+        check=check,
+        binary=True,
+        tags=('norms',), order=100,
+    ),
+]

@@ -8,6 +8,8 @@ from ..analysis import rollout as RO
 from ..encoding import encode_tensor, estimate_encoded_bytes
 from ..errors import InvalidRequest, NonFiniteValues, n_tokens
 from .core.engine import Plan
+from .core.table import Endpoint
+from attnscope.schemas import RolloutRequest, RolloutResponse
 from .core.checks import check_indices
 from .common import text_or_results
 
@@ -99,3 +101,29 @@ def build(rt, req, forwards, encoding: str) -> dict:
     body: dict = {"model": rt.model_ref(), "fusion": req.fusion, "residual": req.residual,
                   "discard": req.discard, "sink": req.sink, "flow_max_tokens": RO.FLOW_MAX_TOKENS}
     return text_or_results(req, body, "rollout", out)
+
+
+ENDPOINTS = [
+    Endpoint(
+        path='/v1/rollout', name='rollout',
+        request=RolloutRequest, response=RolloutResponse,
+        summary='Attention rollout per layer and attention flow (Abnar & Zuidema 2020)',
+        description="""Attention rollout (Abnar and Zuidema 2020, "Quantifying Attention Flow in
+Transformers"; S004): per layer ``Â_l = rownorm((1 - residual) F_l + residual I)`` with
+``F_l`` the heads fused by ``fusion`` (after dropping the first-token sink on request and
+discarding the lowest ``discard`` fraction), and ``R_l = Â_l ... Â_1``: ``rollout``
+float32 ``[layer, query_pos, key_pos]``, rows sum to 1, causal models never put weight on a
+later token. ``flow``: networkx maximum flow from each (layer output, query) node to each
+input token over the layered graph with capacities Â, rows divided by their sums
+``[flow_layer, query_pos, key_pos]``; inputs up to ``flow_max_tokens`` (16) tokens.
+
+Errors: 422 blank text / too many tokens / flow over 16 tokens (the limit named) /
+unknown fusion or sink / residual outside [0, 1] / discard outside [0, 1) / layer out of
+range / 'tril' on an encoder / memory estimate over ``max_request_bytes``; 406; 413;
+429; 503.""",
+        plan=plan,
+        check=check,
+        binary=True,
+        tags=('rollout',), order=110,
+    ),
+]

@@ -11,6 +11,8 @@ from ..encoding import encode_tensor
 from .core.estimates import scratch_bytes
 from ..errors import InvalidRequest
 from .core.engine import Plan
+from .core.table import Endpoint
+from attnscope.schemas import ScratchAttentionResponse
 
 
 def check_wire_range(r: dict, dtype: str) -> None:
@@ -101,3 +103,26 @@ def _estimate(rt, req: ScratchAttentionRequest) -> int:
     pca = tuple(rt.adapter.embed_matrix().shape) if req.project is not None else (0, 0)
     return scratch_bytes(H, n_q, n_k, max(d // H, 1), max(d // H, 1), req.encoding,
                          req.dtype, req.round, *pca)
+
+
+ENDPOINTS = [
+    Endpoint(
+        path='/v1/scratch-attention', name='scratch_attention',
+        request=ScratchAttentionRequest, response=ScratchAttentionResponse,
+        summary='The textbook scaled dot-product attention on given matrices or token embeddings',
+        description="""``softmax(Q K^T * scaling + mask) V`` computed in float64, as the source's
+``attention(Q, K, V, mask)`` (000_1c89b6c8c2a32040.txt); ``scale`` off reproduces the
+unscaled toy example of 001_92e9928af52718c3.txt.
+
+Q, K, V are the given ``q``, ``k``, ``v``, or the static token embeddings of ``text``
+(optionally PCA-projected for Q and K, the source's ``project_embeddings``). Variants: self,
+causal (tril mask), cross (queries from ``query_text`` or seeded random), multi-head split
+(``n_heads``). Returns ``weights`` and ``scores`` ``[head, query_pos, key_pos]`` and
+``output`` ``[query_pos, d_v]``. The matrices source needs no model.""",
+        plan=plan,
+        tokenize=False,
+        needs_model=False,
+        invalid='Invalid request: shapes, sizes, non-finite numbers, n_heads not dividing a width, causal with query_pos != key_pos.',
+        tags=('scratch',), order=80,
+    ),
+]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from attnscope.schemas import TokenizeRequest, TokenizeResponse
+
+from ..encoding import respond
 from .common import text_or_results
+from .core.table import Endpoint
 
 
 def body(rt, req, items) -> dict:
@@ -10,3 +14,25 @@ def body(rt, req, items) -> dict:
     results = [{"tokens": [t.as_dict() for t in it.tokens], "n_tokens": len(it)} for it in items]
     out: dict = {"model": rt.model_ref()}
     return text_or_results(req, out, "tokens", results)
+
+
+async def tokenize_handler(engine, req):
+    """Tokenize off the event loop (the engine's tokenize, with its checks) and render the
+    body off the loop too; never waits for the device."""
+    rt = engine.runtime
+    return await respond(body(rt, req, await engine.tokenize(rt, req)))
+
+
+ENDPOINTS = [
+    Endpoint(
+        path='/v1/tokenize', name='tokenize',
+        request=TokenizeRequest, response=TokenizeResponse,
+        summary='Tokenize text(s)',
+        description="""Tokens exactly as the analyses see them: ids, readable labels, character offsets,
+framing. Never waits for the device. Errors: 422 (blank text, too many tokens, batch over
+max_batch); 503 not ready.""",
+        handler=tokenize_handler,
+        device=False,
+        tags=('tokens',), order=20,
+    ),
+]

@@ -8,6 +8,8 @@ from ..encoding import encode_tensor
 from .core.estimates import trajectories_bytes
 from ..errors import InvalidRequest
 from .core.engine import Plan
+from .core.table import Endpoint
+from attnscope.schemas import TrajectoriesResponse
 from .common import text_or_results
 
 
@@ -57,3 +59,25 @@ def plan(rt, req: TrajectoriesRequest, items) -> Plan:
     est = trajectories_bytes([len(it) for it in items], n_states, d_model, n_comp,
                              req.encoding, req.dtype, req.round)
     return Plan(items, job, est, small_ops=True)
+
+
+ENDPOINTS = [
+    Endpoint(
+        path='/v1/trajectories', name='trajectories',
+        request=TrajectoriesRequest, response=TrajectoriesResponse,
+        summary='Hidden-state trajectories of each token through the layers, PCA-projected',
+        description="""Each token's path through the hidden states in one shared PCA space.
+
+Steps (source 000_1c89b6c8c2a32040.txt, "Contextual Embeddings"): drop the final hidden
+state (unless ``include_final``), flatten states x tokens (float64), StandardScaler,
+``PCA(n_components, random_state=0)`` fitted on all tokens, reshape to per-token paths
+``[token, state, component]``; start-to-end Euclidean distance in PCA space, plus (beyond
+the source) in the raw d_model space and the cosine of first and last state.
+
+Errors: 422 when PCA cannot be honoured (fewer than 2 states x tokens, ``n_components`` >
+min(states x tokens, d_model)), a position out of range, or the usual text checks.""",
+        plan=plan,
+        invalid='Invalid request, or a PCA the text cannot support (too few states x tokens, n_components too large), position out of range.',
+        tags=('trajectories',), order=60,
+    ),
+]

@@ -9,6 +9,8 @@ from ..analysis.verify import ScratchModel
 from ..analysis.verify_recorded import AttentionParams
 from .core.estimates import verify_bytes
 from .core.engine import Plan
+from .core.table import Endpoint
+from attnscope.schemas import VerifyResponse
 from .core.checks import check_indices
 from .common import text_or_results
 
@@ -55,3 +57,38 @@ def plan(rt, req: VerifyRequest, items) -> Plan:
     est += verify_bytes([len(it) for it in items], len(layers), a.n_heads, a.d_model,
                         req.projections)
     return Plan(items, job, response_bytes=est)
+
+
+ENDPOINTS = [
+    Endpoint(
+        path='/v1/verify', name='verify',
+        request=VerifyRequest, response=VerifyResponse,
+        summary='Recompute the forward from scratch in float64 and compare it with the served one',
+        description="""The from-scratch check (docs/architecture.md, "Verification"), mode ``from_scratch`` (default):
+the forward of each text recomputed in float64 from its token ids, the model's weight
+tensors and its config by the project's own blocks (service/analysis/verify.py: wte+wpe /
+BERT embeddings, LayerNorm with the config's eps, q/k/v projections (GPT-2's Conv1D
+transposed vs Linear), the per-layer scale the config implies, the causal or
+bidirectional mask, softmax, output projection, MLP with the config's activation,
+residuals, ln_f), compared layer by layer with the SERVED pattern (per head, absolute),
+q/k/v, attention output and hidden states (relative to their scale). Reports per layer the
+scale used, the mask kind, the true maxima, the tolerance of the served dtype and the first
+failing layer. A config switch the recomputation does not implement: 422
+``unsupported_model_config`` naming it. Cost: about 4-10 forwards' time (float64).
+
+Mode ``recorded_qkv``, the cheap check of the attention step alone: for each layer the
+model's OWN q, k, v (recorded by the runtime's hooks on its q/k/v projections) through the
+textbook scaled dot-product attention with the model's scaling, the float32 upcast under
+``reorder_and_upcast_attn`` and the additive finfo.min causal mask; then the heads merged
+through the CURRENT output projection; max absolute differences against the recorded
+pattern and attention output (tolerance 1e-5 for float32). ``projections: true`` also
+recomputes q/k/v from the recorded attention input with the current weights. Same torch
+operations in the model's dtype, so its differences are usually exactly 0: it checks
+consistency of the attention step, not the model.
+
+HTTP 200 also when the check fails: read ``passed``. A NaN anywhere fails.""",
+        plan=plan,
+        check=check,
+        tags=('verify',), order=70,
+    ),
+]

@@ -326,7 +326,9 @@ export class ApiError extends Error {
 
 export const SAFETENSORS = "application/x-safetensors";
 
-/** A small client: one method per endpoint, each resolving to the parsed JSON response. */
+/** A small client: one method per endpoint (ENDPOINTS below), each resolving to the parsed
+ *  JSON response (or, with `{binary: true}` where the endpoint offers it, the decoded
+ *  safetensors body). */
 export class Client {
   /** @param baseUrl "" = same origin; @param opts {apiKey} sent as Authorization: Bearer */
   constructor(baseUrl = "", opts = {}) {
@@ -353,11 +355,31 @@ export class Client {
     return r.json();
   }
   post(path, body, opts) { return this.request("POST", path, body, opts); }
-  model() { return this.request("GET", "/v1/model"); }
-  tokenize(body) { return this.post("/v1/tokenize", body); }
-  attention(body, opts) { return this.post("/v1/attention", body, opts); }
-  heads(body) { return this.post("/v1/heads", body); }
-  links(body) { return this.post("/v1/links", body); }
-  trajectories(body, opts) { return this.post("/v1/trajectories", body, opts); }
-  verify(body) { return this.post("/v1/verify", body); }
+}
+
+// One method per endpoint of the service's endpoint table: `client.attention(body, {binary})`,
+// `client.model()`; the server sends this module with its own table's list.
+// ---- endpoints: generated from the endpoint table (scripts/gen-clients); do not edit
+export const ENDPOINTS = [
+  {"name": "model", "method": "GET", "path": "/v1/model", "binary": false},
+  {"name": "tokenize", "method": "POST", "path": "/v1/tokenize", "binary": false},
+  {"name": "attention", "method": "POST", "path": "/v1/attention", "binary": true},
+  {"name": "heads", "method": "POST", "path": "/v1/heads", "binary": false},
+  {"name": "links", "method": "POST", "path": "/v1/links", "binary": false},
+  {"name": "trajectories", "method": "POST", "path": "/v1/trajectories", "binary": false},
+  {"name": "verify", "method": "POST", "path": "/v1/verify", "binary": false},
+  {"name": "scratch_attention", "method": "POST", "path": "/v1/scratch-attention", "binary": false},
+  {"name": "predictions", "method": "POST", "path": "/v1/predictions", "binary": false},
+  {"name": "ablate", "method": "POST", "path": "/v1/ablate", "binary": true},
+  {"name": "patch", "method": "POST", "path": "/v1/patch", "binary": false},
+  {"name": "attention_norms", "method": "POST", "path": "/v1/attention-norms", "binary": true},
+  {"name": "rollout", "method": "POST", "path": "/v1/rollout", "binary": true},
+];
+// ---- end of the generated endpoints
+for (const ep of ENDPOINTS) {
+  Client.prototype[ep.name] = ep.method === "GET"
+    ? function () { return this.request("GET", ep.path); }
+    : function (body, opts = {}) {
+      return this.request("POST", ep.path, body, { ...opts, binary: ep.binary && !!opts.binary });
+    };
 }

@@ -1,4 +1,4 @@
-"""The engine: the one object an endpoint calls (DESIGN.md, "Layers").
+"""The engine: the one object an endpoint calls (docs/architecture.md, "Layers").
 
 It owns the runtime (the resident model), the device slot, the memory limit and the metrics.
 An endpoint hands it a request and the feature's ``plan`` function; the engine

@@ -1,6 +1,7 @@
-"""What routers share: the route class and router of /v1 (request bodies parsed off the event
-loop) and the OpenAPI error responses of a /v1 route. (The checks are in
-service/serving/core/checks.py, the forward call in service/serving/core/engine.py.)"""
+"""The route builder: one FastAPI route per entry of the endpoint table (:mod:`.table`), each
+a :class:`V1Route` (request bodies parsed off the event loop) with the OpenAPI error responses
+of a /v1 route, making ONE engine call (service/serving/core/engine.py). No per-endpoint
+router files: docs/architecture.md, "How to add an endpoint"."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import re
 import weakref
 from typing import Any, Callable, Coroutine
 
+import inspect
+from functools import partial
+
 import anyio
 import anyio.to_thread
 import numpy as np
@@ -20,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
-from .checks import check_distinct, check_index, check_indices  # noqa: F401
+from .table import Endpoint
 
 
 def error_responses(invalid: str = "Invalid request (field, limit and value named).",
@@ -209,3 +213,72 @@ class V1Route(APIRoute):
 def v1_router(**kwargs) -> APIRouter:
     """An APIRouter whose routes are :class:`V1Route` (every /v1 router is made here)."""
     return APIRouter(route_class=V1Route, **kwargs)
+
+
+# ------------------------------------------------------------------------ the route builder
+def _responses(ep: Endpoint) -> dict:
+    """OpenAPI ``responses`` of ``ep``: every error status with the envelope; for an
+    endpoint that negotiates safetensors, the binary 200 and 406."""
+    from attnscope.schemas import ErrorResponse
+
+    from ...encoding import SAFETENSORS
+
+    if ep.request is None:
+        return {}
+    out = error_responses(ep.invalid, device=ep.device)
+    if ep.binary:
+        out = {
+            200: {"content": {SAFETENSORS: {}}, "description": "JSON, or with Accept: "
+                  "application/x-safetensors one safetensors file (README, 'Tensors on the "
+                  "wire')."},
+            406: {"model": ErrorResponse, "description": "Accept names no media type we produce."},
+            **out,
+        }
+    return out
+
+
+def route_function(ep: Endpoint):
+    """The async function FastAPI calls for ``ep``: the body parsed as ``ep.request``, then
+    ``prepare`` / ``check`` / tokenize / ``plan`` / admission / one device turn in the engine
+    (or ``ep.handler``). Its signature is built for FastAPI (body model, engine, request)."""
+    from ...deps import EngineDep
+    from ...encoding import wants_binary
+
+    async def endpoint(engine, request: Request, req=None):
+        if ep.handler is not None:
+            return await ep.handler(engine, req)
+        rt = engine.runtime if ep.needs_model else getattr(engine._state, "runtime", None)
+        if ep.prepare is not None:
+            req = ep.prepare(rt, req)
+        if not ep.binary:
+            return await engine.serve(req, ep.plan, check=ep.check, tokenize=ep.tokenize,
+                                      needs_model=ep.needs_model)
+        binary = wants_binary(request.headers.get("accept"))
+        return await engine.serve(req, partial(ep.plan, binary=binary), check=ep.check,
+                                  binary=binary, tokenize=ep.tokenize, needs_model=ep.needs_model)
+
+    params = [inspect.Parameter("engine", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                annotation=EngineDep),
+              inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                annotation=Request)]
+    if ep.request is not None:
+        params.append(inspect.Parameter("req", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                        annotation=ep.request))
+    endpoint.__signature__ = inspect.Signature(params)
+    endpoint.__name__ = ep.name
+    endpoint.__doc__ = ep.description
+    return endpoint
+
+
+def add_routes(app, endpoints: list[Endpoint]) -> None:
+    """One route per entry of ``endpoints`` (the endpoint table) on ``app``, in table order:
+    POST routes are :class:`V1Route` (bodies parsed off the loop), GET routes plain."""
+    for ep in endpoints:
+        router = v1_router(tags=list(ep.tags)) if ep.request is not None else APIRouter(
+            tags=list(ep.tags))
+        router.add_api_route(
+            ep.path, route_function(ep), methods=[ep.method], response_model=ep.response,
+            responses=_responses(ep), summary=ep.summary, description=ep.description,
+            name=ep.name,
+        )
+        app.include_router(router)
