@@ -7,8 +7,9 @@ A functional forward over the loaded Hugging Face ``GPT2LMHeadModel``'s own para
   x.view(-1, nx), weight)``, ``F.layer_norm`` with the config eps, ``ACT2FN[activation]``,
   ``matmul(q, k^T) * scaling`` plus the additive ``finfo(dtype).min`` causal mask, softmax in
   the dtype, ``matmul(pattern, v)``), so that with nothing edited its residual stream and
-  logits equal ``model(input_ids)`` with ``attn_implementation="eager"`` bit for bit
-  (``tests/test_hooked.py``);
+  logits equal ``model(input_ids, use_cache=False)`` with ``attn_implementation="eager"``
+  bit for bit (the runtime's own call; with ``use_cache=True`` Hugging Face's DynamicCache
+  makes k and v contiguous, another matmul kernel: ~1e-5 on logits; ``tests/test_hooked.py``);
 * exposes every activation under its TransformerLens 4.3 name and shape, those of
   ``TransformerBridge.boot_transformers(path).enable_compatibility_mode(no_processing=True)``
   (``HookedTransformer.from_pretrained_no_processing`` in TL 2/3): our model is the
@@ -44,6 +45,8 @@ Hook semantics (TransformerLens 4.3 bridge, checked in ``tests/test_hooked.py``)
   heads an edit touches are recomputed from their copy; the others keep the fused
   projection's value (equal to float rounding). An edit of ``ln1.*`` together with an
   edit of a split input in the same layer is refused (TL 2 and TL 4 disagree on it).
+* ``hook_resid_mid`` edits the residual stream itself (HookedTransformer's meaning). TL 4.3's
+  bridge aliases it to ``ln2.hook_in``, so there an edit reaches the MLP's input only.
 * Cached values are the values that flow on: after the interventions at that hook.
 
 Shapes carry the batch axis first, as TL's cache does. Only float tensors of the model's
