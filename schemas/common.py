@@ -239,21 +239,39 @@ class TensorOptions(StrictModel):
     )
 
 
+LABEL_DOC = (
+    "Readable text the token stands for (byte-level BPE decoded: no 'Ġ'); special tokens by "
+    "name. Made visible: bytes of a character split across tokens are '\\xNN' escapes; a "
+    "newline, tab and carriage return are the two characters '\\n', '\\t', '\\r' (as "
+    "TransformerLens and CircuitsVis show them), other control characters '\\xNN' (C0, DEL) "
+    "or '\\u00NN' (C1). Other text, backslashes included, is as is: 'bytes' is the exact form."
+)
+BYTES_DOC = (
+    "The token's raw bytes as lowercase hex ('20636174' for ' cat'): for byte-level BPE "
+    "(GPT-2) the bytes the token stands for; for WordPiece (BERT) and special tokens the UTF-8 "
+    "of the token string ('##ing', '[CLS]', '<|endoftext|>')."
+)
+PARTIAL_DOC = (
+    "True when 'bytes' is not a whole UTF-8 sequence: the token holds part of a character "
+    "split across byte-level tokens (an emoji's 4 bytes over 2 tokens). False for WordPiece "
+    "and special tokens."
+)
+
+
 class Token(LenientModel):
     """One analysed token."""
 
     position: int = Field(description="Index in the analysed sequence (query_pos/key_pos), from 0.")
     id: int = Field(description="Vocabulary id.")
-    label: str = Field(
-        description="Readable text the token stands for (byte-level BPE decoded: no 'Ġ'). Bytes "
-        "of a character split across tokens are shown as '\\xNN' escapes; special tokens by name."
-    )
+    label: str = Field(description=LABEL_DOC)
     start: int | None = Field(
         description="Character offset of the token's text in the input (inclusive); null for "
         "tokens the tokenizer or the add_bos option inserted."
     )
     end: int | None = Field(description="Character offset (exclusive); null for inserted tokens.")
     special: bool = Field(description="True for tokens inserted by the framing (BOS, [CLS], [SEP]).")
+    bytes: str = Field(description=BYTES_DOC)
+    partial: bool = Field(description=PARTIAL_DOC)
 
 
 class ModelRef(LenientModel):

@@ -17,6 +17,7 @@ from .common import (
     EXAMPLE_TEXT, MAX_HEAD_PAIRS, MAX_POSITIONS, MAX_TEXTS, LenientModel, ModelRef, NonBlankText,
     StrictModel, TensorField, TensorOptions, TextOrTexts, Token, example,
 )
+from .common import BYTES_DOC, LABEL_DOC, PARTIAL_DOC
 
 Index = Annotated[int, Field(ge=0)]
 HeadRef = Annotated[list[Index], Field(min_length=2, max_length=2)]
@@ -24,12 +25,16 @@ HeadRef = Annotated[list[Index], Field(min_length=2, max_length=2)]
 
 class TokenRef(LenientModel):
     id: int = Field(description="Vocabulary id.")
-    label: str = Field(description="Readable token text.")
+    label: str = Field(description=LABEL_DOC)
+    bytes: str = Field(description=BYTES_DOC)
+    partial: bool = Field(description=PARTIAL_DOC)
 
 
 class TopToken(LenientModel):
     id: int = Field(description="Vocabulary id.")
-    label: str = Field(description="Readable token text.")
+    label: str = Field(description=LABEL_DOC)
+    bytes: str = Field(description=BYTES_DOC)
+    partial: bool = Field(description=PARTIAL_DOC)
     prob: float = Field(description="Probability in [0, 1] (softmax of the logits).")
     logit: float = Field(description="Raw LM-head logit.")
 

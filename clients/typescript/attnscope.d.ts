@@ -395,7 +395,7 @@ export interface paths {
         put?: never;
         /**
          * Recompute the forward from scratch in float64 and compare it with the served one
-         * @description The from-scratch check (docs/architecture.md, "verification"), mode ``from_scratch`` (default):
+         * @description The from-scratch check (docs/architecture.md, "Verification"), mode ``from_scratch`` (default):
          *     the forward of each text recomputed in float64 from its token ids, the model's weight
          *     tensors and its config by the project's own blocks (service/analysis/verify.py: wte+wpe /
          *     BERT embeddings, LayerNorm with the config's eps, q/k/v projections (GPT-2's Conv1D
@@ -2550,6 +2550,11 @@ export interface components {
          */
         Token: {
             /**
+             * Bytes
+             * @description The token's raw bytes as lowercase hex ('20636174' for ' cat'): for byte-level BPE (GPT-2) the bytes the token stands for; for WordPiece (BERT) and special tokens the UTF-8 of the token string ('##ing', '[CLS]', '<|endoftext|>').
+             */
+            bytes: string;
+            /**
              * End
              * @description Character offset (exclusive); null for inserted tokens.
              */
@@ -2561,9 +2566,14 @@ export interface components {
             id: number;
             /**
              * Label
-             * @description Readable text the token stands for (byte-level BPE decoded: no 'Ġ'). Bytes of a character split across tokens are shown as '\xNN' escapes; special tokens by name.
+             * @description Readable text the token stands for (byte-level BPE decoded: no 'Ġ'); special tokens by name. Made visible: bytes of a character split across tokens are '\xNN' escapes; a newline, tab and carriage return are the two characters '\n', '\t', '\r' (as TransformerLens and CircuitsVis show them), other control characters '\xNN' (C0, DEL) or '\u00NN' (C1). Other text, backslashes included, is as is: 'bytes' is the exact form.
              */
             label: string;
+            /**
+             * Partial
+             * @description True when 'bytes' is not a whole UTF-8 sequence: the token holds part of a character split across byte-level tokens (an emoji's 4 bytes over 2 tokens). False for WordPiece and special tokens.
+             */
+            partial: boolean;
             /**
              * Position
              * @description Index in the analysed sequence (query_pos/key_pos), from 0.
@@ -2585,15 +2595,25 @@ export interface components {
         /** TokenRef */
         TokenRef: {
             /**
+             * Bytes
+             * @description The token's raw bytes as lowercase hex ('20636174' for ' cat'): for byte-level BPE (GPT-2) the bytes the token stands for; for WordPiece (BERT) and special tokens the UTF-8 of the token string ('##ing', '[CLS]', '<|endoftext|>').
+             */
+            bytes: string;
+            /**
              * Id
              * @description Vocabulary id.
              */
             id: number;
             /**
              * Label
-             * @description Readable token text.
+             * @description Readable text the token stands for (byte-level BPE decoded: no 'Ġ'); special tokens by name. Made visible: bytes of a character split across tokens are '\xNN' escapes; a newline, tab and carriage return are the two characters '\n', '\t', '\r' (as TransformerLens and CircuitsVis show them), other control characters '\xNN' (C0, DEL) or '\u00NN' (C1). Other text, backslashes included, is as is: 'bytes' is the exact form.
              */
             label: string;
+            /**
+             * Partial
+             * @description True when 'bytes' is not a whole UTF-8 sequence: the token holds part of a character split across byte-level tokens (an emoji's 4 bytes over 2 tokens). False for WordPiece and special tokens.
+             */
+            partial: boolean;
         } & {
             [key: string]: unknown;
         };
@@ -2653,13 +2673,18 @@ export interface components {
         /** TopToken */
         TopToken: {
             /**
+             * Bytes
+             * @description The token's raw bytes as lowercase hex ('20636174' for ' cat'): for byte-level BPE (GPT-2) the bytes the token stands for; for WordPiece (BERT) and special tokens the UTF-8 of the token string ('##ing', '[CLS]', '<|endoftext|>').
+             */
+            bytes: string;
+            /**
              * Id
              * @description Vocabulary id.
              */
             id: number;
             /**
              * Label
-             * @description Readable token text.
+             * @description Readable text the token stands for (byte-level BPE decoded: no 'Ġ'); special tokens by name. Made visible: bytes of a character split across tokens are '\xNN' escapes; a newline, tab and carriage return are the two characters '\n', '\t', '\r' (as TransformerLens and CircuitsVis show them), other control characters '\xNN' (C0, DEL) or '\u00NN' (C1). Other text, backslashes included, is as is: 'bytes' is the exact form.
              */
             label: string;
             /**
@@ -2667,6 +2692,11 @@ export interface components {
              * @description Raw LM-head logit.
              */
             logit: number;
+            /**
+             * Partial
+             * @description True when 'bytes' is not a whole UTF-8 sequence: the token holds part of a character split across byte-level tokens (an emoji's 4 bytes over 2 tokens). False for WordPiece and special tokens.
+             */
+            partial: boolean;
             /**
              * Prob
              * @description Probability in [0, 1] (softmax of the logits).

@@ -18,6 +18,7 @@ import logging
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -34,7 +35,7 @@ from .results import (
     TokenInfo,
     TokenizedText,
 )
-from .tokens import bytelevel_label
+from .tokens import bytelevel_label, token_bytes, visible
 
 __all__ = ["ForwardResult", "ForwardTensors", "ModelLoadError", "Runtime", "TokenInfo",
            "TokenizedText"]
@@ -121,6 +122,7 @@ class Runtime:
             "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
             "attn_implementation": getattr(model.config, "_attn_implementation", None) or "eager",
             "bos_token": tok.bos_token if adapter.causal else None,
+            "add_bos_default": bool(adapter.causal and tok.bos_token_id is not None),
         }
         rt = cls(model, tok, adapter, info, settings)
         rt.probe()
@@ -146,6 +148,14 @@ class Runtime:
         self.cache.clear()
 
     # --------------------------------------------------------------- tokenizing
+    @property
+    def default_add_bos(self) -> bool:
+        """The model's BOS convention, what a request's ``add_bos`` null means: True for a
+        causal model whose tokenizer has a BOS token (TransformerLens' ``to_tokens`` prepends
+        it; GPT-2 was trained with it between documents), False for encoders ([CLS] frames
+        them)."""
+        return bool(self.adapter.causal and self.tokenizer.bos_token_id is not None)
+
     def tokenize(self, text: str, add_bos: bool = False, param: str = "text",
                  cached_only: bool = False) -> TokenizedText | None:
         """Tokenize ``text`` as plain text (strings that spell special tokens stay text).
@@ -219,7 +229,8 @@ class Runtime:
         tokens = []
         for i, (tid, piece, off, sp) in enumerate(zip(ids, pieces, offsets, special)):
             start, end = (None, None) if sp or off is None else (int(off[0]), int(off[1]))
-            tokens.append(TokenInfo(i, int(tid), self._label(piece, sp), start, end, sp))
+            tokens.append(TokenInfo(i, int(tid), self._label(piece, sp), start, end, sp,
+                                    *self._bytes(piece, sp)))
         return TokenizedText(text, add_bos, tuple(ids), tuple(tokens))
 
     def _check_context(self, n_tokens: int, param: str) -> None:
@@ -233,10 +244,33 @@ class Runtime:
 
     def _label(self, piece: str, special: bool) -> str:
         """Readable label of one token string: special tokens by name; byte-level BPE pieces
-        (causal models) decoded to their text; WordPiece pieces as they are."""
-        if special or not self.adapter.causal:
+        (causal models) decoded to their text; WordPiece pieces as they are; control
+        characters escaped (``\\n``; service/runtime/tokens.py)."""
+        if special:
             return piece
+        if not self.adapter.causal:
+            return visible(piece)
         return bytelevel_label(piece)
+
+    def _bytes(self, piece: str, special: bool) -> tuple[bytes, bool]:
+        """``(raw bytes, partial)`` of one token string (:func:`.tokens.token_bytes`): the
+        bytes a byte-level BPE piece (causal models) stands for; a special token's or a
+        WordPiece piece's UTF-8, never partial."""
+        return token_bytes(piece, self.adapter.causal and not special)
+
+    def token_refs(self, ids: Sequence[int]) -> list[dict]:
+        """``{"id", "label", "bytes", "partial"}`` of vocabulary ids (predicted tokens, metric
+        tokens): labels and bytes as :meth:`tokenize` makes them."""
+        ids = [int(i) for i in ids]
+        with self._tok_lock:
+            pieces = self.tokenizer.convert_ids_to_tokens(ids)
+            special = set(self.tokenizer.all_special_ids)
+        out = []
+        for i, p in zip(ids, pieces):
+            raw, partial = self._bytes(p, i in special)
+            out.append({"id": i, "label": self._label(p, i in special), "bytes": raw.hex(),
+                        "partial": partial})
+        return out
 
     def tokenized_from_ids(self, ids: list[int], param: str = "input_ids") -> TokenizedText:
         """A :class:`TokenizedText` for raw token ids (no tokenizer pass, no framing added),
@@ -249,13 +283,15 @@ class Runtime:
             ContextLengthExceeded: more ids than the model's context (n_ctx).
         """
         ids = [int(i) for i in ids]
-        n_vocab = len(self.tokenizer)
+        # an id the tokenizer knows but the embedding lacks (or the reverse) is not a token id
+        n_vocab = min(len(self.tokenizer), int(self.model.config.vocab_size))
         if not ids:
             raise InvalidRequest(f"{param} holds no token ids", param)
         for i, tid in enumerate(ids):
             if not 0 <= tid < n_vocab:
                 raise InvalidRequest(
-                    f"{param}[{i}] = {tid} is not a token id (vocabulary 0..{n_vocab - 1})", param
+                    f"{param}[{i}] = {tid} is not a token id (vocabulary 0..{n_vocab - 1})",
+                    f"{param}.{i}",
                 )
         self._check_context(len(ids), param)
         with self._tok_lock:
@@ -263,7 +299,8 @@ class Runtime:
             special_ids = set(self.tokenizer.all_special_ids)
             text = self.tokenizer.decode(ids)
         tokens = tuple(
-            TokenInfo(i, tid, self._label(piece, tid in special_ids), None, None, tid in special_ids)
+            TokenInfo(i, tid, self._label(piece, tid in special_ids), None, None,
+                      tid in special_ids, *self._bytes(piece, tid in special_ids))
             for i, (tid, piece) in enumerate(zip(ids, pieces))
         )
         return TokenizedText(text, False, tuple(ids), tokens)

@@ -25,7 +25,8 @@ import torch
 @dataclass(frozen=True)
 class TokenInfo:
     """One token: its position, id, readable label, character span in the text (None for
-    special tokens and for ids without a text) and whether it is a special token."""
+    special tokens and for ids without a text), whether it is a special token, its raw bytes
+    and whether those split a UTF-8 character (service/runtime/tokens.py)."""
 
     position: int
     id: int
@@ -33,11 +34,14 @@ class TokenInfo:
     start: int | None
     end: int | None
     special: bool
+    raw: bytes = b""  # the token's bytes (byte-level BPE: what it stands for; else UTF-8)
+    partial: bool = False  # raw is not a whole UTF-8 sequence
 
     def as_dict(self) -> dict:
         return {
             "position": self.position, "id": self.id, "label": self.label,
             "start": self.start, "end": self.end, "special": self.special,
+            "bytes": self.raw.hex(), "partial": self.partial,
         }
 
 

@@ -16,7 +16,6 @@ runtime's tokenize cache makes a repeated text free) rather than by the engine.
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -57,21 +56,14 @@ def _grid(t: torch.Tensor) -> list:
     return [_grid(x) for x in t]
 
 
-def _labels(rt, ids: Sequence[int]) -> list[str]:
-    tok = rt.tokenizer
-    special = set(tok.all_special_ids)
-    pieces = tok.convert_ids_to_tokens([int(i) for i in ids])
-    return [rt._label(p, int(i) in special) for p, i in zip(pieces, ids)]
-
-
 def _top(rt, ids: torch.Tensor, logits: torch.Tensor, probs: torch.Tensor) -> list[dict]:
-    labels = _labels(rt, ids.tolist())
-    return [{"id": int(i), "label": lab, "prob": _num(p), "logit": _num(lg)}
-            for i, lab, p, lg in zip(ids.tolist(), labels, probs, logits)]
+    """The top-k tokens: id, label, bytes, partial (``Runtime.token_refs``), prob, logit."""
+    return [dict(ref, prob=_num(p), logit=_num(lg))
+            for ref, p, lg in zip(rt.token_refs(ids.tolist()), probs, logits)]
 
 
 def _tokref(rt, tid: int) -> dict:
-    return {"id": int(tid), "label": _labels(rt, [tid])[0]}
+    return rt.token_refs([tid])[0]
 
 
 def check_lm(rt, req=None) -> None:
@@ -146,7 +138,7 @@ def predictions_plan(rt, req: PredictionsRequest, items) -> Plan:
     check_lm(rt)
     chosen = []
     for i, it in enumerate(items):
-        where = "text" if req.text is not None else f"texts.{i}"
+        where = req.input_param(i)
         chosen.append(_positions(req.positions, len(it), "positions", where))
     V = _vocab(rt)
     longest = max(len(it) for it in items)
