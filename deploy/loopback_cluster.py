@@ -9,7 +9,7 @@ tests/test_scaleout.py and scripts/scaleout_bench.py; runnable by hand:
 Every process (replicas, haproxy) runs in its own process group and is killed by group on
 ``close()`` (also on an exception in ``with LoopbackCluster(...)``). Ports are picked at random
 in 20000-60000 and checked free on 127.0.0.1 first. Needs ``haproxy`` on PATH (Debian's
-``haproxy`` package; ``.ci/run`` installs it).
+``haproxy`` package; ``scripts/test`` installs it).
 """
 
 from __future__ import annotations

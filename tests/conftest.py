@@ -22,8 +22,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from attnscope.service.config import BUNDLED_MODEL_DIR, Settings  # noqa: E402
 
+import tiers  # noqa: E402
+
+
 ROOT = Path(__file__).resolve().parents[1]
 SENTENCE = "Then I tried to find some way of embracing my mother's ghost."
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test gets its tier markers (tests/tiers.py): unit, model, server, browser, cluster."""
+    tiers.tier(items)
+
+
+def pytest_runtest_setup(item):
+    tiers.running(item)
 
 
 def assert_error(r, status=422, type_=None, param=None) -> dict:
@@ -162,6 +174,7 @@ class LiveServer:
 
 def start_server(tmp: Path, *args: str, env: dict | None = None, wait_ready: bool = True) -> LiveServer:
     """Start ``attnscope serve`` (a real uvicorn) on 127.0.0.1 and wait until /readyz is 200."""
+    tiers.require("server", "starts a server")
     port = free_port()
     log = tmp / f"server-{port}.log"
     full_env = {**os.environ, **(env or {})}

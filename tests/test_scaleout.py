@@ -10,7 +10,7 @@ on random loopback ports behind a real haproxy running the shipped configuration
 * a rolling restart (each replica drained, stopped, replaced, readied; one at a time) during a
   run: zero failed items, zero 5xx answers from haproxy.
 
-haproxy is Debian's package; .ci/run installs it. Without it these tests FAIL (never skip).
+haproxy is Debian's package; ./scripts/test installs it. Without it these tests FAIL (never skip).
 The replicas run with ``--cache-entries 0`` (every item is a real forward, so an answer
 that came from another replica is recomputed, not replayed from a cache) and
 OMP_NUM_THREADS=1 (three torch processes on two cores: docs/scaling.md).
@@ -51,7 +51,7 @@ MEASURED: dict[str, float] = {}  # the kill test's throughput and restart time, 
 
 def _need_haproxy() -> None:
     if shutil.which("haproxy") is None:
-        pytest.fail("haproxy is not installed: apt-get install -y haproxy (.ci/run does it)")
+        pytest.fail("haproxy is not installed: apt-get install -y haproxy (./scripts/test does it)")
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ def _default(v: str) -> str:
 
 def _haproxy_check(cfg_text: str, tmp_path: Path, env: dict[str, str]):
     if shutil.which("haproxy") is None:
-        pytest.fail("haproxy is not installed: apt-get install -y haproxy (.ci/run does it)")
+        pytest.fail("haproxy is not installed: apt-get install -y haproxy (./scripts/test does it)")
     p = tmp_path / "haproxy.cfg"
     p.write_text(cfg_text)
     return subprocess.run(["haproxy", "-c", "-f", str(p)], env={**os.environ, **env},

@@ -3,7 +3,7 @@ Debian's /usr/bin/chromium (never a downloaded browser), one browser per test mo
 page per test whose console errors and uncaught exceptions fail the test.
 
 Where /usr/bin/chromium is missing the tests skip with the reason, except when
-``ATTNSCOPE_REQUIRE_BROWSER=1`` (set by .ci/run, which installs Debian's chromium first): then
+``ATTNSCOPE_REQUIRE_BROWSER=1`` (set by ./scripts/test's full run, which installs Debian's chromium first): then
 they fail, so CI never skips them silently. Screenshots go to tests/artifacts/ (gitignored).
 """
 
@@ -20,8 +20,8 @@ ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 
 def _require_browser():
     if not Path(CHROMIUM).exists():
-        msg = (f"{CHROMIUM} is missing: apt-get install chromium (Debian's package; .ci/run "
-               "installs it)")
+        msg = (f"{CHROMIUM} is missing: apt-get install chromium (Debian's package; "
+               "./scripts/test installs it)")
         if os.environ.get("ATTNSCOPE_REQUIRE_BROWSER") == "1":
             pytest.fail(msg)
         pytest.skip(msg)
