@@ -42,6 +42,7 @@ from .interventions import (
 from .norms import NormsRequest, NormsResponse, NormsResult
 from .rollout import RolloutRequest, RolloutResponse, RolloutResult
 from .verify import HeadDiff, LayerDiff, VerifyRequest, VerifyResponse, VerifyResult
+from .run import HooksResponse, RunRequest, RunResponse
 
 __all__ = [
     "AblateRequest",
@@ -92,4 +93,7 @@ __all__ = [
     "RolloutRequest",
     "RolloutResponse",
     "RolloutResult",
+    "HooksResponse",
+    "RunRequest",
+    "RunResponse",
 ]

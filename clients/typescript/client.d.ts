@@ -34,4 +34,8 @@ export interface AttnscopeClient {
   attention_norms(body: S["NormsRequest"], opts?: CallOptions): Promise<S["NormsResponse"]>;
   /** POST /v1/rollout: Attention rollout per layer and attention flow (Abnar & Zuidema 2020) */
   rollout(body: S["RolloutRequest"], opts?: CallOptions): Promise<S["RolloutResponse"]>;
+  /** GET /v1/hooks: Hook points of the resident model (TransformerLens 4.x names and shapes) */
+  hooks(): Promise<S["HooksResponse"]>;
+  /** POST /v1/run: One hooked forward: cache activations, apply interventions, read metrics and gradients (TransformerLens hook names) */
+  run(body: S["RunRequest"], opts?: CallOptions): Promise<S["RunResponse"]>;
 }

@@ -374,6 +374,8 @@ export const ENDPOINTS = [
   {"name": "patch", "method": "POST", "path": "/v1/patch", "binary": false},
   {"name": "attention_norms", "method": "POST", "path": "/v1/attention-norms", "binary": true},
   {"name": "rollout", "method": "POST", "path": "/v1/rollout", "binary": true},
+  {"name": "hooks", "method": "GET", "path": "/v1/hooks", "binary": false},
+  {"name": "run", "method": "POST", "path": "/v1/run", "binary": true},
 ];
 // ---- end of the generated endpoints
 for (const ep of ENDPOINTS) {

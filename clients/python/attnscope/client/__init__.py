@@ -24,10 +24,12 @@ from ._errors import *  # noqa: F401,F403
 from ._errors import ERROR_TYPES, STATUS_ERRORS
 from ._errors import __all__ as _errors_all
 from ._tensors import EncodedTensor, JsonTensor, to_numpy
+from . import run as run  # noqa: PLC0414  (the builders: attnscope.client.run.zero, ...)
+from .run import RunOutput
 
 __all__ = [
     "API_KEY_ENV", "BASE_URL_ENV", "DEFAULT_BASE_URL", "AsyncClient", "BaseClient", "Client",
-    "EncodedTensor", "ERROR_TYPES", "JsonTensor", "STATUS_ERRORS", "resolve_base_url",
+    "EncodedTensor", "ERROR_TYPES", "JsonTensor", "RunOutput", "STATUS_ERRORS", "resolve_base_url",
     "to_numpy", "__version__", *_errors_all,
 ]
 

@@ -31,11 +31,12 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import importlib
+import inspect
 import os
 import random
 import time
 import warnings
-from typing import Any, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar
 
 import httpx
 import orjson
@@ -53,6 +54,8 @@ from ._errors import (
 from . import wire
 from ._tensors import attach_numpy
 from .notebook import view_class
+from .run import RunOutput, run_output
+from attnscope.schemas import HooksResponse, RunRequest
 from attnscope.schemas import (
     AttentionRequest,
     AttentionResponse,
@@ -442,6 +445,50 @@ class _Endpoints:
                          corrupted_text=corrupted_text, **options)
         return self._call("POST", "/v1/patch", req.model_dump(mode="json", exclude_unset=True),
                           PatchResponse)
+
+    def hooks(self) -> HooksResponse:
+        """``GET /v1/hooks``: every hook point of the resident model (TransformerLens 4.x
+        names, axis names, sizes; null where the request sets them)."""
+        return self._call("GET", "/v1/hooks", None, HooksResponse)
+
+    def run(self, tokens: Sequence[Sequence[int]] | None = None, *,
+            texts: Sequence[str] | None = None, cache: Sequence[Any] = (),
+            interventions: Sequence[dict] = (), metrics: Mapping[str, dict] | None = None,
+            binary: bool = True, **options):
+        """``POST /v1/run``: one hooked forward on the server -> :class:`~.run.RunOutput`
+        (``out.cache["blocks.0.attn.hook_z"]`` ``[batch, pos, head, d_head]`` as numpy, TL's
+        names and shapes; ``out.metrics``, ``out.grads``, ``out.logits``/``out.top``,
+        ``out.loss``). ``tokens``: prompts as ids (used as given) or ``texts`` (BOS per
+        ``add_bos``, default the model's convention); ``cache``: hook names/patterns or
+        :func:`~.run.cached` entries; ``interventions`` / ``metrics``: the builders of
+        :mod:`attnscope.client.run` (or plain dicts). Options (``RunRequest``): ``add_bos``,
+        ``logits`` ({positions, top_k, full}), ``loss``, ``grad`` ({metric, hooks}),
+        ``dtype``, ``encoding``, ``round``. ``binary`` (default): one safetensors response,
+        arrays read without a JSON parse. Raises :class:`RequestValidationError` before
+        sending when the request does not fit the schema; the service's 4xx as usual."""
+        fields: dict[str, Any] = dict(options)
+        if tokens is not None:
+            fields["tokens"] = [[int(t) for t in p] for p in tokens]
+        if texts is not None:
+            fields["texts"] = list(texts)
+        fields["cache"] = list(cache)
+        fields["interventions"] = list(interventions)
+        fields["metrics"] = dict(metrics or {})
+        if not binary:
+            fields.setdefault("encoding", "base64")
+        req = _validated(RunRequest, "/v1/run", **fields)
+        result = self._call("POST", "/v1/run", req.model_dump(mode="json", exclude_unset=True),
+                            None, binary)
+        if inspect.isawaitable(result):
+            async def finish():
+                return _run_output(await result)
+            return finish()
+        return _run_output(result)
+
+
+def _run_output(body) -> RunOutput:
+    return run_output(body)
+
 
 class Client(BaseClient, _Endpoints):
     """Synchronous client. Use as a context manager or call :meth:`close`.
