@@ -10,6 +10,7 @@ from .common import (
     MAX_INDICES, LenientModel, ModelRef, StrictModel, TensorField, TensorOptions, TextOrTexts,
     Token,
 )
+from .common import add_bos_echo
 
 
 class SparseOptions(StrictModel):
@@ -92,5 +93,6 @@ class AttentionResult(LenientModel):
 
 class AttentionResponse(LenientModel):
     model: ModelRef
-    attention: AttentionResult | None = Field(None, description="For a 'text' request.")
-    results: list[AttentionResult] | None = Field(None, description="For a 'texts' request, in order.")
+    add_bos: bool = add_bos_echo()
+    attention: AttentionResult | None = Field(None, description="For a 'text' or 'tokens' request.")
+    results: list[AttentionResult] | None = Field(None, description="For a 'texts' or 'token_lists' request, in order.")

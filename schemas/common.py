@@ -309,6 +309,10 @@ class ModelInfo(LenientModel):
         "eager", description="Hugging Face attention implementation the model runs with "
         "('eager': the only one that returns attention patterns).")
     bos_token: str | None = Field(None, description="BOS token string (causal models), if any.")
+    add_bos_default: bool = Field(
+        False, description="What a request's add_bos null means on this model: true for "
+        "causal models with a BOS token (BOS prepended to every text, as TransformerLens "
+        "does), false for encoders (their own [CLS] ... [SEP] framing).")
 
 
 class ErrorBody(LenientModel):
@@ -345,8 +349,75 @@ def example(**body: Any) -> ConfigDict:
     return ConfigDict(json_schema_extra={"examples": [body]})
 
 
+#: ``add_bos`` of a request (every request that takes text): one convention on every endpoint.
+ADD_BOS_DOC = (
+    "Prepend the BOS token to the texts (not to token ids, which are used exactly as given). "
+    "null (the default) = the model's convention: true for causal models whose tokenizer has "
+    "a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as "
+    "TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it "
+    "between documents; false for encoders, which always get their own framing ([CLS] ... "
+    "[SEP]; true is a 422 there). false = the text's own tokens only, as the source "
+    "documents tokenize. The value used is echoed in the response's add_bos. With token ids "
+    "only, true is a 422 (put the BOS id first) and null means false."
+)
+#: ``add_bos`` of a response: what was done.
+ADD_BOS_ECHO_DOC = (
+    "Whether the BOS token was prepended to the request's texts: the request's add_bos, or "
+    "where it was null the model's convention (GPT-2 family: true; encoders: false). False "
+    "when only token ids were given (ids are used exactly as given)."
+)
+#: ``tokens`` of a request: token ids instead of a text.
+TOKENS_DOC = (
+    "Instead of {text}: the token ids of one sequence, used exactly as given (no BOS, no "
+    "framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) "
+    "takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position "
+    "or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. "
+    f"At most {MAX_POSITIONS} ids."
+)
+TOKEN_LISTS_DOC = (
+    "Instead of {texts}: several token-id sequences (each as 'tokens' is), analysed "
+    "independently; results in order. At most max_batch sequences."
+)
+
+TokenIds = Annotated[list[int], Field(min_length=1, max_length=MAX_POSITIONS, fail_fast=True)]
+"""One sequence of token ids (non-empty; each id checked against the model's vocabulary). A
+field of one sequence spells these constraints in its own Field (so the length is checked
+first, StrictModel)."""
+
+
+def tokens_field(text_field: str) -> str:
+    """The token-id twin of a text field: ``text`` -> ``tokens``, ``clean_text`` ->
+    ``clean_tokens``, ``texts`` -> ``token_lists``, ``reference_texts`` ->
+    ``reference_token_lists``."""
+    if text_field.endswith("texts"):
+        return text_field[: -len("texts")] + "token_lists"
+    return text_field[: -len("text")] + "tokens"
+
+
+def add_bos_field() -> Any:
+    """The ``add_bos`` field of a request (null = the model's convention)."""
+    return Field(None, description=ADD_BOS_DOC)
+
+
+def add_bos_echo() -> Any:
+    """The ``add_bos`` field of a response (the value used)."""
+    return Field(False, description=ADD_BOS_ECHO_DOC)
+
+
+def one_input(model: BaseModel, text_field: str, required: bool = True) -> None:
+    """Raise ValueError unless ``model`` gives exactly one (``required``) or at most one of
+    ``text_field`` and its token-id twin."""
+    ids_field = tokens_field(text_field)
+    given = [n for n in (text_field, ids_field) if getattr(model, n) is not None]
+    if len(given) > 1:
+        raise ValueError(f"give either '{text_field}' or '{ids_field}', not both")
+    if required and not given:
+        raise ValueError(f"give '{text_field}' (a text) or '{ids_field}' (token ids)")
+
+
 class TextOrTexts(StrictModel):
-    """Mixin: exactly one of ``text`` or ``texts``."""
+    """Mixin: exactly one of ``text``, ``texts`` (strings), ``tokens``, ``token_lists``
+    (token ids, used as given)."""
 
     model_config = example(text=EXAMPLE_TEXT)
 
@@ -359,16 +430,20 @@ class TextOrTexts(StrictModel):
         description="Several texts (a batch), analysed independently; results in order. At "
         f"most max_batch (a setting, default 32; never more than {MAX_TEXTS}).",
     )
-    add_bos: bool = Field(
-        False,
-        description="Causal models: prepend the BOS token (default off, as the source "
-        "documents do). Encoders always get their usual framing ([CLS] ... [SEP]).",
-    )
+    tokens: list[int] | None = Field(
+        None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
+        description=TOKENS_DOC.format(text="text"))
+    token_lists: list[TokenIds] | None = Field(
+        None, max_length=MAX_TEXTS, fail_fast=True,
+        description=TOKEN_LISTS_DOC.format(texts="texts"))
+    add_bos: bool | None = add_bos_field()
 
     @model_validator(mode="after")
     def _one_of(self):
-        if (self.text is None) == (self.texts is None):
-            raise ValueError("give exactly one of 'text' or 'texts'")
+        given = [n for n in ("text", "texts", "tokens", "token_lists") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'text', 'texts', 'tokens' or 'token_lists'"
+                             + (f" (got {', '.join(given)})" if given else ""))
         return self
 
     @field_validator("text")
@@ -378,12 +453,27 @@ class TextOrTexts(StrictModel):
             raise ValueError("text must contain at least one non-whitespace character")
         return v
 
-    @field_validator("texts")
+    @field_validator("texts", "token_lists")
     @classmethod
-    def _texts_not_empty(cls, v):
+    def _texts_not_empty(cls, v, info):
         if v is not None and len(v) == 0:
-            raise ValueError("texts must hold at least 1 text")
+            raise ValueError(f"{info.field_name} must hold at least 1 "
+                             f"{'text' if info.field_name == 'texts' else 'sequence'}")
         return v
+
+    @property
+    def single(self) -> bool:
+        """One input (``text`` or ``tokens``): the response has one result, not ``results``."""
+        return self.text is not None or self.tokens is not None
+
+    def input_param(self, i: int = 0) -> str:
+        """The request field of input ``i``: ``text``, ``tokens``, ``texts.i`` or
+        ``token_lists.i`` (the ``param`` of its errors)."""
+        if self.text is not None:
+            return "text"
+        if self.tokens is not None:
+            return "tokens"
+        return f"texts.{i}" if self.texts is not None else f"token_lists.{i}"
 
     def all_texts(self) -> list[str]:
         return [self.text] if self.text is not None else list(self.texts or [])

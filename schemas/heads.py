@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from .common import LenientModel, ModelRef, StrictModel, TextOrTexts, Token
+from .common import (
+    MAX_HEAD_PAIRS, LenientModel, ModelRef, StrictModel, TextOrTexts, Token, add_bos_echo,
+)
+
+ErrorMeasure = Literal["mul", "abs"]
+#: one head as [layer, head] (0-based), as TransformerLens' detect_head(heads=[(layer, head)])
+HeadPair = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)]
 
 HeadLabel = Literal[
     "induction", "previous_token", "duplicate_token", "next_token", "self", "sink", "broad", "none"
@@ -56,14 +62,6 @@ class InductionProbe(StrictModel):
 class HeadsRequest(TextOrTexts):
     """Scores and a label for every head, from one text or several (scores averaged over texts)."""
 
-    add_bos: bool | None = Field(
-        None, description="Prepend the BOS token (causal models). null (default) = true where "
-        "the model has a BOS token (GPT-2: <|endoftext|>), as TransformerLens' detect_head "
-        "(to_tokens) and S004's snippet tokenize; false = the text's own tokens only. "
-        "Encoders always get [CLS] ... [SEP] (true is refused there). The value used is "
-        "echoed as 'add_bos'.",
-    )
-
     thresholds: HeadThresholds = Field(
         default_factory=HeadThresholds, description="Label thresholds (defaults documented per field)."
     )
@@ -78,6 +76,28 @@ class HeadsRequest(TextOrTexts):
     exclude_current_token: bool = Field(
         False, description="TransformerLens detect_head option for the same scores: zero each "
         "query's attention to itself before scoring."
+    )
+    error_measure: ErrorMeasure = Field(
+        "mul", description="TransformerLens 4.3 detect_head's error_measure for previous_token, "
+        "duplicate_token, induction and next_token. 'mul' (default): fraction of the head's "
+        "attention mass on the detection pattern P, sum(A*P)/sum(A), in [0, 1]. 'abs': "
+        "1 - round(sum|A - P| / T, 3) (TransformerLens' 1 - round(mean|A - P| * T, 3), its "
+        "3-decimal rounding included; the exclusions zero |A - P| in column 0 / on the "
+        "diagonal), in (-1, 1], 1 = exactly the pattern. The labels compare their thresholds "
+        "with the scores as measured (label_scores). The other scores do not depend on it."
+    )
+    heads: list[HeadPair] | None = Field(
+        None, min_length=1, max_length=MAX_HEAD_PAIRS, fail_fast=True,
+        description="Score only these heads, as [layer, head] pairs (0-based, each once; at "
+        "most " + f"{MAX_HEAD_PAIRS}" + "), as TransformerLens detect_head's heads=[(layer, "
+        "head), ...]; null (default) = every head. TransformerLens gives every other head the "
+        "score -1; here the others are left out of the response's heads. Echoed as "
+        "selected_heads."
+    )
+    exclude_heads: list[HeadPair] = Field(
+        default_factory=list, max_length=MAX_HEAD_PAIRS, fail_fast=True,
+        description="Heads to leave out, as [layer, head] pairs (0-based, each once), from "
+        "'heads' or from every head; at least one head must remain. Echoed."
     )
     round: int | None = Field(
         None, ge=0, le=10, description="Decimal places for the scores; null = full precision."
@@ -94,9 +114,10 @@ class HeadScoreSet(LenientModel):
     pattern score whose remaining attention mass is 0 after exclusions)."""
 
     previous_token: float | None = Field(
-        None, description="TransformerLens detect_head 'previous_token_head' score "
-        "(error_measure 'mul'): fraction of the head's attention mass on key = query-1; "
-        "sum(A*P)/sum(A), in [0, 1]."
+        None, description="TransformerLens detect_head 'previous_token_head' score with the "
+        "response's error_measure: 'mul', the fraction of the head's attention mass on key = "
+        "query-1, sum(A*P)/sum(A), in [0, 1]; 'abs', 1 - round(sum|A - P| / T, 3), in (-1, 1]. "
+        "The same holds for duplicate_token, induction and next_token."
     )
     duplicate_token: float | None = Field(
         None, description="TransformerLens 'duplicate_token_head' score: fraction of attention "
@@ -183,9 +204,7 @@ class HeadsResponse(LenientModel):
     model: ModelRef
     n_texts: int = Field(description="Texts the scores are averaged over.")
     n_tokens: list[int] = Field(description="Token count of each text, in order.")
-    add_bos: bool = Field(
-        False, description="Whether BOS was prepended to every text (the request's add_bos, or "
-        "its default: true where the model has a BOS). Encoders: false ([CLS] frames them).")
+    add_bos: bool = add_bos_echo()
     sink_position: int = Field(
         0, description="The key position the sink scores measure: 0 (BOS with add_bos, [CLS] "
         "for encoders, else the text's first token).")
@@ -197,10 +216,19 @@ class HeadsResponse(LenientModel):
         default_factory=dict, description="Per label, the score its threshold is compared with.")
     exclude_bos: bool = Field(description="As requested.")
     exclude_current_token: bool = Field(description="As requested.")
+    error_measure: ErrorMeasure = Field(
+        "mul", description="As requested: the measure of previous_token, duplicate_token, "
+        "induction and next_token ('mul' or 'abs', TransformerLens detect_head's).")
+    selected_heads: list[list[int]] | None = Field(
+        None, description="The request's heads, as given ([layer, head] pairs); null = every "
+        "head.")
+    exclude_heads: list[list[int]] = Field(
+        default_factory=list, description="The request's exclude_heads, as given.")
     thresholds: HeadThresholds = Field(description="The thresholds used (defaults + overrides).")
     label_order: list[HeadLabel] = Field(description="The order in which labels are tried.")
     probe: ProbeInfo | None = Field(None, description="The probe run; null when disabled.")
-    heads: list[HeadResult] = Field(description="Every head, layer-major.")
+    heads: list[HeadResult] = Field(description="Every head, layer-major; with selected_heads "
+                                    "or exclude_heads, the heads selected and not excluded.")
 
 
 class HeadNormScores(LenientModel):

@@ -17,6 +17,9 @@ from .common import (
     EXAMPLE_TEXT, MAX_HEAD_PAIRS, MAX_POSITIONS, MAX_TEXTS, LenientModel, ModelRef, NonBlankText,
     StrictModel, TensorField, TensorOptions, TextOrTexts, Token, example,
 )
+from .common import (
+    TOKEN_LISTS_DOC, TOKENS_DOC, TokenIds, add_bos_echo, add_bos_field, one_input,
+)
 from .common import BYTES_DOC, LABEL_DOC, PARTIAL_DOC
 
 Index = Annotated[int, Field(ge=0)]
@@ -75,8 +78,9 @@ class PredictionResult(LenientModel):
 
 class PredictionsResponse(LenientModel):
     model: ModelRef
-    predictions: PredictionResult | None = Field(None, description="For a 'text' request.")
-    results: list[PredictionResult] | None = Field(None, description="For 'texts', in order.")
+    add_bos: bool = add_bos_echo()
+    predictions: PredictionResult | None = Field(None, description="For a 'text' or 'tokens' request.")
+    results: list[PredictionResult] | None = Field(None, description="For 'texts' or 'token_lists', in order.")
 
 
 # ------------------------------------------------------------------------ ablation
@@ -102,8 +106,11 @@ class AblateRequest(TensorOptions):
 
     model_config = example(text=EXAMPLE_TEXT, heads=[[0, 0]])
 
-    text: NonBlankText = Field(description="The text to run.")
-    add_bos: bool = Field(False, description="Prepend the BOS token (to every text of the request).")
+    text: NonBlankText | None = Field(None, description="The text to run (or tokens).")
+    tokens: list[int] | None = Field(
+        None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
+        description=TOKENS_DOC.format(text="text"))
+    add_bos: bool | None = add_bos_field()
     heads: list[HeadRef] | None = Field(
         None, max_length=MAX_HEAD_PAIRS, fail_fast=True,
         description="Heads to ablate together, as [layer, head] pairs (0-based, each "
@@ -120,10 +127,16 @@ class AblateRequest(TensorOptions):
         "the mean (default: the text itself). At most max_batch (a setting, default 32; never "
         f"more than {MAX_TEXTS})."
     )
+    reference_token_lists: list[TokenIds] | None = Field(
+        None, max_length=MAX_TEXTS, fail_fast=True,
+        description=TOKEN_LISTS_DOC.format(texts="reference_texts"))
     resample_text: NonBlankText | None = Field(
         None, description="method 'resample': the text whose z replaces the ablated heads' (same "
         "token count as text)."
     )
+    resample_tokens: list[int] | None = Field(
+        None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
+        description=TOKENS_DOC.format(text="resample_text"))
     positions: list[Index] | None = Field(
         None, max_length=MAX_POSITIONS, fail_fast=True,
         description=f"Positions to report / score (each < token count, once; at most "
@@ -149,20 +162,28 @@ class AblateRequest(TensorOptions):
 
     @model_validator(mode="after")
     def _consistent(self):
+        one_input(self, "text")
+        one_input(self, "reference_texts", required=False)
+        one_input(self, "resample_text", required=False)
         if self.scan and self.heads is not None:
             raise ValueError("scan ablates every head alone: leave heads null")
         if not self.scan and self.heads is None:
             raise ValueError("heads is required (a list of [layer, head] pairs) unless scan is true")
         if self.heads is not None and len(self.heads) == 0:
             raise ValueError("heads must hold at least one [layer, head] pair")
-        if self.method != "resample" and self.resample_text is not None:
-            raise ValueError("resample_text applies to method 'resample' only")
-        if self.method == "resample" and self.resample_text is None:
-            raise ValueError("method 'resample' needs resample_text")
-        if self.method != "mean" and self.reference_texts is not None:
-            raise ValueError("reference_texts applies to method 'mean' only")
-        if self.reference_texts is not None and len(self.reference_texts) == 0:
-            raise ValueError("reference_texts must hold at least one text (or be null)")
+        resample = "resample_text" if self.resample_text is not None else "resample_tokens"
+        if self.method != "resample" and getattr(self, resample) is not None:
+            raise ValueError(f"{resample} applies to method 'resample' only")
+        if self.method == "resample" and getattr(self, resample) is None:
+            raise ValueError("method 'resample' needs resample_text (or resample_tokens)")
+        reference = ("reference_texts" if self.reference_texts is not None
+                     else "reference_token_lists")
+        if self.method != "mean" and getattr(self, reference) is not None:
+            raise ValueError(f"{reference} applies to method 'mean' only")
+        if getattr(self, reference) is not None and len(getattr(self, reference)) == 0:
+            raise ValueError(f"{reference} must hold at least one "
+                             f"{'text' if reference == 'reference_texts' else 'sequence'} "
+                             "(or be null)")
         if self.scan_metric == "logit_diff" and self.scan and self.logit_diff is None:
             raise ValueError("scan_metric 'logit_diff' needs logit_diff {target, distractor}")
         if self.include_patterns and self.scan:
@@ -201,6 +222,7 @@ class AblateScan(LenientModel):
 
 class AblateResponse(LenientModel):
     model: ModelRef
+    add_bos: bool = add_bos_echo()
     tokens: list[Token] = Field(description="The analysed tokens of text.")
     method: AblationMethod = Field(description="The ablation method, as requested.")
     heads: list[list[int]] | None = Field(description="The heads ablated together (null in a scan).")
@@ -225,9 +247,17 @@ class PatchRequest(StrictModel):
         corrupted_text="When Mary and John went to the store, he gave a drink to",
         logit_diff={"target": " him", "distractor": " her"})
 
-    clean_text: NonBlankText = Field(description="The clean prompt (the behaviour to restore).")
-    corrupted_text: NonBlankText = Field(description="The corrupted prompt, same token count.")
-    add_bos: bool = Field(False, description="Prepend the BOS token to both.")
+    clean_text: NonBlankText | None = Field(
+        None, description="The clean prompt (the behaviour to restore); or clean_tokens.")
+    clean_tokens: list[int] | None = Field(
+        None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
+        description=TOKENS_DOC.format(text="clean_text"))
+    corrupted_text: NonBlankText | None = Field(
+        None, description="The corrupted prompt, same token count; or corrupted_tokens.")
+    corrupted_tokens: list[int] | None = Field(
+        None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
+        description=TOKENS_DOC.format(text="corrupted_text"))
+    add_bos: bool | None = add_bos_field()
     metric: Literal["logit_diff", "loss"] = Field(
         "logit_diff", description="'logit_diff': logit[target] - logit[distractor] at "
         "logit_diff.position; 'loss': mean loss of the clean text's next tokens at positions."
@@ -248,6 +278,8 @@ class PatchRequest(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self):
+        one_input(self, "clean_text")
+        one_input(self, "corrupted_text")
         if self.metric == "logit_diff" and self.logit_diff is None:
             raise ValueError("metric 'logit_diff' needs logit_diff {target, distractor}")
         if self.metric != "loss" and self.positions is not None:
@@ -259,6 +291,7 @@ class PatchRequest(StrictModel):
 
 class PatchResponse(LenientModel):
     model: ModelRef
+    add_bos: bool = add_bos_echo()
     clean_tokens: list[Token] = Field(description="The clean text's tokens.")
     corrupted_tokens: list[Token] = Field(description="The corrupted text's tokens (same count).")
     metric: Literal["logit_diff", "loss"] = Field(description="The metric, as requested.")

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from .common import (
     EXAMPLE_TEXT, MAX_POSITIONS, LenientModel, ModelRef, TextOrTexts, Token, example)
+from .common import add_bos_echo
 
 
 class LinksRequest(TextOrTexts):
@@ -71,9 +72,10 @@ class LinksResult(LenientModel):
 
 class LinksResponse(LenientModel):
     model: ModelRef
+    add_bos: bool = add_bos_echo()
     layer: int = Field(description="Layer analysed.")
     head: int | None = Field(description="Head analysed; null = the layer's head mean.")
     direction: Literal["earlier", "any"] = Field(description="As requested.")
     by: Literal["weight", "norm"] = Field("weight", description="As requested.")
-    links: LinksResult | None = Field(None, description="For a 'text' request.")
-    results: list[LinksResult] | None = Field(None, description="For a 'texts' request, in order.")
+    links: LinksResult | None = Field(None, description="For a 'text' or 'tokens' request.")
+    results: list[LinksResult] | None = Field(None, description="For a 'texts' or 'token_lists' request, in order.")

@@ -10,6 +10,7 @@ from .attention import SparseOptions
 from .common import (
     MAX_INDICES, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
 )
+from .common import add_bos_echo
 
 
 class NormsRequest(TextOrTexts, TensorOptions):
@@ -85,7 +86,8 @@ class NormsResult(LenientModel):
 
 class NormsResponse(LenientModel):
     model: ModelRef
+    add_bos: bool = add_bos_echo()
     value_bias: Literal["include", "exclude"] = Field(description="As requested.")
     output_bias: Literal["exclude", "distribute"] = Field(description="As requested.")
-    norms: NormsResult | None = Field(None, description="For a 'text' request.")
-    results: list[NormsResult] | None = Field(None, description="For a 'texts' request, in order.")
+    norms: NormsResult | None = Field(None, description="For a 'text' or 'tokens' request.")
+    results: list[NormsResult] | None = Field(None, description="For a 'texts' or 'token_lists' request, in order.")

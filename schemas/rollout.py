@@ -10,6 +10,7 @@ from .attention import SparseOptions
 from .common import (
     MAX_INDICES, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
 )
+from .common import add_bos_echo
 
 
 class RolloutRequest(TextOrTexts, TensorOptions):
@@ -74,10 +75,11 @@ class RolloutResult(LenientModel):
 
 class RolloutResponse(LenientModel):
     model: ModelRef
+    add_bos: bool = add_bos_echo()
     fusion: Literal["mean", "max", "min"] = Field(description="As requested.")
     residual: float = Field(description="As requested.")
     discard: float = Field(description="As requested.")
     sink: Literal["keep", "drop"] = Field(description="As requested.")
     flow_max_tokens: int = Field(description="Longest input attention flow is computed for.")
-    rollout: RolloutResult | None = Field(None, description="For a 'text' request.")
-    results: list[RolloutResult] | None = Field(None, description="For a 'texts' request, in order.")
+    rollout: RolloutResult | None = Field(None, description="For a 'text' or 'tokens' request.")
+    results: list[RolloutResult] | None = Field(None, description="For a 'texts' or 'token_lists' request, in order.")

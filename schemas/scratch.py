@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .common import (
     LenientModel, ModelRef, TensorField, TensorOptions, Token, example)
+from .common import ADD_BOS_DOC, add_bos_echo, one_input
 
 MAX_POS = 512
 """Most rows (positions) a q/k/v matrix may have."""
@@ -89,8 +90,17 @@ class ScratchAttentionRequest(TensorOptions):
         "when absent the queries are seeded uniform random numbers in [0, 1) shaped like the keys "
         "(the source's torch.rand_like).",
     )
-    add_bos: bool = Field(
-        False, description="Causal models, 'text' source: prepend the BOS token to the text(s)."
+    tokens: list[int] | None = Field(
+        None, min_length=1, max_length=MAX_POS, fail_fast=True,
+        description="Instead of q/k/v or text: token ids whose embeddings are used, exactly as "
+        "given (no BOS added; each in 0..vocab_size-1, at most n_ctx)."
+    )
+    query_tokens: list[int] | None = Field(
+        None, min_length=1, max_length=MAX_POS, fail_fast=True,
+        description="Instead of query_text: the queries' token ids, exactly as given."
+    )
+    add_bos: bool | None = Field(
+        None, description="'text' source: " + ADD_BOS_DOC
     )
     project: int | None = Field(
         None, ge=1, le=MAX_DIM,
@@ -141,28 +151,34 @@ class ScratchAttentionRequest(TensorOptions):
     @model_validator(mode="after")
     def _source(self):
         given = [n for n in ("q", "k", "v") if getattr(self, n) is not None]
-        if given and self.text is not None:
-            raise ValueError("give either q, k and v or text, not both")
+        one_input(self, "text", required=False)
+        one_input(self, "query_text", required=False)
+        source = "text" if self.text is not None else ("tokens" if self.tokens is not None
+                                                        else None)
+        if given and source is not None:
+            raise ValueError(f"give either q, k and v or {source}, not both")
         if given and len(given) < 3:
             missing = [n for n in ("q", "k", "v") if n not in given]
             raise ValueError(f"q, k and v go together; missing: {', '.join(missing)}")
-        if not given and self.text is None:
-            raise ValueError("give q, k and v (matrices [pos, d]) or text")
+        if not given and source is None:
+            raise ValueError("give q, k and v (matrices [pos, d]), text or tokens")
         if given:
-            for name in ("query_text", "project"):
+            for name in ("query_text", "query_tokens", "project"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies to the 'text' source only")
             if self.add_bos:
                 raise ValueError("add_bos applies to the 'text' source only")
-        if self.query_text is not None and self.variant != "cross":
+        query = "query_text" if self.query_text is not None else "query_tokens"
+        if getattr(self, query) is not None and self.variant != "cross":
             raise ValueError(
-                f"query_text applies to variant 'cross' only (variant is {self.variant!r})"
+                f"{query} applies to variant 'cross' only (variant is {self.variant!r})"
             )
         return self
 
 
 class ScratchAttentionResponse(LenientModel):
     model: ModelRef | None = Field(None, description="The model whose embeddings were used ('text' source).")
+    add_bos: bool = add_bos_echo()
     source: Literal["matrices", "embeddings"] = Field(description="Where Q, K and V came from.")
     variant: Variant = Field(description="The attention variant.")
     n_heads: int = Field(description="Number of heads the widths were split into.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from .common import LenientModel, ModelRef, TextOrTexts, Token
+from .common import add_bos_echo
 
 
 class TokenizeRequest(TextOrTexts):
@@ -18,5 +19,6 @@ class TokenizeResult(LenientModel):
 
 class TokenizeResponse(LenientModel):
     model: ModelRef
-    tokens: TokenizeResult | None = Field(None, description="For a 'text' request.")
-    results: list[TokenizeResult] | None = Field(None, description="For a 'texts' request, in order.")
+    add_bos: bool = add_bos_echo()
+    tokens: TokenizeResult | None = Field(None, description="For a 'text' or 'tokens' request.")
+    results: list[TokenizeResult] | None = Field(None, description="For a 'texts' or 'token_lists' request, in order.")

@@ -12,6 +12,7 @@ from pydantic import Field
 from .common import (
     MAX_POSITIONS, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
 )
+from .common import add_bos_echo
 
 
 class TrajectoriesRequest(TextOrTexts, TensorOptions):
@@ -78,8 +79,9 @@ class TrajectoryResult(LenientModel):
 
 class TrajectoriesResponse(LenientModel):
     model: ModelRef = Field(description="The model that produced this response.")
-    trajectories: TrajectoryResult | None = Field(None, description="For a 'text' request.")
+    add_bos: bool = add_bos_echo()
+    trajectories: TrajectoryResult | None = Field(None, description="For a 'text' or 'tokens' request.")
     results: list[TrajectoryResult] | None = Field(
-        None, description="For a 'texts' request, in order; each text gets its own PCA (fitted "
+        None, description="For a 'texts' or 'token_lists' request, in order; each text gets its own PCA (fitted "
         "on that text's states x tokens), so coordinates are not comparable across texts."
     )

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from .common import MAX_INDICES, LenientModel, ModelRef, TextOrTexts, Token
+from .common import add_bos_echo
 
 VerifyMode = Literal["from_scratch", "recorded_qkv"]
 
@@ -169,5 +170,6 @@ class VerifyResult(LenientModel):
 
 class VerifyResponse(LenientModel):
     model: ModelRef = Field(description="The model that produced this response.")
-    verification: VerifyResult | None = Field(None, description="For a 'text' request.")
-    results: list[VerifyResult] | None = Field(None, description="For a 'texts' request, in order.")
+    add_bos: bool = add_bos_echo()
+    verification: VerifyResult | None = Field(None, description="For a 'text' or 'tokens' request.")
+    results: list[VerifyResult] | None = Field(None, description="For a 'texts' or 'token_lists' request, in order.")

@@ -547,9 +547,10 @@ def test_norm_scores_on_the_helper_thread_equal_the_sequential_job(gpt2_runtime,
 
     from attnscope.schemas import HeadsRequest
     from attnscope.service.serving import heads as SH
+    from attnscope.service.serving.core.inputs import resolve_add_bos
 
     rt = gpt2_runtime
-    req = SH.with_default_add_bos(rt, HeadsRequest(text=SENTENCE))
+    req = resolve_add_bos(rt, HeadsRequest(text=SENTENCE))
     items = [rt.tokenize(SENTENCE, req.add_bos, "text")]
     p = SH.plan(rt, req, items)
     fws = rt.forward_many(p.items)
@@ -591,3 +592,163 @@ def test_norm_scores_on_the_helper_thread_equal_the_sequential_job(gpt2_runtime,
     monkeypatch.setattr(SH, "_helper", real_helper)
     with pytest.raises(RuntimeError, match="planted"):
         p.run_job(fws)
+
+
+# ------------------------------------------ error_measure and the head selection (issue 29)
+def test_abs_error_measure_on_hand_built_patterns():
+    """TransformerLens' "abs": 1 - round(sum |A - P| / T, 3), hand-computed. A perfect
+    previous-token head over T = 4: row 0 can only attend to itself, where P has no 1, so
+    sum |A - P| = 1 -> 1 - 0.25 = 0.75; with exclude_bos that entry (column 0) is zeroed -> 1."""
+    a = _pattern([{0: 1.0}, {0: 1.0}, {1: 1.0}, {2: 1.0}])
+    ids = [5, 6, 7, 8]
+    for opts, want in (({}, 0.75), ({"exclude_bos": True}, 1.0)):
+        got = H.head_scores(a, ids, True, error_measure="abs", **opts)
+        assert float(got["previous_token"][0, 0]) == want
+        # no repeated token: P is all 0, sum |A - P| = sum(A) (= T, or minus the excluded mass)
+        assert float(got["duplicate_token"][0, 0]) == (0.0 if not opts else 0.5)
+    # uniform causal attention, T = 3: rows [1], [.5 .5], [1/3 1/3 1/3]; P = previous token:
+    # |A - P| sums to 1 + (.5 + .5) + (1/3 + 2/3 + 1/3) = 10/3 -> 1 - round(10/9, 3) = -0.111
+    u = _pattern([{0: 1.0}, {0: 0.5, 1: 0.5}, {0: 1 / 3, 1: 1 / 3, 2: 1 / 3}])
+    assert float(H.head_scores(u, [1, 2, 3], True, error_measure="abs")["previous_token"][0, 0]) \
+        == pytest.approx(1 - round(10 / 9, 3), abs=1e-15)
+    # the other scores do not depend on the measure
+    mul, ab = H.head_scores(u, [1, 2, 3], True), H.head_scores(u, [1, 2, 3], True, error_measure="abs")
+    for name in ("self", "sink", "previous_s004", "entropy", "mean_distance"):
+        assert torch.equal(mul[name], ab[name])
+    with pytest.raises(ValueError, match="error_measure"):
+        H.head_scores(u, [1, 2, 3], True, error_measure="sq")
+
+
+def _tl_selected(bridge, seq, heads=None, **opts):
+    """TransformerLens detect_head for the three heads, with its ``heads`` selection (its
+    other heads score -1): {name: [layer, head] float64}."""
+    from transformer_lens.head_detector import detect_head
+
+    return {ours: detect_head(bridge, seq, tl, heads=heads, **opts).double().numpy()
+            for ours, tl in TL_NAMES.items()}
+
+
+def _max_diff(body, ref) -> float:
+    """Largest |ours - TransformerLens| over the heads the response reports and the three
+    TransformerLens scores."""
+    return max(abs(h["scores"][name] - ref[name][h["layer"], h["head"]])
+               for h in body["heads"] for name in TL_NAMES)
+
+
+@pytest.mark.parametrize("opts", [{}, {"exclude_bos": True}, {"exclude_current_token": True},
+                                  {"exclude_bos": True, "exclude_current_token": True}])
+def test_abs_scores_match_transformerlens_bundled(client, gpt2_runtime, bundled_dir, tl_bridge, opts):
+    bridge = tl_bridge(bundled_dir)
+    for seq in (REPEATED, TEXTS):  # one text; several (TL's mean over texts)
+        texts = [seq] if isinstance(seq, str) else seq
+        r = client.post("/v1/heads", json={"texts": texts, "add_bos": True, "error_measure": "abs",
+                                           "probe": {"enabled": False}, **opts})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["error_measure"] == "abs"
+        ref = _tl_selected(bridge, seq, error_measure="abs", **opts)
+        assert _max_diff(body, ref) <= 1e-6
+        for name, want in ref.items():
+            np.testing.assert_allclose(_ours(body, name), want, atol=1e-6, rtol=0)
+    # the measures differ (the cross-check can tell them apart)
+    mul = client.post("/v1/heads", json={"text": REPEATED, "add_bos": True,
+                                         "probe": {"enabled": False}, **opts}).json()
+    assert _max_diff(mul, _tl_selected(bridge, REPEATED, error_measure="abs", **opts)) > 1e-2
+
+
+@pytest.mark.parametrize("measure", ["mul", "abs"])
+def test_head_selection_matches_transformerlens_heads(client, bundled_dir, tl_bridge, measure):
+    """detect_head(heads=[(layer, head), ...]) scores those heads and gives the others -1;
+    /v1/heads reports exactly the selected heads (layer-major), minus exclude_heads, with
+    TransformerLens' numbers, and echoes both lists."""
+    bridge = tl_bridge(bundled_dir)
+    sel = [[1, 3], [0, 0], [1, 1], [0, 2]]
+    ref = _tl_selected(bridge, TEXTS, heads=[tuple(p) for p in sel], error_measure=measure)
+    for name in TL_NAMES:  # TransformerLens' own convention for the others
+        assert all(ref[name][l, h] == -1 for l in range(2) for h in range(4) if [l, h] not in sel)
+    r = client.post("/v1/heads", json={"texts": TEXTS, "add_bos": True, "heads": sel,
+                                       "exclude_heads": [[1, 1]], "error_measure": measure,
+                                       "probe": {"enabled": False}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["selected_heads"] == sel and body["exclude_heads"] == [[1, 1]]
+    assert [(h["layer"], h["head"]) for h in body["heads"]] == [(0, 0), (0, 2), (1, 3)]
+    assert _max_diff(body, ref) <= 1e-6
+    # exclude_heads alone: every head but those
+    r = client.post("/v1/heads", json={"text": SENTENCE, "exclude_heads": [[0, 3], [1, 0]]})
+    assert r.status_code == 200 and r.json()["selected_heads"] is None
+    assert [(h["layer"], h["head"]) for h in r.json()["heads"]] == [
+        (l, h) for l in range(2) for h in range(4) if (l, h) not in ((0, 3), (1, 0))]
+
+
+def test_the_transformerlens_cross_check_catches_planted_faults(client, bundled_dir, tl_bridge,
+                                                               monkeypatch):
+    """Planted faults the comparison with detect_head must catch: the measure ignored (the
+    "mul" scores served for "abs"), the abs sum taken as TransformerLens' mean without its
+    x T, and the selection reporting the wrong heads' numbers."""
+    bridge = tl_bridge(bundled_dir)
+    body = {"texts": TEXTS, "add_bos": True, "probe": {"enabled": False}}
+    ref_abs = _tl_selected(bridge, TEXTS, error_measure="abs")
+    sel = [[0, 1], [1, 2]]
+    ref_sel = _tl_selected(bridge, TEXTS, heads=[tuple(p) for p in sel])
+    real = H.head_scores
+
+    def ignores_measure(pattern, ids, causal, exclude_bos=False, exclude_current_token=False,
+                        error_measure="mul"):
+        return real(pattern, ids, causal, exclude_bos, exclude_current_token)
+
+    def mean_not_sum(pattern, ids, causal, exclude_bos=False, exclude_current_token=False,
+                     error_measure="mul"):
+        out = real(pattern, ids, causal, exclude_bos, exclude_current_token, error_measure)
+        T = pattern.shape[-1]
+        for n in TL_NAMES:  # 1 - round(mean|A - P|, 3) instead of 1 - round(mean * T, 3)
+            out[n] = torch.tensor([[1 - round((1 - float(v)) / T, 3) for v in row]
+                                   for row in out[n].tolist()], dtype=torch.float64)
+        return out
+
+    for fault in (ignores_measure, mean_not_sum):
+        monkeypatch.setattr(H, "head_scores", fault)
+        got = client.post("/v1/heads", json={**body, "error_measure": "abs"}).json()
+        assert _max_diff(got, ref_abs) > 1e-3, fault.__name__
+    monkeypatch.setattr(H, "head_scores", real)
+    assert _max_diff(client.post("/v1/heads", json={**body, "error_measure": "abs"}).json(),
+                     ref_abs) <= 1e-6
+    # the selection: a response whose heads carry another head's scores
+    got = client.post("/v1/heads", json={**body, "heads": sel}).json()
+    assert _max_diff(got, ref_sel) <= 1e-6
+    swapped = [dict(h, scores=o["scores"]) for h, o in zip(got["heads"], got["heads"][::-1])]
+    assert _max_diff({"heads": swapped}, ref_sel) > 1e-3
+
+
+@pytest.mark.parametrize("payload, param, words", [
+    ({"heads": [[2, 0]]}, "heads.0", ["layer 2", "2 layers", "0..1"]),
+    ({"heads": [[0, 0], [0, 4]]}, "heads.1", ["head 4", "4 heads", "0..3"]),
+    ({"heads": [[0, 1], [0, 1]]}, "heads.1", ["repeats heads.0"]),
+    ({"exclude_heads": [[5, 0]]}, "exclude_heads.0", ["layer 5"]),
+    ({"heads": [[0, 1]], "exclude_heads": [[0, 1]]}, "exclude_heads", ["none of the 1 selected head "]),
+    ({"heads": []}, "heads", []),
+    ({"heads": [[0]]}, "heads.0", []),
+    ({"heads": [[0, -1]]}, "heads.0.1", []),
+    ({"error_measure": "sq"}, "error_measure", ["'mul'", "'abs'"]),
+])
+def test_head_selection_and_measure_errors(client, payload, param, words):
+    r = client.post("/v1/heads", json={"text": SENTENCE, **payload})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["type"] == "validation_error" and err["param"] == param, err
+    for w in words:
+        assert w in err["message"], err["message"]
+
+
+def test_client_heads_takes_the_measure_and_transformerlens_head_forms(client):
+    from attnscope.client import Client
+
+    c = Client("http://testserver", http_client=client, max_retries=0)
+    for sel in ([(1, 3), (0, 2)], {0: [2], 1: [3]}, [[np.int64(0), np.int64(2)], [1, 3]]):
+        res = c.heads(SENTENCE, error_measure="abs", heads=sel, exclude_heads={1: [3]},
+                      probe={"enabled": False})
+        assert res.error_measure == "abs" and res.exclude_heads == [[1, 3]]
+        assert [(h.layer, h.head) for h in res.heads] == [(0, 2)]
+    direct = client.post("/v1/heads", json={"text": SENTENCE, "error_measure": "abs",
+                                            "heads": [[0, 2]], "probe": {"enabled": False}})
+    assert res.heads[0].scores.previous_token == direct.json()["heads"][0]["scores"]["previous_token"]

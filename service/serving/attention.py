@@ -44,7 +44,7 @@ def plan(rt, req: AttentionRequest, items, *, binary: bool = False) -> Plan:
     def job(forwards) -> dict:
         out = []
         for i, fw in enumerate(forwards):
-            pfx = "attention" if req.text is not None else f"results.{i}"
+            pfx = "attention" if req.single else f"results.{i}"
             pattern = select_heads(fw.pattern, req.layers, req.heads, req.head_mean)
             res = {
                 "tokens": [t.as_dict() for t in fw.tokens.tokens],

@@ -54,31 +54,56 @@ def _build_probe_tokens(rt: Runtime, probe) -> tuple[TokenizedText, int]:
     return rt.tokenized_from_ids(ids, "probe"), len(prefix)
 
 
-def with_default_add_bos(rt: Runtime, req: HeadsRequest) -> HeadsRequest:
-    """The request with its ``add_bos`` resolved: as given, else true where the model is
-    causal and its tokenizer has a BOS token (TransformerLens' ``to_tokens`` and S004 prepend
-    it; GPT-2: ``<|endoftext|>``), false for encoders ([CLS] frames them)."""
-    if req.add_bos is not None:
-        return req
-    add_bos = bool(rt.adapter.causal and rt.tokenizer.bos_token_id is not None)
-    return req.model_copy(update={"add_bos": add_bos})
-
-
 def _num(x: float, nd: int | None) -> float | None:
     x = float(x)
     return None if math.isnan(x) else (round(x, nd) if nd is not None else x)
+
+
+def selected_heads(rt: Runtime, req: HeadsRequest) -> list[tuple[int, int]]:
+    """The heads to score, layer-major: ``req.heads`` (null = every head) minus
+    ``req.exclude_heads``.
+
+    Raises:
+        InvalidRequest: a pair outside the model (param ``heads.i`` / ``exclude_heads.i``,
+            naming the value and the range), a pair given twice in one list, or nothing left.
+    """
+    L, NH = rt.adapter.n_layers, rt.adapter.n_heads
+    for field in ("heads", "exclude_heads"):
+        seen: dict[tuple[int, int], int] = {}
+        for i, (layer, head) in enumerate(getattr(req, field) or []):
+            param = f"{field}.{i}"
+            if layer >= L:
+                raise InvalidRequest(f"{param} = [{layer}, {head}]: layer {layer} is out of range "
+                                     f"(the model has {L} layers, 0..{L - 1})", param)
+            if head >= NH:
+                raise InvalidRequest(f"{param} = [{layer}, {head}]: head {head} is out of range "
+                                     f"(the model has {NH} heads per layer, 0..{NH - 1})", param)
+            if (layer, head) in seen:
+                raise InvalidRequest(f"{param} = [{layer}, {head}] repeats {field}."
+                                     f"{seen[(layer, head)]} (each head once)", param)
+            seen[(layer, head)] = i
+    chosen = ({(int(l), int(h)) for l, h in req.heads} if req.heads is not None
+              else {(l, h) for l in range(L) for h in range(NH)})
+    left = sorted(chosen - {(int(l), int(h)) for l, h in req.exclude_heads})
+    if not left:
+        n = len(chosen)
+        raise InvalidRequest(f"exclude_heads leaves none of the {n} selected "
+                             f"head{'s' if n != 1 else ''} to score", "exclude_heads")
+    return left
 
 
 def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
     """Checks (each text at least 2 tokens, as TransformerLens detect_head), the induction
     probe's tokens (forwarded with the texts) and the job: per-head scores averaged over the
     texts, the probe score, every label a head passes and its margins
-    (service/analysis/heads.py). ``req.add_bos`` is resolved (:func:`with_default_add_bos`)."""
+    (service/analysis/heads.py). ``req.add_bos`` is resolved (the engine: null -> the model's
+    convention, service/serving/core/inputs.py)."""
     for i, it in enumerate(items):
         if len(it) < 2:
-            param = "text" if req.text is not None else f"texts.{i}"
+            param = req.input_param(i)
             raise InvalidRequest(f"{param} has {len(it)} token; head scores need at least 2 "
                                  "tokens (as TransformerLens detect_head does)", param)
+    chosen = selected_heads(rt, req)
     probe, start = (probe_tokens(rt, req.probe) if req.probe.enabled else (None, 0))
 
     def job(forwards) -> dict:
@@ -90,7 +115,8 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
         norms = (_helper().submit(_norm_score_lists, rt, forwards[: len(items)],
                                   torch.get_num_threads()) if req.norm_scores else None)
         per_text = [H.head_scores(fw.pattern, fw.tokens.input_ids, rt.adapter.causal,
-                                  req.exclude_bos, req.exclude_current_token)
+                                  req.exclude_bos, req.exclude_current_token,
+                                  req.error_measure)
                     for fw in forwards[: len(items)]]
         scores = H.mean_over_texts(per_text)
         L, NH = scores["self"].shape
@@ -101,13 +127,12 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
         th = req.thresholds.model_dump()  # the API's (defaults + overrides); the analysis has none
         out = []
         lists = {n: scores[n].tolist() for n in H.SCORE_NAMES}  # not 1,440 tensor lookups
-        for layer in range(L):
-            for head in range(NH):
-                s = {n: _num(lists[n][layer][head], req.round) for n in H.SCORE_NAMES}
-                c = H.classify_all(s, th)
-                out.append({"layer": layer, "head": head, "label": c["label"],
-                            "labels": c["labels"], "margin": c["margin"],
-                            "margins": c["margins"], "scores": s})
+        for layer, head in chosen:  # layer-major
+            s = {n: _num(lists[n][layer][head], req.round) for n in H.SCORE_NAMES}
+            c = H.classify_all(s, th)
+            out.append({"layer": layer, "head": head, "label": c["label"],
+                        "labels": c["labels"], "margin": c["margin"],
+                        "margins": c["margins"], "scores": s})
         if norms is not None:
             lists = norms.result()
             for r in out:
@@ -124,6 +149,9 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
             "label_scores": dict(H.LABEL_SCORE),
             "exclude_bos": req.exclude_bos,
             "exclude_current_token": req.exclude_current_token,
+            "error_measure": req.error_measure,
+            "selected_heads": None if req.heads is None else [list(p) for p in req.heads],
+            "exclude_heads": [list(p) for p in req.exclude_heads],
             "thresholds": th,
             "label_order": list(H.LABEL_ORDER) + ["none"],
             "probe": None if probe is None else {
@@ -199,7 +227,8 @@ ENDPOINTS = [
         request=HeadsRequest, response=HeadsResponse,
         summary='Classify every head: pattern scores, induction probe, label',
         description="""Tokens: BOS prepended by default where the model has one (``add_bos`` null -> true for
-GPT-2), as TransformerLens' ``detect_head`` and S004 tokenize; echoed in ``add_bos``.
+GPT-2, as on every endpoint), as TransformerLens' ``detect_head`` and S004 tokenize; echoed
+in ``add_bos``.
 
 Per head: TransformerLens ``head_detector`` scores (previous_token, duplicate_token,
 induction; fraction of attention mass on the pattern, [0, 1]), next_token (encoders),
@@ -208,12 +237,14 @@ induction probe (Olsson et al. 2022: mass on the successors of the token in all 
 repeats; [0, 1]), S004's own previous_s004 / sink_s004 (used for S004's thresholds), every
 label a head passes (``labels``), the primary ``label`` and the margins to the thresholds.
 Several texts: each score is the mean over texts. Field descriptions give every formula.
+``error_measure`` ('mul' | 'abs': TransformerLens 4.3 detect_head's) for the pattern scores;
+``heads`` / ``exclude_heads`` ([layer, head] pairs) choose the heads reported (echoed as
+``selected_heads`` / ``exclude_heads``).
 
-Errors: 422 blank text, text under 2 tokens, over n_ctx tokens, probe over n_ctx;
-413; 429; 503.""",
+Errors: 422 blank text, text under 2 tokens, over n_ctx tokens, probe over n_ctx, a head
+outside the model or given twice, nothing left after exclude_heads; 413; 429; 503.""",
         plan=plan,
-        prepare=with_default_add_bos,
-        invalid='Invalid request: blank text, a text of fewer than 2 tokens, too many tokens, a probe longer than n_ctx, a bad threshold.',
+        invalid='Invalid request: blank text, a text of fewer than 2 tokens, too many tokens, a probe longer than n_ctx, a bad threshold, a head outside the model or given twice, every head excluded.',
         tags=('heads',), order=40,
     ),
 ]

@@ -30,6 +30,7 @@ from .core.table import Endpoint
 from attnscope.schemas import AblateResponse, PatchResponse, PredictionsResponse
 from .core.checks import check_distinct, check_index
 from .common import text_or_results
+from .core.inputs import list_length, tokenized, tokenized_list
 
 ATTRIBUTION_NOTE = (
     "attribution patching (Nanda 2023; Kramár et al. 2024, AtP): a linear approximation "
@@ -182,32 +183,35 @@ def ablate_check(rt, req: AblateRequest) -> None:
     check_lm(rt)
     if req.heads is not None:
         _check_heads(rt, req.heads)
-    if req.reference_texts is not None and len(req.reference_texts) > rt.settings.max_batch:
-        raise BatchTooLarge(f"reference_texts holds {len(req.reference_texts)} texts; the limit "
-                            f"is {rt.settings.max_batch} (max_batch)", "reference_texts")
+    refs = list_length(req, "reference_texts")
+    if refs is not None and refs[1] > rt.settings.max_batch:
+        field, n = refs
+        raise BatchTooLarge(f"{field} holds {n} {'texts' if field == 'reference_texts' else 'sequences'}; "
+                            f"the limit is {rt.settings.max_batch} (max_batch)", field)
 
 
 def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
     """Tokenize the texts, check positions / target tokens / the resample text's length, and
     estimate the ablated forwards (a scan: one batch of n_heads variants per layer)."""
     a = rt.adapter
-    main = rt.tokenize(req.text, req.add_bos, "text")
+    main = tokenized(rt, req, "text")
+    where = "text" if req.text is not None else "tokens"
     items = [main]
-    refs = [rt.tokenize(t, req.add_bos, f"reference_texts.{i}")
-            for i, t in enumerate(req.reference_texts or [])]
+    refs = tokenized_list(rt, req, "reference_texts") or []
     items += refs
     resample = None
     T = len(main)
     if req.method == "resample":
-        resample = rt.tokenize(req.resample_text, req.add_bos, "resample_text")
+        resample = tokenized(rt, req, "resample_text")
         if len(resample) != T:
+            other = "resample_text" if req.resample_text is not None else "resample_tokens"
             raise InvalidRequest(
-                f"resample_text has {n_tokens(len(resample))} but text has {T}; method 'resample' "
-                "needs texts of the same token count", "resample_text")
+                f"{other} has {n_tokens(len(resample))} but {where} has {T}; method 'resample' "
+                "needs inputs of the same token count", other)
         items.append(resample)
     heads = _check_heads(rt, req.heads) if req.heads is not None else None
-    positions = _positions(req.positions, T, "positions", "text")
-    ld = _logit_diff_tokens(rt, req.logit_diff, T, "text") if req.logit_diff is not None else None
+    positions = _positions(req.positions, T, "positions", where)
+    ld = _logit_diff_tokens(rt, req.logit_diff, T, where) if req.logit_diff is not None else None
     encoding = "binary" if binary else req.encoding
     V = _vocab(rt)
     if req.scan and req.scan_metric == "loss" and not any(p + 1 < T for p in positions):
@@ -330,20 +334,22 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
     per position, T for the residual stream; attribution: one forward with every activation
     kept for the backward) and return the job."""
     a = rt.adapter
-    clean_t = rt.tokenize(req.clean_text, req.add_bos, "clean_text")
-    corr_t = rt.tokenize(req.corrupted_text, req.add_bos, "corrupted_text")
+    clean_t = tokenized(rt, req, "clean_text")
+    corr_t = tokenized(rt, req, "corrupted_text")
+    clean = "clean_text" if req.clean_text is not None else "clean_tokens"
+    corrupted = "corrupted_text" if req.corrupted_text is not None else "corrupted_tokens"
     T = len(clean_t)
     if len(corr_t) != T:
         raise InvalidRequest(
-            f"clean_text has {n_tokens(T)} and corrupted_text has {len(corr_t)}; activation "
-            "patching needs the same token count (pad or reword one of them)", "corrupted_text")
+            f"{clean} has {n_tokens(T)} and {corrupted} has {len(corr_t)}; activation "
+            "patching needs the same token count (pad or reword one of them)", corrupted)
     ids = clean_t.input_ids
     ld = None
     if req.metric == "logit_diff":
-        ld = _logit_diff_tokens(rt, req.logit_diff, T, "clean_text")
+        ld = _logit_diff_tokens(rt, req.logit_diff, T, clean)
         P = [ld[2]]
     else:
-        P = [p for p in _positions(req.positions, T, "positions", "clean_text") if p + 1 < T]
+        P = [p for p in _positions(req.positions, T, "positions", clean) if p + 1 < T]
         if not P:
             raise InvalidRequest("metric 'loss' needs a position with a next token (not only the "
                                  "last)", "positions")

@@ -36,7 +36,7 @@ def plan(rt, req: LinksRequest, items) -> Plan:
         for i, it in enumerate(items):
             if top >= len(it):
                 j, top = next((j, p) for j, p in enumerate(req.ignore) if p >= len(it))
-                where = "text" if req.text is not None else f"texts.{i}"
+                where = req.input_param(i)
                 raise OutOfRange(f"ignore[{j}] = {top} is out of range: {where} has "
                                  f"{n_tokens(len(it))} (valid positions 0..{len(it) - 1})",
                                  f"ignore.{j}")

@@ -73,7 +73,7 @@ def build(rt, req, forwards, encoding: str) -> dict:
     params = {lyr: AttentionParams.of(rt.adapter, lyr) for lyr in layers}
     out = []
     for i, fw in enumerate(forwards):
-        pfx = "norms" if req.text is not None else f"results.{i}"
+        pfx = "norms" if req.single else f"results.{i}"
         per_head, summed, value = [], [], []
         for lyr in layers:
             p = params[lyr]

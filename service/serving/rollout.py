@@ -30,7 +30,7 @@ def check(rt, req, lengths: list[int] | None = None) -> tuple[list[int], list[in
     if req.flow and lengths is not None:
         for i, n in enumerate(lengths):
             if n > RO.FLOW_MAX_TOKENS:
-                where = "text" if req.text is not None else f"texts.{i}"
+                where = req.input_param(i)
                 raise InvalidRequest(
                     f"attention flow is limited to {RO.FLOW_MAX_TOKENS} tokens (flow_max_tokens:"
                     f" one max-flow per query and input token, its cost grows as T^4 x layers);"
@@ -78,7 +78,7 @@ def build(rt, req, forwards, encoding: str) -> dict:
     causal = rt.adapter.causal
     out = []
     for i, fw in enumerate(forwards):
-        pfx = "rollout" if req.text is not None else f"results.{i}"
+        pfx = "rollout" if req.single else f"results.{i}"
         if not torch.isfinite(fw.pattern.sum()):
             raise NonFiniteValues("the model's attention pattern holds NaN/inf; refusing to "
                                   "roll it out")

@@ -11,6 +11,7 @@ from ..encoding import encode_tensor
 from .core.estimates import scratch_bytes
 from ..errors import InvalidRequest
 from .core.engine import Plan
+from .core.inputs import tokenized
 from .core.table import Endpoint
 from attnscope.schemas import ScratchAttentionResponse
 
@@ -39,24 +40,23 @@ def plan(rt, req: ScratchAttentionRequest, items) -> Plan:
     ``rt`` may be None) or from ``text``'s static token embeddings, then
     :func:`~attnscope.service.analysis.scratch.scratch_attention`; the body with ``weights``,
     ``scores`` ``[head, query_pos, key_pos]`` and ``output`` ``[query_pos, d_v]``."""
-    if req.text is not None and rt is None:
+    text_source = req.text is not None or req.tokens is not None
+    if text_source and rt is None:
         from ..errors import NotReady
 
         raise NotReady("the model is not loaded yet; retry shortly (the matrices source needs no model)")
 
     def job(_forwards) -> dict:
-        body: dict = {"model": None, "source": "matrices" if req.text is None else "embeddings",
+        body: dict = {"model": None, "source": "embeddings" if text_source else "matrices",
                       "tokens": None, "query_tokens": None}
-        if req.text is None:
+        if not text_source:
             q, k, v = as_matrix(req.q), as_matrix(req.k), as_matrix(req.v)
             r = scratch_attention(q, k, v, req.variant, req.n_heads, req.scale,
                                   max_weights=MAX_WEIGHTS)
         else:
             body["model"] = rt.model_ref()
-            key_tt = rt.tokenize(req.text, req.add_bos, "text")
-            query_tt = None
-            if req.query_text is not None:
-                query_tt = rt.tokenize(req.query_text, req.add_bos, "query_text")
+            key_tt = tokenized(rt, req, "text")
+            query_tt = tokenized(rt, req, "query_text")
             body["tokens"] = [t.as_dict() for t in key_tt.tokens]
             if req.variant != "cross":
                 body["query_tokens"] = body["tokens"]
@@ -67,7 +67,9 @@ def plan(rt, req: ScratchAttentionRequest, items) -> Plan:
                 None if query_tt is None else list(query_tt.input_ids),
                 req.variant, req.project, req.seed,
             )
-            names = ("query_text" if query_tt is not None else "text", "text", "text")
+            key_name = "text" if req.text is not None else "tokens"
+            query_name = "query_text" if req.query_text is not None else "query_tokens"
+            names = (query_name if query_tt is not None else key_name, key_name, key_name)
             r = scratch_attention(q, k, v, req.variant, req.n_heads, req.scale, names,
                                   max_weights=MAX_WEIGHTS)
         if req.encoding == "base64":
@@ -92,14 +94,15 @@ def _estimate(rt, req: ScratchAttentionRequest) -> int:
     """Upper bound of the job's memory (service/serving/core/estimates.py): matrices as given, or
     for a text at most min(characters + 2, n_ctx) tokens of d_model-wide embeddings."""
     H = req.n_heads
-    if req.text is None:
+    if req.text is None and req.tokens is None:
         n_q, n_k = len(req.q), len(req.k)
         d_k, d_v = len(req.q[0]) // H, len(req.v[0]) // H
         return scratch_bytes(H, n_q, n_k, max(d_k, 1), max(d_v, 1), req.encoding, req.dtype,
                              req.round)
     n_ctx, d = rt.adapter.n_ctx, rt.adapter.d_model
-    n_k = min(len(req.text) + 2, n_ctx)
-    n_q = min(len(req.query_text) + 2, n_ctx) if req.query_text is not None else n_k
+    n_k = min(len(req.text) + 2 if req.text is not None else len(req.tokens), n_ctx)
+    n_q = (min(len(req.query_text) + 2, n_ctx) if req.query_text is not None else
+           min(len(req.query_tokens), n_ctx) if req.query_tokens is not None else n_k)
     pca = tuple(rt.adapter.embed_matrix().shape) if req.project is not None else (0, 0)
     return scratch_bytes(H, n_q, n_k, max(d // H, 1), max(d // H, 1), req.encoding,
                          req.dtype, req.round, *pca)

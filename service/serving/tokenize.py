@@ -6,6 +6,7 @@ from attnscope.schemas import TokenizeRequest, TokenizeResponse
 
 from ..encoding import respond
 from .common import text_or_results
+from .core.inputs import with_add_bos
 from .core.table import Endpoint
 
 
@@ -20,7 +21,8 @@ async def tokenize_handler(engine, req):
     """Tokenize off the event loop (the engine's tokenize, with its checks) and render the
     body off the loop too; never waits for the device."""
     rt = engine.runtime
-    return await respond(body(rt, req, await engine.tokenize(rt, req)))
+    req = engine.resolve(rt, req)
+    return await respond(with_add_bos(body(rt, req, await engine.tokenize(rt, req)), req))
 
 
 ENDPOINTS = [

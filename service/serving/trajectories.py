@@ -24,7 +24,7 @@ def plan(rt, req: TrajectoriesRequest, items) -> Plan:
             f"include_final: this model ({rt.adapter.family}) has no final LayerNorm; its last "
             f"block's output (state {rt.adapter.n_layers}) is already among the default states",
             "include_final")
-    wheres = ["text"] if req.text is not None else [f"texts.{i}" for i in range(len(items))]
+    wheres = [req.input_param(i) for i in range(len(items))]
     for it, where in zip(items, wheres):
         check_trajectory_request(n_hidden, len(it), d_model, req.include_final,
                                  req.n_components, req.positions, where)
@@ -34,7 +34,7 @@ def plan(rt, req: TrajectoriesRequest, items) -> Plan:
         for fw, where in zip(forwards, wheres):
             r = trajectories(fw.hidden_states, req.include_final, req.n_components,
                              req.positions, where=where, final_state=fw.tensors.final_state)
-            pfx = "trajectories" if req.text is not None else f"results.{where.split('.')[1]}"
+            pfx = "trajectories" if req.single else f"results.{where.split('.')[1]}"
             out.append({
                 "tokens": [t.as_dict() for t in fw.tokens.tokens],
                 "positions": r["positions"],

@@ -3,7 +3,9 @@
 It owns the runtime (the resident model), the device slot, the memory limit and the metrics.
 An endpoint hands it a request and the feature's ``plan`` function; the engine
 
-1. tokenizes the request's ``text``/``texts`` (off the event loop unless already cached),
+1. resolves ``add_bos`` (null -> the model's convention, service/serving/core/inputs.py) and
+   tokenizes the request's ``text``/``texts`` or takes its ``tokens``/``token_lists`` as given
+   (off the event loop unless already cached),
 2. calls ``plan(runtime, request, items)``: the feature's model-aware checks, its response
    estimate and its ``job`` (a pure analysis over recorded forwards, see service/serving/),
 3. checks memory (422 ``memory_limit_exceeded`` over ``max_request_bytes``; the recorded
@@ -28,6 +30,7 @@ from ...analysis._blas import torch_threads_for
 from ...encoding import respond
 from ...errors import BatchTooLarge, NotReady
 from .budget import MemoryBudget, Ticket, default_budget
+from .inputs import resolve_add_bos, with_add_bos
 from .memory import check_memory, release_memory
 from ...runtime.model import Runtime
 from ...runtime.results import ForwardResult, TokenizedText
@@ -106,13 +109,14 @@ class Engine:
         ``MemoryLimitExceeded`` (422), ``Overloaded`` (429), :class:`NotReady` (503).
         """
         rt = self.runtime if needs_model else getattr(self._state, "runtime", None)
+        req = self.resolve(rt, req)
         if check is not None:
             check(rt, req)
         items = await self.tokenize(rt, req) if tokenize else []
         p = plan(rt, req, items)
         ticket = await self.admit(rt, p)  # held until the response's last byte (or cut)
         try:
-            body = await self.run(rt, p, admitted=True)
+            body = with_add_bos(await self.run(rt, p, admitted=True), req)
             return await respond(body, binary, p.status_code, p.headers, on_close=ticket.release)
         except BaseException:
             ticket.release()
@@ -138,24 +142,42 @@ class Engine:
                              limit=self.max_request_bytes, detail=p.detail)
         return await self.budget.acquire(total)
 
+    @staticmethod
+    def resolve(rt: Runtime | None, req):
+        """``req`` with its model-dependent defaults: ``add_bos`` null -> the model's
+        convention (service/serving/core/inputs.py; one rule for every endpoint)."""
+        return resolve_add_bos(rt, req)
+
     async def tokenize(self, rt: Runtime, req) -> list[TokenizedText]:
-        """Every text of a ``TextOrTexts`` request, tokenized (off the event loop unless the
-        text was tokenized before), with the batch-size and context-length checks (422)."""
-        texts = req.all_texts()
-        if req.texts is not None and len(texts) > rt.settings.max_batch:
+        """Every input of a ``TextOrTexts`` request: ``text`` / ``texts`` tokenized (BOS per
+        the resolved ``add_bos``), ``tokens`` / ``token_lists`` taken as given (off the event
+        loop unless the text was tokenized before), with the batch-size, context-length and
+        vocabulary checks (422)."""
+        if req.add_bos is None:
+            req = self.resolve(rt, req)
+        add_bos = bool(req.add_bos)
+        many = "texts" if req.texts is not None else (
+            "token_lists" if req.token_lists is not None else None)
+        if many is not None and len(getattr(req, many)) > rt.settings.max_batch:
+            n = len(getattr(req, many))
             raise BatchTooLarge(
-                f"texts holds {len(texts)} texts; the limit is {rt.settings.max_batch} (max_batch)",
-                "texts",
+                f"{many} holds {n} {'texts' if many == 'texts' else 'sequences'}; the limit is "
+                f"{rt.settings.max_batch} (max_batch)", many,
             )
         if req.text is not None:  # already tokenized (another analysis of this text): no hop
-            hit = rt.tokenize(req.text, req.add_bos, "text", cached_only=True)
+            hit = rt.tokenize(req.text, add_bos, "text", cached_only=True)
             if hit is not None:
                 return [hit]
 
         def work():
             if req.text is not None:
-                return [rt.tokenize(req.text, req.add_bos, "text")]
-            return [rt.tokenize(t, req.add_bos, f"texts.{i}") for i, t in enumerate(texts)]
+                return [rt.tokenize(req.text, add_bos, "text")]
+            if req.tokens is not None:
+                return [rt.tokenized_from_ids(req.tokens, "tokens")]
+            if req.texts is not None:
+                return [rt.tokenize(t, add_bos, f"texts.{i}") for i, t in enumerate(req.texts)]
+            return [rt.tokenized_from_ids(ids, f"token_lists.{i}")
+                    for i, ids in enumerate(req.token_lists)]
 
         return await anyio.to_thread.run_sync(work)
 
