@@ -1,0 +1,308 @@
+"""POST /v1/run and GET /v1/hooks through the real app (in-process) and the Python client, on
+the bundled model: every cached hook equals TransformerLens 4.3 ``run_with_cache`` by name and
+shape, every wire form carries the same numbers, token ids and texts give identical responses,
+the README's path-patching example equals a hand-written TransformerLens loop, /v1/ablate and
+/v1/patch equal the same experiments written as /v1/run requests, and bad input is a named
+4xx. (The hooked forward itself: tests/test_hooked.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_error
+
+from attnscope.client import Client, run as R
+
+pytest.importorskip("transformer_lens")
+
+#: BOS + 8 distinct random token ids, twice (an induction text on the bundled model)
+SEG = [211, 1030, 77, 1499, 603, 1877, 342, 958]
+CLEAN = [0] + SEG + SEG
+#: another first half, the same second half: the earlier copy the induction heads look for is
+#: gone, and the previous-token head's outputs at the first half's keys name other tokens
+CORRUPT = [0] + [1210, 45, 1600, 388, 1777, 90, 1402, 633] + SEG
+SECOND = list(range(len(SEG) + 1, len(CLEAN) - 1))  # positions predicting the repeat
+
+
+@pytest.fixture(scope="module")
+def api(client):
+    return Client("http://testserver", http_client=client, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tl(bundled_dir):
+    from transformer_lens.model_bridge import TransformerBridge
+
+    b = TransformerBridge.boot_transformers(str(bundled_dir), device="cpu")
+    b.enable_compatibility_mode(no_processing=True, disable_warnings=True)
+    b.set_use_attn_result(True)
+    b.set_use_split_qkv_input(True)
+    return b
+
+
+def _tl_legacy(cache) -> dict:
+    out = {}
+    for k, v in cache.items():
+        if k.endswith((".hook_in", ".hook_out")) or k == "hook_unembed" or \
+                k.endswith("attn.hook_hidden_states") or \
+                any(s in k for s in (".attn.q.", ".attn.k.", ".attn.v.", ".attn.o.", ".mlp.in.",
+                                     ".mlp.out.", ".attn.hook_q_input", ".attn.hook_k_input",
+                                     ".attn.hook_v_input")):
+            continue
+        out[k] = v
+    return out
+
+
+def _close(a: np.ndarray, b: torch.Tensor, name: str) -> None:
+    b = b.detach().numpy()
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    fin = np.isfinite(b)
+    assert np.array_equal(np.isfinite(a), fin), name
+    bound = 1e-5 + 1e-6 * float(np.abs(b[fin]).max())  # TL's own float32 rounding (test_hooked)
+    assert float(np.abs(a[fin] - b[fin]).max()) <= bound, name
+
+
+def test_every_cached_hook_equals_transformerlens_by_name_and_shape(api, tl):
+    out = api.run(tokens=[CLEAN, CORRUPT], cache=["*"], logits={"positions": None, "full": True,
+                                                               "top_k": None})
+    with torch.no_grad():
+        logits, cache = tl.run_with_cache(torch.tensor([CLEAN, CORRUPT]))
+    ref = _tl_legacy(cache)
+    assert set(out.cache) == set(ref), set(out.cache) ^ set(ref)
+    for name, t in ref.items():
+        _close(out.cache[name], t, name)
+    _close(out.logits, logits, "logits")
+    hooks = [h.name for h in api.hooks().hooks]
+    assert hooks[:2] == ["hook_embed", "hook_pos_embed"] and set(hooks) == set(ref)
+
+
+def test_the_wire_forms_carry_the_same_numbers(api, client):
+    body = {"tokens": [CLEAN], "cache": ["blocks.1.attn.hook_pattern", "blocks.0.hook_resid_post",
+                                          "blocks.0.attn.hook_attn_scores"]}
+    binary = api.run(**body)
+    b64 = api.run(**body, binary=False)
+    js = client.post("/v1/run", json=body).json()
+    for name in body["cache"]:
+        assert np.array_equal(binary.cache[name], b64.cache[name]), name
+        ref = binary.cache[name]
+        got = np.array([[np.nan if v is None else v for v in row] for row in
+                        np.array(js["cache"][name], dtype=object).reshape(-1, ref.shape[-1])],
+                       dtype=np.float64).reshape(ref.shape)
+        masked = np.isneginf(ref)
+        assert np.array_equal(np.isnan(got), masked), name  # JSON: masked scores are null
+        assert np.array_equal(got[~masked].astype(np.float32), ref[~masked]), name
+
+
+def test_token_ids_and_texts_give_identical_responses(client):
+    text = "The cat sat on the mat and the dog"
+    by_text = client.post("/v1/run", json={"texts": [text], "cache": ["blocks.0.attn.hook_z"],
+                                           "logits": {"positions": [-1]}}).json()
+    ids = [t["id"] for t in by_text["prompts"][0]["tokens"]]
+    assert by_text["add_bos"] is True and ids[0] == 0  # GPT-2 convention: BOS prepended
+    by_ids = client.post("/v1/run", json={"tokens": [ids], "cache": ["blocks.0.attn.hook_z"],
+                                          "logits": {"positions": [-1]}}).json()
+    assert by_ids["cache"] == by_text["cache"] and by_ids["logits"] == by_text["logits"]
+    assert by_ids["add_bos"] is False
+
+
+def test_interventions_metrics_and_grad_over_http(api, tl):
+    """zero / scale / add / set over the API equal TransformerLens run_with_hooks doing the
+    same; the declared logit difference and its gradient come back."""
+    vec = np.linspace(-1, 1, 128, dtype=np.float32)
+    out = api.run(tokens=[CLEAN, CORRUPT], interventions=[
+        R.zero("blocks.0.attn.hook_z", heads=[1], prompts=[0]),
+        R.add("blocks.1.hook_resid_pre", vec, scale=0.5, positions=[-1]),
+        R.patch("blocks.1.attn.hook_result", source_prompt=0, prompts=[1], heads=[2]),
+    ], cache=["blocks.1.hook_resid_post"],
+        metrics={"ld": R.logit_diff((0, -1, SEG[0], SEG[1]), (1, -1, SEG[0], SEG[1]))},
+        grad={"metric": "ld", "hooks": ["blocks.0.hook_resid_post"]})
+
+    def z_hook(t, hook):
+        t[0, :, 1] = 0
+        return t
+
+    def add_hook(t, hook):
+        t[:, -1] += 0.5 * torch.from_numpy(vec)
+        return t
+
+    def res_hook(t, hook):
+        t[1, :, 2] = t[0, :, 2]
+        return t
+
+    with torch.no_grad():
+        logits = tl.run_with_hooks(torch.tensor([CLEAN, CORRUPT]), fwd_hooks=[
+            ("blocks.0.attn.hook_z", z_hook), ("blocks.1.hook_resid_pre", add_hook),
+            ("blocks.1.attn.hook_result", res_hook)])
+    ld = (logits[:, -1, SEG[0]] - logits[:, -1, SEG[1]]).numpy()
+    assert np.allclose(out.metric_values["ld"], ld, atol=5e-5, rtol=0)
+    assert out.metrics["ld"] == pytest.approx(float(ld.mean()), abs=5e-5)
+    g = out.grads["blocks.0.hook_resid_post"]
+    assert g.shape == (2, len(CLEAN), 128) and np.isfinite(g).all() and np.abs(g).max() > 0
+    assert out.grad_value == pytest.approx(out.metrics["ld"], abs=1e-6)
+
+
+# ------------------------------------------------------------------ path patching (README)
+SENDER = 1  # layer 0's previous-token head on the bundled model (/v1/heads: 0.92)
+RECEIVERS = [0, 1, 2, 3]  # layer 1: the induction heads (probe 0.95-0.97)
+
+
+def path_patching_request() -> dict:
+    """The README's worked example as one /v1/run request: the previous-token head L0H1's
+    output from the corrupted run reaches layer 1's keys (all four induction heads) (a)
+    directly and (b) only through MLP 0; everything else stays clean (Wang et al. 2022).
+
+    Rows: 0 clean, 1 corrupted, 2 clean + L0H1 patched with MLP 0 frozen clean (its layer-1
+    residual is clean + the sender's direct change), 3 clean with layer 1's key inputs from
+    row 2 (direct path), 4 clean + L0H1 patched (MLP 0 sees it), 5 clean with MLP 0's output
+    from row 4 (clean + MLP 0's change only), 6 clean with layer 1's key inputs from row 5
+    (the path through MLP 0)."""
+    rows = [CLEAN, CORRUPT, CLEAN, CLEAN, CLEAN, CLEAN, CLEAN]
+    return {
+        "tokens": rows,
+        "interventions": [
+            R.patch("blocks.0.attn.hook_result", source_prompt=1, prompts=[2, 4], heads=[SENDER]),
+            R.patch("blocks.0.hook_mlp_out", source_prompt=0, prompts=[2]),
+            R.patch("blocks.0.hook_mlp_out", source_prompt=4, prompts=[5]),
+            R.patch("blocks.1.hook_k_input", source_prompt=2, prompts=[3], heads=RECEIVERS),
+            R.patch("blocks.1.hook_k_input", source_prompt=5, prompts=[6], heads=RECEIVERS),
+        ],
+        "metrics": {f"loss_{i}": R.loss(*SECOND, prompt=i) for i in (0, 1, 3, 6)},
+    }
+
+
+def _tl_path_patching(tl) -> dict[str, float]:
+    """The same, hand-written with TransformerLens hooks, two clean runs per path."""
+    clean, corrupt = torch.tensor([CLEAN]), torch.tensor([CORRUPT])
+    with torch.no_grad():
+        _, cc = tl.run_with_cache(clean)
+        _, kc = tl.run_with_cache(corrupt)
+        delta = kc["blocks.0.attn.hook_result"][0, :, SENDER] - cc["blocks.0.attn.hook_result"][0, :, SENDER]
+
+        def loss_with(k_input_change):
+            def hook(t, hook):
+                t[0, :, RECEIVERS] = t[0, :, RECEIVERS] + k_input_change[:, None]
+                return t
+            logits = tl.run_with_hooks(clean, fwd_hooks=[("blocks.1.hook_k_input", hook)])
+            lp = torch.log_softmax(logits[0], -1)
+            return float(-torch.stack([lp[p, CLEAN[p + 1]] for p in SECOND]).mean().detach())
+
+        def sender_patched(t, hook):
+            t[0, :, SENDER] = kc["blocks.0.attn.hook_result"][0, :, SENDER]
+            return t
+        with tl.hooks(fwd_hooks=[("blocks.0.attn.hook_result", sender_patched)]):
+            _, pc = tl.run_with_cache(clean)
+        mlp_delta = pc["blocks.0.hook_mlp_out"][0] - cc["blocks.0.hook_mlp_out"][0]
+        lp_clean = torch.log_softmax(tl(clean)[0], -1)
+        lp_corr = torch.log_softmax(tl(corrupt)[0], -1)
+    return {"loss_0": float(-torch.stack([lp_clean[p, CLEAN[p + 1]] for p in SECOND]).mean()),
+            "loss_1": float(-torch.stack([lp_corr[p, CORRUPT[p + 1]] for p in SECOND]).mean()),
+            "loss_3": loss_with(delta), "loss_6": loss_with(mlp_delta)}
+
+
+def test_path_patching_equals_a_hand_written_transformerlens_loop(api, tl):
+    out = api.run(**path_patching_request())
+    ref = _tl_path_patching(tl)
+    for k, v in ref.items():
+        assert out.metrics[k] == pytest.approx(v, abs=2e-5), (k, out.metrics, ref)
+    # the story on the bundled model (README): the previous-token head's effect on layer 1's
+    # keys goes through MLP 0, not directly
+    gap = out.metrics["loss_1"] - out.metrics["loss_0"]
+    assert out.metrics["loss_6"] - out.metrics["loss_0"] > 0.5 * gap
+    assert out.metrics["loss_3"] - out.metrics["loss_0"] < 0.05 * gap
+    # planted fault: the receivers' key input taken from the wrong row (the clean run itself)
+    bad = path_patching_request()
+    bad["interventions"][4] = R.patch("blocks.1.hook_k_input", source_prompt=0, prompts=[6],
+                                      heads=RECEIVERS)
+    wrong = api.run(**bad)
+    assert abs(wrong.metrics["loss_6"] - ref["loss_6"]) > 1.0
+
+
+# ------------------------------------------------------------------ the other endpoints as runs
+def _ids(client, text: str, add_bos: bool) -> list[int]:
+    body = client.post("/v1/tokenize", json={"text": text, "add_bos": add_bos}).json()
+    return [t["id"] for t in body["tokens"]["tokens"]]
+
+
+def test_ablate_equals_the_same_experiment_as_a_run(client, api):
+    text = "The cat sat on the mat. The cat sat on the"
+    ids = _ids(client, text, True)
+    r = client.post("/v1/ablate", json={"text": text, "heads": [[1, 0], [0, 1]],
+                                        "method": "zero", "add_bos": True})
+    assert r.status_code == 200, r.text
+    ablated = r.json()
+    T = len(ids)
+    assert [t["id"] for t in ablated["tokens"]] == ids
+    m = {"loss": R.loss(*range(T - 1))}
+    run = api.run(tokens=[ids], interventions=[
+        R.zero("blocks.1.attn.hook_z", heads=[0]), R.zero("blocks.0.attn.hook_z", heads=[1])],
+        metrics=m)
+    clean = api.run(tokens=[ids], metrics=m)
+    assert ablated["mean_loss_ablated"] == pytest.approx(run.metrics["loss"], abs=2e-5)
+    assert ablated["mean_loss_clean"] == pytest.approx(clean.metrics["loss"], abs=2e-5)
+    assert abs(run.metrics["loss"] - clean.metrics["loss"]) > 1e-3  # the ablation did something
+
+
+def test_patch_equals_the_same_experiment_as_a_run(client, api):
+    clean_t = "The cat sat on the mat and the dog sat on the"
+    corrupt_t = "The dog sat on the mat and the cat sat on the"
+    ids = [_ids(client, t, True) for t in (clean_t, corrupt_t)]
+    assert len(ids[0]) == len(ids[1])
+    r = client.post("/v1/patch", json={"clean_text": clean_t, "corrupted_text": corrupt_t,
+                                       "add_bos": True, "metric": "logit_diff",
+                                       "logit_diff": {"target": " the", "distractor": " a"}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    tgt, dis = _ids(client, " the", False), _ids(client, " a", False)
+    assert len(tgt) == len(dis) == 1
+    m = {"ld": R.logit_diff((-1, tgt[0], dis[0]))}
+    clean = api.run(tokens=[ids[0]], metrics=m).metrics["ld"]
+    corr = api.run(tokens=[ids[1]], metrics=m).metrics["ld"]
+    for layer in range(2):
+        for head in range(4):
+            patched = api.run(tokens=[ids[0], ids[1]], interventions=[
+                R.patch(f"blocks.{layer}.attn.hook_z", source_prompt=0, prompts=[1],
+                        heads=[head])],
+                metrics={"ld": R.logit_diff((1, -1, tgt[0], dis[0]))}).metrics["ld"]
+            assert body["heads_raw"][layer][head] == pytest.approx(patched, abs=5e-5)
+            assert body["heads"][layer][head] == pytest.approx(
+                (patched - corr) / (clean - corr), abs=5e-4)
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("body, param, words", [
+    ({"tokens": [[0, 1, 2]], "cache": ["blocks.0.hook_resid_psot"]}, "cache.0.hook",
+     "blocks.0.hook_resid_post"),
+    ({"tokens": [[0, 1, 2]], "cache": [{"hook": "blocks.0.attn.hook_z", "heads": [9]}]},
+     None, "head"),
+    ({"tokens": [[0, 1, 2]], "interventions": [R.add("hook_embed", [1.0, 2.0])]},
+     None, "needs [128]"),
+    ({"tokens": [[0, 1, 2], [0, 1, 3]], "interventions": [
+        R.patch("hook_embed", source_prompt=5)]}, None, "5"),
+    ({"tokens": [[0, 1, 2], [0, 1]]}, "tokens", "[3, 2]"),
+    ({"tokens": [[0, 1, 4096]]}, "tokens.0.2", "2047"),
+    ({"tokens": [[1] * 257]}, "tokens.0", "256"),
+    ({"tokens": [[0, 1, 2]], "metrics": {"m": R.logit_diff((-1, " Mary", 1))}},
+     "metrics.m.terms.0.target", "not one"),
+    ({"tokens": [[0, 1, 2]], "grad": {"metric": "nope", "hooks": ["hook_embed"]}}, None, "nope"),
+    ({"tokens": [[0, 1, 2]], "texts": ["x"]}, None, "exactly one"),
+])
+def test_bad_input_is_a_named_4xx_and_the_service_keeps_serving(client, body, param, words):
+    r = client.post("/v1/run", json=body)
+    e = assert_error(r, 422, param=param)
+    assert words in e["message"], e
+    assert client.post("/v1/run", json={"tokens": [[0, 1, 2]]}).status_code == 200
+
+
+def test_a_run_over_the_memory_limit_is_refused_before_the_forward(make_client, gpt2_runtime):
+    c = make_client(gpt2_runtime, max_request_bytes=1 << 20)
+    r = c.post("/v1/run", json={"tokens": [[1] * 200] * 4, "cache": ["*"]})
+    e = assert_error(r, 422, type_="memory_limit_exceeded")
+    assert "max_request_bytes" in e["message"]
+    assert c.post("/v1/run", json={"tokens": [[0, 1, 2]]}).status_code == 200
+
+
+def test_hooks_on_an_encoder_is_unsupported(bert_client):
+    assert_error(bert_client.get("/v1/hooks"), 422)
+    assert_error(bert_client.post("/v1/run", json={"tokens": [[101, 102]]}), 422)
