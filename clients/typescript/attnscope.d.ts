@@ -154,7 +154,8 @@ export interface paths {
         /**
          * Classify every head: pattern scores, induction probe, label
          * @description Tokens: BOS prepended by default where the model has one (``add_bos`` null -> true for
-         *     GPT-2), as TransformerLens' ``detect_head`` and S004 tokenize; echoed in ``add_bos``.
+         *     GPT-2, as on every endpoint), as TransformerLens' ``detect_head`` and S004 tokenize; echoed
+         *     in ``add_bos``.
          *
          *     Per head: TransformerLens ``head_detector`` scores (previous_token, duplicate_token,
          *     induction; fraction of attention mass on the pattern, [0, 1]), next_token (encoders),
@@ -163,11 +164,44 @@ export interface paths {
          *     repeats; [0, 1]), S004's own previous_s004 / sink_s004 (used for S004's thresholds), every
          *     label a head passes (``labels``), the primary ``label`` and the margins to the thresholds.
          *     Several texts: each score is the mean over texts. Field descriptions give every formula.
+         *     ``error_measure`` ('mul' | 'abs': TransformerLens 4.3 detect_head's) for the pattern scores;
+         *     ``heads`` / ``exclude_heads`` ([layer, head] pairs) choose the heads reported (echoed as
+         *     ``selected_heads`` / ``exclude_heads``).
          *
-         *     Errors: 422 blank text, text under 2 tokens, over n_ctx tokens, probe over n_ctx;
-         *     413; 429; 503.
+         *     Errors: 422 blank text, text under 2 tokens, over n_ctx tokens, probe over n_ctx, a head
+         *     outside the model or given twice, nothing left after exclude_heads; 413; 429; 503.
          */
         post: operations["heads_v1_heads_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/hooks": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Hook points of the resident model (TransformerLens 4.x names and shapes)
+         * @description Every activation ``/v1/run`` can cache, edit or differentiate, in forward
+         *     order, under its TransformerLens 4.x name (``hook_embed``, ``hook_pos_embed``,
+         *     ``blocks.{l}.hook_resid_pre``, ``blocks.{l}.ln1.hook_scale`` / ``hook_normalized``,
+         *     ``blocks.{l}.hook_q_input`` / ``k_input`` / ``v_input`` (per-head split inputs),
+         *     ``blocks.{l}.attn.hook_q`` / ``k`` / ``v`` / ``z`` ``[batch, pos, head, d_head]``,
+         *     ``attn.hook_attn_scores`` / ``hook_pattern`` ``[batch, head, query_pos, key_pos]``,
+         *     ``attn.hook_result`` ``[batch, pos, head, d_model]``, ``hook_attn_out``, ``hook_resid_mid``,
+         *     ``ln2.*``, ``mlp.hook_pre`` / ``hook_post`` ``[batch, pos, d_mlp]``, ``hook_mlp_out``,
+         *     ``hook_resid_post``, ``ln_final.hook_scale`` / ``hook_normalized``) with its axis names and the
+         *     sizes fixed by the model (null: set by the request). GPT-2-family causal LMs; an encoder is a
+         *     422 ``unsupported_model``.
+         */
+        get: operations["hooks_v1_hooks_get"];
+        put?: never;
+        post?: never;
         delete?: never;
         options?: never;
         head?: never;
@@ -299,6 +333,53 @@ export interface paths {
          *     429; 503.
          */
         post: operations["rollout_v1_rollout_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/run": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * One hooked forward: cache activations, apply interventions, read metrics and gradients (TransformerLens hook names)
+         * @description Remote execution of one forward of the resident causal LM on a batch of
+         *     prompts of equal length (``tokens`` as ids used as given, or ``texts`` with BOS per
+         *     ``add_bos``), in one device turn:
+         *
+         *     * ``cache``: hook names or fnmatch patterns (``blocks.*.hook_resid_post``), each with an
+         *       optional layer / prompt / head / position selection, returned under TransformerLens 4.x's
+         *       names and shapes (batch axis first; the values after the interventions at that hook);
+         *     * ``interventions``, applied in order inside the forward at their hook: ``zero``, ``mean``
+         *       (over positions, over the batch, or over ``reference`` prompts), ``set`` (the same hook's
+         *       value in another prompt: activation patching in one call; with the per-head
+         *       ``hook_q_input``/``hook_k_input``/``hook_v_input`` path patching, Wang et al. 2022; or a given
+         *       tensor), ``add`` (vector x scale: steering), ``scale``; with head, position and prompt
+         *       selection;
+         *     * ``metrics`` from the (edited) logits: logit difference over (position, target,
+         *       distractor) terms, probability, log-probability, next-token loss, KL between two prompts;
+         *     * ``grad``: the gradient of one metric with respect to hooks, from one backward (attribution
+         *       patching: Nanda 2023; Kramár et al. 2024);
+         *     * ``logits`` (top-k or the full tensor at chosen positions), ``loss`` per token.
+         *
+         *     The forward runs the model's own weights with Hugging Face's eager operations in its order
+         *     (equal to ``GPT2LMHeadModel``'s logits bit for bit when nothing is edited) and equals
+         *     TransformerLens 4.3 ``run_with_cache`` / ``run_with_hooks`` to <= 1e-5 (tests/test_hooked.py).
+         *     Tensors: any wire form of ``encoding``/``dtype``/``round``; ``Accept:
+         *     application/x-safetensors`` returns one safetensors file (the tensors by name, e.g.
+         *     ``cache.blocks.0.attn.hook_z``).
+         *     Errors: 422 unknown hook (the closest names given), selection out of range, tensor of the wrong
+         *     shape, ``set`` from a missing prompt, prompts of different lengths, too many tokens, a metric
+         *     token that is not one token; 429 over the memory budget (Retry-After); 406; 413; 503.
+         */
+        post: operations["run_v1_run_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -447,10 +528,9 @@ export interface components {
         AblateRequest: {
             /**
              * Add Bos
-             * @description Prepend the BOS token (to every text of the request).
-             * @default false
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * Dtype
              * @description Element type for encoding 'base64' (ignored for 'json').
@@ -503,10 +583,20 @@ export interface components {
              */
             reference_texts?: string[] | null;
             /**
+             * Reference Token Lists
+             * @description Instead of reference_texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            reference_token_lists?: number[][] | null;
+            /**
              * Resample Text
              * @description method 'resample': the text whose z replaces the ablated heads' (same token count as text).
              */
             resample_text?: string | null;
+            /**
+             * Resample Tokens
+             * @description Instead of resample_text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            resample_tokens?: number[] | null;
             /**
              * Round
              * @description Decimal places for encoding 'json': each value is the decimal with this many places nearest the exact float32 value (ties to even; within 0.5e-round of it), written as that short decimal; null = full float32 precision (shortest repr that round-trips).
@@ -527,9 +617,14 @@ export interface components {
             scan_metric?: "loss" | "kl" | "logit_diff";
             /**
              * Text
-             * @description The text to run.
+             * @description The text to run (or tokens).
              */
-            text: string;
+            text?: string | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
             /**
              * Top K
              * @description Top next tokens before/after per position.
@@ -539,6 +634,12 @@ export interface components {
         };
         /** AblateResponse */
         AblateResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
             /**
              * Heads
              * @description The heads ablated together (null in a scan).
@@ -662,6 +763,49 @@ export interface components {
             [key: string]: unknown;
         };
         /**
+         * AddIntervention
+         * @description Add ``scale * vector`` to every selected vector (activation steering, e.g. a direction
+         *     in the residual stream): ``vector`` ``[d]``, d the hook's last axis.
+         */
+        AddIntervention: {
+            /**
+             * Heads
+             * @description Heads (hooks with a head axis).
+             */
+            heads?: number[] | null;
+            /**
+             * Hook
+             * @description A TransformerLens 4.x hook name ('blocks.0.attn.hook_z', 'hook_embed', 'ln_final.hook_scale') or an fnmatch pattern over them ('blocks.*.hook_resid_post'); GET /v1/hooks lists them with shapes. Applied at every hook the pattern matches, in forward order.
+             */
+            hook: string;
+            /**
+             * @description 'add'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "add";
+            /**
+             * Positions
+             * @description Positions (the pos axis; query_pos for patterns and scores).
+             */
+            positions?: number[] | null;
+            /**
+             * Prompts
+             * @description Batch rows (prompt indices).
+             */
+            prompts?: number[] | null;
+            /**
+             * Scale
+             * @description The vector's multiplier.
+             * @default 1
+             */
+            scale?: number;
+            /**
+             * Vector
+             * @description ``[d]``: d = the hook's last axis (d_model, d_head, d_mlp, key_pos or 1).
+             */
+            vector: components["schemas"]["Base64Tensor"] | number[] | number[][] | number[][][] | number[][][][] | number[][][][][];
+        };
+        /**
          * AttentionRequest
          * @description Attention of the resident model for one text or a batch of texts.
          * @example {
@@ -671,10 +815,9 @@ export interface components {
         AttentionRequest: {
             /**
              * Add Bos
-             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
-             * @default false
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * Dtype
              * @description Element type for encoding 'base64' (ignored for 'json').
@@ -735,15 +878,31 @@ export interface components {
              * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
+            /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
         };
         /** AttentionResponse */
         AttentionResponse: {
-            /** @description For a 'text' request. */
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
+            /** @description For a 'text' or 'tokens' request. */
             attention?: components["schemas"]["AttentionResult"] | null;
             model: components["schemas"]["ModelRef"];
             /**
              * Results
-             * @description For a 'texts' request, in order.
+             * @description For a 'texts' or 'token_lists' request, in order.
              */
             results?: components["schemas"]["AttentionResult"][] | null;
         } & {
@@ -884,6 +1043,37 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /**
+         * CacheItem
+         * @description One cache entry: a hook name or pattern, with an optional selection.
+         */
+        CacheItem: {
+            /**
+             * Heads
+             * @description Heads (hooks with a head axis).
+             */
+            heads?: number[] | null;
+            /**
+             * Hook
+             * @description A TransformerLens 4.x hook name ('blocks.0.attn.hook_z', 'hook_embed', 'ln_final.hook_scale') or an fnmatch pattern over them ('blocks.*.hook_resid_post'); GET /v1/hooks lists them with shapes.
+             */
+            hook: string;
+            /**
+             * Layers
+             * @description Keep only these layers' hooks of a pattern (model-level hooks such as hook_embed always pass).
+             */
+            layers?: number[] | null;
+            /**
+             * Positions
+             * @description Positions (the pos axis; query_pos for patterns and scores).
+             */
+            positions?: number[] | null;
+            /**
+             * Prompts
+             * @description Batch rows (prompt indices).
+             */
+            prompts?: number[] | null;
+        };
         /** ErrorBody */
         ErrorBody: {
             /**
@@ -912,6 +1102,23 @@ export interface components {
             error: components["schemas"]["ErrorBody"];
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * GradOptions
+         * @description The gradient of one declared metric's ``value`` with respect to hooks, from one
+         *     backward (attribution patching's ingredient: Nanda 2023; Kramár et al. 2024).
+         */
+        GradOptions: {
+            /**
+             * Hooks
+             * @description Hook names or patterns.
+             */
+            hooks: string[];
+            /**
+             * Metric
+             * @description Name of a metric declared in ``metrics``.
+             */
+            metric: string;
         };
         /** HeadDiff */
         HeadDiff: {
@@ -1039,7 +1246,7 @@ export interface components {
             previous_s004?: number | null;
             /**
              * Previous Token
-             * @description TransformerLens detect_head 'previous_token_head' score (error_measure 'mul'): fraction of the head's attention mass on key = query-1; sum(A*P)/sum(A), in [0, 1].
+             * @description TransformerLens detect_head 'previous_token_head' score with the response's error_measure: 'mul', the fraction of the head's attention mass on key = query-1, sum(A*P)/sum(A), in [0, 1]; 'abs', 1 - round(sum|A - P| / T, 3), in (-1, 1]. The same holds for duplicate_token, induction and next_token.
              */
             previous_token?: number | null;
             /**
@@ -1120,9 +1327,16 @@ export interface components {
         HeadsRequest: {
             /**
              * Add Bos
-             * @description Prepend the BOS token (causal models). null (default) = true where the model has a BOS token (GPT-2: <|endoftext|>), as TransformerLens' detect_head (to_tokens) and S004's snippet tokenize; false = the text's own tokens only. Encoders always get [CLS] ... [SEP] (true is refused there). The value used is echoed as 'add_bos'.
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
             add_bos?: boolean | null;
+            /**
+             * Error Measure
+             * @description TransformerLens 4.3 detect_head's error_measure for previous_token, duplicate_token, induction and next_token. 'mul' (default): fraction of the head's attention mass on the detection pattern P, sum(A*P)/sum(A), in [0, 1]. 'abs': 1 - round(sum|A - P| / T, 3) (TransformerLens' 1 - round(mean|A - P| * T, 3), its 3-decimal rounding included; the exclusions zero |A - P| in column 0 / on the diagonal), in (-1, 1], 1 = exactly the pattern. The labels compare their thresholds with the scores as measured (label_scores). The other scores do not depend on it.
+             * @default mul
+             * @enum {string}
+             */
+            error_measure?: "mul" | "abs";
             /**
              * Exclude Bos
              * @description TransformerLens detect_head option for previous_token, duplicate_token, induction and next_token: zero the attention to key position 0 (BOS / [CLS] / first token) before scoring.
@@ -1135,6 +1349,16 @@ export interface components {
              * @default false
              */
             exclude_current_token?: boolean;
+            /**
+             * Exclude Heads
+             * @description Heads to leave out, as [layer, head] pairs (0-based, each once), from 'heads' or from every head; at least one head must remain. Echoed.
+             */
+            exclude_heads?: number[][];
+            /**
+             * Heads
+             * @description Score only these heads, as [layer, head] pairs (0-based, each once; at most 16384), as TransformerLens detect_head's heads=[(layer, head), ...]; null (default) = every head. TransformerLens gives every other head the score -1; here the others are left out of the response's heads. Echoed as selected_heads.
+             */
+            heads?: number[][] | null;
             /**
              * Norm Scores
              * @description Also report each head's norm-based scores (HeadResult.norm_scores: the 'no-op attention' on the sink, Kobayashi et al. 2020).
@@ -1160,12 +1384,22 @@ export interface components {
             texts?: string[] | null;
             /** @description Label thresholds (defaults documented per field). */
             thresholds?: components["schemas"]["HeadThresholds"];
+            /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
         };
         /** HeadsResponse */
         HeadsResponse: {
             /**
              * Add Bos
-             * @description Whether BOS was prepended to every text (the request's add_bos, or its default: true where the model has a BOS). Encoders: false ([CLS] frames them).
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
              * @default false
              */
             add_bos?: boolean;
@@ -1175,6 +1409,13 @@ export interface components {
              * @default float32
              */
             dtype?: string;
+            /**
+             * Error Measure
+             * @description As requested: the measure of previous_token, duplicate_token, induction and next_token ('mul' or 'abs', TransformerLens detect_head's).
+             * @default mul
+             * @enum {string}
+             */
+            error_measure?: "mul" | "abs";
             /**
              * Exclude Bos
              * @description As requested.
@@ -1186,8 +1427,13 @@ export interface components {
              */
             exclude_current_token: boolean;
             /**
+             * Exclude Heads
+             * @description The request's exclude_heads, as given.
+             */
+            exclude_heads?: number[][];
+            /**
              * Heads
-             * @description Every head, layer-major.
+             * @description Every head, layer-major; with selected_heads or exclude_heads, the heads selected and not excluded.
              */
             heads: components["schemas"]["HeadResult"][];
             /**
@@ -1216,6 +1462,11 @@ export interface components {
             /** @description The probe run; null when disabled. */
             probe?: components["schemas"]["ProbeInfo"] | null;
             /**
+             * Selected Heads
+             * @description The request's heads, as given ([layer, head] pairs); null = every head.
+             */
+            selected_heads?: number[][] | null;
+            /**
              * Sink Position
              * @description The key position the sink scores measure: 0 (BOS with add_bos, [CLS] for encoders, else the text's first token).
              * @default 0
@@ -1228,6 +1479,42 @@ export interface components {
             sink_tokens?: string[];
             /** @description The thresholds used (defaults + overrides). */
             thresholds: components["schemas"]["HeadThresholds"];
+        } & {
+            [key: string]: unknown;
+        };
+        /** HookInfo */
+        HookInfo: {
+            /**
+             * Axes
+             * @description Axis names, e.g. ['batch', 'pos', 'head', 'd_head'].
+             */
+            axes: string[];
+            /**
+             * Layer
+             * @description The block, or null for model-level hooks.
+             */
+            layer: number | null;
+            /**
+             * Name
+             * @description TransformerLens 4.x hook name.
+             */
+            name: string;
+            /**
+             * Shape
+             * @description Axis sizes; null where the size is the request's (batch, pos, query_pos, key_pos).
+             */
+            shape: (number | null)[];
+        } & {
+            [key: string]: unknown;
+        };
+        /** HooksResponse */
+        HooksResponse: {
+            /**
+             * Hooks
+             * @description Every hook point, in forward order.
+             */
+            hooks: components["schemas"]["HookInfo"][];
+            model: components["schemas"]["ModelRef"];
         } & {
             [key: string]: unknown;
         };
@@ -1261,6 +1548,45 @@ export interface components {
              * @default 25
              */
             segment_length?: number;
+        };
+        /**
+         * KLMetric
+         * @description ``KL(P_a || P_b) = sum_v P_a(v) (log P_a(v) - log P_b(v))`` of two prompts' next-token
+         *     distributions at one position (nats, >= 0).
+         */
+        KLMetric: {
+            /**
+             * @description 'kl'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "kl";
+            /**
+             * Reduce
+             * @description ``value`` = the mean (TransformerLens / IOI convention) or the sum of the terms' values.
+             * @default mean
+             * @enum {string}
+             */
+            reduce?: "mean" | "sum";
+            /** Terms */
+            terms: components["schemas"]["KLTerm"][];
+        };
+        /** KLTerm */
+        KLTerm: {
+            /**
+             * Position
+             * @description Position of both next-token distributions.
+             */
+            position: number;
+            /**
+             * Prompt
+             * @description Prompt a: KL(P_a || P_b).
+             */
+            prompt: number;
+            /**
+             * Reference Prompt
+             * @description Prompt b.
+             */
+            reference_prompt: number;
         };
         /** LayerDiff */
         LayerDiff: {
@@ -1364,10 +1690,9 @@ export interface components {
         LinksRequest: {
             /**
              * Add Bos
-             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
-             * @default false
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * By
              * @description Rank keys by attention 'weight', or by contribution 'norm' (Kobayashi et al. 2020, as /v1/attention-norms computes it with its default biases): ||alpha^h_ij f_h(x_j)|| for one head, ||sum_h alpha^h_ij f_h(x_j)|| over every head for the layer (head null).
@@ -1419,6 +1744,16 @@ export interface components {
              */
             texts?: string[] | null;
             /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
+            /**
              * Top K
              * @description Links per query, strongest first (default 1).
              * @default 1
@@ -1427,6 +1762,12 @@ export interface components {
         };
         /** LinksResponse */
         LinksResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
             /**
              * By
              * @description As requested.
@@ -1450,12 +1791,12 @@ export interface components {
              * @description Layer analysed.
              */
             layer: number;
-            /** @description For a 'text' request. */
+            /** @description For a 'text' or 'tokens' request. */
             links?: components["schemas"]["LinksResult"] | null;
             model: components["schemas"]["ModelRef"];
             /**
              * Results
-             * @description For a 'texts' request, in order.
+             * @description For a 'texts' or 'token_lists' request, in order.
              */
             results?: components["schemas"]["LinksResult"][] | null;
         } & {
@@ -1481,6 +1822,26 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /**
+         * LogProbMetric
+         * @description Next-token log-probability of the target (log-softmax; nats, <= 0).
+         */
+        LogProbMetric: {
+            /**
+             * @description 'logprob'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "logprob";
+            /**
+             * Reduce
+             * @description ``value`` = the mean (TransformerLens / IOI convention) or the sum of the terms' values.
+             * @default mean
+             * @enum {string}
+             */
+            reduce?: "mean" | "sum";
+            /** Terms */
+            terms: components["schemas"]["TokenTerm"][];
+        };
         /** LogitDiff */
         LogitDiff: {
             /**
@@ -1504,6 +1865,26 @@ export interface components {
             [key: string]: unknown;
         };
         /**
+         * LogitDiffMetric
+         * @description ``logit[target] - logit[distractor]`` at each term's position (logits, unnormalised).
+         */
+        LogitDiffMetric: {
+            /**
+             * @description 'logit_diff'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "logit_diff";
+            /**
+             * Reduce
+             * @description ``value`` = the mean (TransformerLens / IOI convention) or the sum of the terms' values.
+             * @default mean
+             * @enum {string}
+             */
+            reduce?: "mean" | "sum";
+            /** Terms */
+            terms: components["schemas"]["LogitDiffTerm"][];
+        };
+        /**
          * LogitDiffOptions
          * @description ``target`` and ``distractor`` must each be exactly one token of the model's tokenizer
          *     (GPT-2: mind the leading space, ``" Mary"``); else 422.
@@ -1525,11 +1906,191 @@ export interface components {
              */
             target: string;
         };
+        /** LogitDiffTerm */
+        LogitDiffTerm: {
+            /**
+             * Distractor
+             * @description Token id, or a text that is one token.
+             */
+            distractor: number | string;
+            /**
+             * Position
+             * @description Position whose next-token logits are read.
+             */
+            position: number;
+            /**
+             * Prompt
+             * @description Batch row; null = every prompt.
+             */
+            prompt?: number | null;
+            /**
+             * Target
+             * @description Token id, or a text that is one token.
+             */
+            target: number | string;
+        };
+        /**
+         * LogitsOptions
+         * @description Which logits come back: at ``positions`` (null = all), either the ``top_k`` tokens per
+         *     (prompt, position) or the ``full`` ``[batch, position, vocab]`` tensor.
+         */
+        LogitsOptions: {
+            /**
+             * Full
+             * @description The whole logits tensor (``[batch, len(positions), vocab]``, encoded as the request asks).
+             * @default false
+             */
+            full?: boolean;
+            /**
+             * Positions
+             * @description Positions; null = every position.
+             */
+            positions?: number[] | null;
+            /**
+             * Top K
+             * @description Top-k next tokens (logit, prob).
+             * @default 5
+             */
+            top_k?: number | null;
+        };
+        /** LogitsResult */
+        LogitsResult: {
+            /**
+             * Logits
+             * @description ``[batch, position, vocab]``.
+             */
+            logits?: components["schemas"]["Base64Tensor"] | components["schemas"]["BinaryTensorRef"] | unknown[] | null;
+            /**
+             * Positions
+             * @description The positions read (negative ones resolved).
+             */
+            positions: number[];
+            /**
+             * Top
+             * @description ``[prompt][position][k]`` top-k next tokens, most probable first.
+             */
+            top?: components["schemas"]["TopToken"][][][] | null;
+        } & {
+            [key: string]: unknown;
+        };
+        /**
+         * LossMetric
+         * @description Next-token cross entropy ``-log p(token[p+1])`` at each position (nats, >= 0).
+         */
+        LossMetric: {
+            /**
+             * @description 'loss'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "loss";
+            /**
+             * Reduce
+             * @description ``value`` = the mean (TransformerLens / IOI convention) or the sum of the terms' values.
+             * @default mean
+             * @enum {string}
+             */
+            reduce?: "mean" | "sum";
+            /** Terms */
+            terms: components["schemas"]["PositionTerm"][];
+        };
+        /** LossResult */
+        LossResult: {
+            /**
+             * Mean
+             * @description Mean over every prompt and position (nats).
+             */
+            mean: number;
+            /**
+             * Per Token
+             * @description ``[batch, pos - 1]``: loss of token p + 1 (nats).
+             */
+            per_token: components["schemas"]["Base64Tensor"] | components["schemas"]["BinaryTensorRef"] | unknown[];
+        } & {
+            [key: string]: unknown;
+        };
+        /**
+         * MeanIntervention
+         * @description Mean ablation: the selection replaced by a mean of the hook's values. ``over``: 'pos'
+         *     (each prompt's own mean over its positions), 'batch' (per position, over every prompt of
+         *     the request), 'batch_pos' (over both); or the mean over ``reference`` prompts (their
+         *     forward is run first, unedited, in the same device turn; per position when they have the
+         *     request's length, else over their positions too).
+         */
+        MeanIntervention: {
+            /**
+             * Heads
+             * @description Heads (hooks with a head axis).
+             */
+            heads?: number[] | null;
+            /**
+             * Hook
+             * @description A TransformerLens 4.x hook name ('blocks.0.attn.hook_z', 'hook_embed', 'ln_final.hook_scale') or an fnmatch pattern over them ('blocks.*.hook_resid_post'); GET /v1/hooks lists them with shapes. Applied at every hook the pattern matches, in forward order.
+             */
+            hook: string;
+            /**
+             * @description 'mean'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "mean";
+            /**
+             * Over
+             * @description What the mean is over (ignored with ``reference``).
+             * @default batch_pos
+             * @enum {string}
+             */
+            over?: "pos" | "batch" | "batch_pos";
+            /**
+             * Positions
+             * @description Positions (the pos axis; query_pos for patterns and scores).
+             */
+            positions?: number[] | null;
+            /**
+             * Prompts
+             * @description Batch rows (prompt indices).
+             */
+            prompts?: number[] | null;
+            /**
+             * Reference
+             * @description Reference prompts as token ids (used exactly as given).
+             */
+            reference?: number[][] | null;
+            /**
+             * Reference Texts
+             * @description Reference prompts as texts (tokenized as ``texts`` are).
+             */
+            reference_texts?: string[] | null;
+        };
+        /** MetricResult */
+        MetricResult: {
+            /**
+             * Reduce
+             * @description 'mean' or 'sum'.
+             */
+            reduce: string;
+            /**
+             * Value
+             * @description The reduced value (mean or sum of ``values``).
+             */
+            value: number;
+            /**
+             * Values
+             * @description One value per term (terms with prompt null expanded prompt-major).
+             */
+            values: number[];
+        } & {
+            [key: string]: unknown;
+        };
         /**
          * ModelInfo
          * @description GET /v1/model: the resident model.
          */
         ModelInfo: {
+            /**
+             * Add Bos Default
+             * @description What a request's add_bos null means on this model: true for causal models with a BOS token (BOS prepended to every text, as TransformerLens does), false for encoders (their own [CLS] ... [SEP] framing).
+             * @default false
+             */
+            add_bos_default?: boolean;
             /**
              * Architecture
              * @description Hugging Face architecture class, e.g. GPT2LMHeadModel.
@@ -1653,10 +2214,9 @@ export interface components {
         NormsRequest: {
             /**
              * Add Bos
-             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
-             * @default false
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * Dtype
              * @description Element type for encoding 'base64' (ignored for 'json').
@@ -1725,6 +2285,16 @@ export interface components {
              */
             texts?: string[] | null;
             /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
+            /**
              * Value Bias
              * @description 'include' (default, the paper's f): the value bias b_V is part of every key's f_h(x_j); 'exclude': f_h(x) = x W_V^h W_O^h.
              * @default include
@@ -1740,8 +2310,14 @@ export interface components {
         };
         /** NormsResponse */
         NormsResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
             model: components["schemas"]["ModelRef"];
-            /** @description For a 'text' request. */
+            /** @description For a 'text' or 'tokens' request. */
             norms?: components["schemas"]["NormsResult"] | null;
             /**
              * Output Bias
@@ -1751,7 +2327,7 @@ export interface components {
             output_bias: "exclude" | "distribute";
             /**
              * Results
-             * @description For a 'texts' request, in order.
+             * @description For a 'texts' or 'token_lists' request, in order.
              */
             results?: components["schemas"]["NormsResult"][] | null;
             /**
@@ -1814,20 +2390,29 @@ export interface components {
         PatchRequest: {
             /**
              * Add Bos
-             * @description Prepend the BOS token to both.
-             * @default false
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * Clean Text
-             * @description The clean prompt (the behaviour to restore).
+             * @description The clean prompt (the behaviour to restore); or clean_tokens.
              */
-            clean_text: string;
+            clean_text?: string | null;
+            /**
+             * Clean Tokens
+             * @description Instead of clean_text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            clean_tokens?: number[] | null;
             /**
              * Corrupted Text
-             * @description The corrupted prompt, same token count.
+             * @description The corrupted prompt, same token count; or corrupted_tokens.
              */
-            corrupted_text: string;
+            corrupted_text?: string | null;
+            /**
+             * Corrupted Tokens
+             * @description Instead of corrupted_text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            corrupted_tokens?: number[] | null;
             /** @description Metric 'logit_diff': the tokens. */
             logit_diff?: components["schemas"]["LogitDiffOptions"] | null;
             /**
@@ -1864,6 +2449,12 @@ export interface components {
         };
         /** PatchResponse */
         PatchResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
             /**
              * Approximation
              * @description method 'attribution': what the numbers are (a linear approximation).
@@ -1969,6 +2560,19 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /** PositionTerm */
+        PositionTerm: {
+            /**
+             * Position
+             * @description Position p: the target is the prompt's own token at p + 1 (p < n_tokens - 1).
+             */
+            position: number;
+            /**
+             * Prompt
+             * @description Batch row; null = every prompt.
+             */
+            prompt?: number | null;
+        };
         /** PredictionResult */
         PredictionResult: {
             /**
@@ -2004,10 +2608,9 @@ export interface components {
         PredictionsRequest: {
             /**
              * Add Bos
-             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
-             * @default false
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * Positions
              * @description Positions to report (each < the text's token count, each once; at most 131072); null = all. Position p predicts token p + 1.
@@ -2024,6 +2627,16 @@ export interface components {
              */
             texts?: string[] | null;
             /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
+            /**
              * Top K
              * @description Most probable next tokens per position.
              * @default 5
@@ -2032,16 +2645,42 @@ export interface components {
         };
         /** PredictionsResponse */
         PredictionsResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
             model: components["schemas"]["ModelRef"];
-            /** @description For a 'text' request. */
+            /** @description For a 'text' or 'tokens' request. */
             predictions?: components["schemas"]["PredictionResult"] | null;
             /**
              * Results
-             * @description For 'texts', in order.
+             * @description For 'texts' or 'token_lists', in order.
              */
             results?: components["schemas"]["PredictionResult"][] | null;
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * ProbMetric
+         * @description Next-token probability of the target (softmax of the logits; in [0, 1]).
+         */
+        ProbMetric: {
+            /**
+             * @description 'prob'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "prob";
+            /**
+             * Reduce
+             * @description ``value`` = the mean (TransformerLens / IOI convention) or the sum of the terms' values.
+             * @default mean
+             * @enum {string}
+             */
+            reduce?: "mean" | "sum";
+            /** Terms */
+            terms: components["schemas"]["TokenTerm"][];
         };
         /** ProbeInfo */
         ProbeInfo: {
@@ -2084,6 +2723,21 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /** Prompt */
+        Prompt: {
+            /**
+             * N Tokens
+             * @description Number of tokens.
+             */
+            n_tokens: number;
+            /**
+             * Tokens
+             * @description The prompt's tokens (ids, labels).
+             */
+            tokens: components["schemas"]["Token"][];
+        } & {
+            [key: string]: unknown;
+        };
         /** QueryLinks */
         QueryLinks: {
             /**
@@ -2116,10 +2770,9 @@ export interface components {
         RolloutRequest: {
             /**
              * Add Bos
-             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
-             * @default false
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * Discard
              * @description Fraction of each layer's fused weights to zero, the smallest first (among the visible entries), in [0, 1); default 0.
@@ -2200,9 +2853,25 @@ export interface components {
              * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
+            /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
         };
         /** RolloutResponse */
         RolloutResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
             /**
              * Discard
              * @description As requested.
@@ -2227,10 +2896,10 @@ export interface components {
             residual: number;
             /**
              * Results
-             * @description For a 'texts' request, in order.
+             * @description For a 'texts' or 'token_lists' request, in order.
              */
             results?: components["schemas"]["RolloutResult"][] | null;
-            /** @description For a 'text' request. */
+            /** @description For a 'text' or 'tokens' request. */
             rollout?: components["schemas"]["RolloutResult"] | null;
             /**
              * Sink
@@ -2272,6 +2941,208 @@ export interface components {
             [key: string]: unknown;
         };
         /**
+         * RunRequest
+         * @description One hooked forward of the resident causal LM on a batch of prompts of equal length.
+         * @example {
+         *       "cache": [
+         *         "blocks.0.attn.hook_pattern",
+         *         {
+         *           "hook": "blocks.*.hook_resid_post",
+         *           "positions": [
+         *             -1
+         *           ]
+         *         }
+         *       ],
+         *       "interventions": [
+         *         {
+         *           "heads": [
+         *             0
+         *           ],
+         *           "hook": "blocks.1.attn.hook_z",
+         *           "kind": "set",
+         *           "prompts": [
+         *             1
+         *           ],
+         *           "source_prompt": 0
+         *         }
+         *       ],
+         *       "logits": {
+         *         "positions": [
+         *           -1
+         *         ],
+         *         "top_k": 3
+         *       },
+         *       "metrics": {
+         *         "ld": {
+         *           "kind": "logit_diff",
+         *           "terms": [
+         *             {
+         *               "distractor": " a",
+         *               "position": -1,
+         *               "target": " the"
+         *             }
+         *           ]
+         *         }
+         *       },
+         *       "texts": [
+         *         "The cat sat on the mat and the dog",
+         *         "The dog sat on the mat and the cat"
+         *       ]
+         *     }
+         */
+        RunRequest: {
+            /**
+             * Add Bos
+             * @description Texts: prepend BOS. Null = the model's convention (true for GPT-2, as TransformerLens' to_tokens). Ignored for ``tokens``.
+             */
+            add_bos?: boolean | null;
+            /**
+             * Cache
+             * @description Hooks to return: names or patterns (strings) or entries with a selection. Returned under TransformerLens' names and shapes (batch axis first), after the interventions at that hook.
+             */
+            cache?: (string | components["schemas"]["CacheItem"])[];
+            /**
+             * Dtype
+             * @description Element type for encoding 'base64' (ignored for 'json').
+             * @default float32
+             * @enum {string}
+             */
+            dtype?: "float32" | "float16";
+            /**
+             * Encoding
+             * @description 'json': nested lists of numbers (optionally rounded); 'base64': {dtype, shape, data} with little-endian bytes, far smaller and faster.
+             * @default json
+             * @enum {string}
+             */
+            encoding?: "json" | "base64";
+            /** @description A gradient to return. */
+            grad?: components["schemas"]["GradOptions"] | null;
+            /**
+             * Interventions
+             * @description Applied in order, each at its hook inside the forward.
+             */
+            interventions?: (components["schemas"]["ZeroIntervention"] | components["schemas"]["ScaleIntervention"] | components["schemas"]["AddIntervention"] | components["schemas"]["MeanIntervention"] | components["schemas"]["SetIntervention"])[];
+            /** @description Logits to return (null: none; the metrics still read them). */
+            logits?: components["schemas"]["LogitsOptions"] | null;
+            /**
+             * Loss
+             * @description Per-token next-token loss ``[batch, pos - 1]`` (nats) and its mean.
+             * @default false
+             */
+            loss?: boolean;
+            /**
+             * Metrics
+             * @description Declared metrics by name.
+             */
+            metrics?: {
+                [key: string]: components["schemas"]["LogitDiffMetric"] | components["schemas"]["ProbMetric"] | components["schemas"]["LogProbMetric"] | components["schemas"]["LossMetric"] | components["schemas"]["KLMetric"];
+            };
+            /**
+             * Round
+             * @description Decimal places for encoding 'json': each value is the decimal with this many places nearest the exact float32 value (ties to even; within 0.5e-round of it), written as that short decimal; null = full float32 precision (shortest repr that round-trips).
+             */
+            round?: number | null;
+            /**
+             * Texts
+             * @description The prompts as texts (tokenized as plain text; BOS per ``add_bos``).
+             */
+            texts?: string[] | null;
+            /**
+             * Tokens
+             * @description The prompts as token ids, one list per prompt, used exactly as given (no BOS added). All prompts of a run have the same number of tokens.
+             */
+            tokens?: number[][] | null;
+        };
+        /** RunResponse */
+        RunResponse: {
+            /**
+             * Add Bos
+             * @description Whether BOS was prepended to the texts (false for tokens).
+             */
+            add_bos: boolean;
+            /**
+             * Cache
+             * @description TransformerLens hook name -> tensor, TL shapes with the batch axis first, cut to the selection.
+             */
+            cache: {
+                [key: string]: components["schemas"]["Base64Tensor"] | components["schemas"]["BinaryTensorRef"] | unknown[];
+            };
+            /**
+             * Grad Value
+             * @description The differentiated metric's value.
+             */
+            grad_value?: number | null;
+            /**
+             * Grads
+             * @description Hook name -> d(grad.metric value)/d(hook), the hook's full shape.
+             */
+            grads: {
+                [key: string]: components["schemas"]["Base64Tensor"] | components["schemas"]["BinaryTensorRef"] | unknown[];
+            };
+            logits?: components["schemas"]["LogitsResult"] | null;
+            loss?: components["schemas"]["LossResult"] | null;
+            /**
+             * Metrics
+             * @description Declared metrics by name.
+             */
+            metrics: {
+                [key: string]: components["schemas"]["MetricResult"];
+            };
+            model: components["schemas"]["ModelRef"];
+            /**
+             * Prompts
+             * @description The prompts as run, in order (the batch axis).
+             */
+            prompts: components["schemas"]["Prompt"][];
+            /**
+             * Selections
+             * @description Per cached hook the indices kept along each cut axis (prompts, heads, positions), so a selected tensor's axes can be read back.
+             */
+            selections: {
+                [key: string]: {
+                    [key: string]: unknown;
+                };
+            };
+        } & {
+            [key: string]: unknown;
+        };
+        /**
+         * ScaleIntervention
+         * @description Multiply the selection by ``factor``.
+         */
+        ScaleIntervention: {
+            /**
+             * Factor
+             * @description The multiplier.
+             */
+            factor: number;
+            /**
+             * Heads
+             * @description Heads (hooks with a head axis).
+             */
+            heads?: number[] | null;
+            /**
+             * Hook
+             * @description A TransformerLens 4.x hook name ('blocks.0.attn.hook_z', 'hook_embed', 'ln_final.hook_scale') or an fnmatch pattern over them ('blocks.*.hook_resid_post'); GET /v1/hooks lists them with shapes. Applied at every hook the pattern matches, in forward order.
+             */
+            hook: string;
+            /**
+             * @description 'scale'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "scale";
+            /**
+             * Positions
+             * @description Positions (the pos axis; query_pos for patterns and scores).
+             */
+            positions?: number[] | null;
+            /**
+             * Prompts
+             * @description Batch rows (prompt indices).
+             */
+            prompts?: number[] | null;
+        };
+        /**
          * ScratchAttentionRequest
          * @description softmax(Q K^T / sqrt(d_k) + mask) V on matrices you give, or on a text's static token
          *     embeddings. Give either all of ``q``, ``k``, ``v`` or ``text``.
@@ -2282,10 +3153,9 @@ export interface components {
         ScratchAttentionRequest: {
             /**
              * Add Bos
-             * @description Causal models, 'text' source: prepend the BOS token to the text(s).
-             * @default false
+             * @description 'text' source: Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * Dtype
              * @description Element type for encoding 'base64' (ignored for 'json').
@@ -2327,6 +3197,11 @@ export interface components {
              */
             query_text?: string | null;
             /**
+             * Query Tokens
+             * @description Instead of query_text: the queries' token ids, exactly as given.
+             */
+            query_tokens?: number[] | null;
+            /**
              * Round
              * @description Decimal places for encoding 'json': each value is the decimal with this many places nearest the exact float32 value (ties to even; within 0.5e-round of it), written as that short decimal; null = full float32 precision (shortest repr that round-trips).
              */
@@ -2349,6 +3224,11 @@ export interface components {
              */
             text?: string | null;
             /**
+             * Tokens
+             * @description Instead of q/k/v or text: token ids whose embeddings are used, exactly as given (no BOS added; each in 0..vocab_size-1, at most n_ctx).
+             */
+            tokens?: number[] | null;
+            /**
              * V
              * @description Values [key_pos, d_v] (same rows as k; the same limits).
              */
@@ -2363,6 +3243,12 @@ export interface components {
         };
         /** ScratchAttentionResponse */
         ScratchAttentionResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
             /**
              * D K
              * @description Per-head query/key width.
@@ -2424,6 +3310,51 @@ export interface components {
             weights: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * SetIntervention
+         * @description Replace the selection with the same hook's value in another prompt of the batch
+         *     (``source_prompt``: activation patching in one call; path patching when the hook is a
+         *     per-head ``hook_q_input``/``hook_k_input``/``hook_v_input``, Wang et al. 2022) or with a
+         *     given ``value`` (shaped as one prompt's selection, or with a leading axis of the selected
+         *     prompts). Exactly one of the two.
+         */
+        SetIntervention: {
+            /**
+             * Heads
+             * @description Heads (hooks with a head axis).
+             */
+            heads?: number[] | null;
+            /**
+             * Hook
+             * @description A TransformerLens 4.x hook name ('blocks.0.attn.hook_z', 'hook_embed', 'ln_final.hook_scale') or an fnmatch pattern over them ('blocks.*.hook_resid_post'); GET /v1/hooks lists them with shapes. Applied at every hook the pattern matches, in forward order.
+             */
+            hook: string;
+            /**
+             * @description 'set'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "set";
+            /**
+             * Positions
+             * @description Positions (the pos axis; query_pos for patterns and scores).
+             */
+            positions?: number[] | null;
+            /**
+             * Prompts
+             * @description Batch rows (prompt indices).
+             */
+            prompts?: number[] | null;
+            /**
+             * Source Prompt
+             * @description The prompt (batch row) whose value at this hook is copied; it must have the same length (every prompt of a run does).
+             */
+            source_prompt?: number | null;
+            /**
+             * Value
+             * @description The replacement tensor.
+             */
+            value?: components["schemas"]["Base64Tensor"] | number[] | number[][] | number[][][] | number[][][][] | number[][][][][] | null;
         };
         /**
          * SparseOptions
@@ -2617,6 +3548,24 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /** TokenTerm */
+        TokenTerm: {
+            /**
+             * Position
+             * @description Position whose next-token distribution is read.
+             */
+            position: number;
+            /**
+             * Prompt
+             * @description Batch row; null = every prompt.
+             */
+            prompt?: number | null;
+            /**
+             * Target
+             * @description Token id, or a text that is one token.
+             */
+            target: number | string;
+        };
         /**
          * TokenizeRequest
          * @description Tokenize text(s) exactly as the analyses will (framing and add_bos included).
@@ -2627,10 +3576,9 @@ export interface components {
         TokenizeRequest: {
             /**
              * Add Bos
-             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
-             * @default false
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * Text
              * @description One text. Always treated as text: strings that spell special tokens are tokenized as plain text.
@@ -2641,16 +3589,32 @@ export interface components {
              * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
+            /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
         };
         /** TokenizeResponse */
         TokenizeResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
             model: components["schemas"]["ModelRef"];
             /**
              * Results
-             * @description For a 'texts' request, in order.
+             * @description For a 'texts' or 'token_lists' request, in order.
              */
             results?: components["schemas"]["TokenizeResult"][] | null;
-            /** @description For a 'text' request. */
+            /** @description For a 'text' or 'tokens' request. */
             tokens?: components["schemas"]["TokenizeResult"] | null;
         } & {
             [key: string]: unknown;
@@ -2715,10 +3679,9 @@ export interface components {
         TrajectoriesRequest: {
             /**
              * Add Bos
-             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
-             * @default false
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * Dtype
              * @description Element type for encoding 'base64' (ignored for 'json').
@@ -2765,17 +3728,33 @@ export interface components {
              * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
              */
             texts?: string[] | null;
+            /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
         };
         /** TrajectoriesResponse */
         TrajectoriesResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
             /** @description The model that produced this response. */
             model: components["schemas"]["ModelRef"];
             /**
              * Results
-             * @description For a 'texts' request, in order; each text gets its own PCA (fitted on that text's states x tokens), so coordinates are not comparable across texts.
+             * @description For a 'texts' or 'token_lists' request, in order; each text gets its own PCA (fitted on that text's states x tokens), so coordinates are not comparable across texts.
              */
             results?: components["schemas"]["TrajectoryResult"][] | null;
-            /** @description For a 'text' request. */
+            /** @description For a 'text' or 'tokens' request. */
             trajectories?: components["schemas"]["TrajectoryResult"] | null;
         } & {
             [key: string]: unknown;
@@ -2892,10 +3871,9 @@ export interface components {
         VerifyRequest: {
             /**
              * Add Bos
-             * @description Causal models: prepend the BOS token (default off, as the source documents do). Encoders always get their usual framing ([CLS] ... [SEP]).
-             * @default false
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
              */
-            add_bos?: boolean;
+            add_bos?: boolean | null;
             /**
              * Layers
              * @description Layer indices to report (0-based, each < n_layers, each at most once; at most 1024); null = all. from_scratch recomputes every layer regardless and always checks every hidden state (a fault upstream of a reported layer is still named).
@@ -2925,6 +3903,16 @@ export interface components {
              */
             texts?: string[] | null;
             /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
+            /**
              * Tolerance
              * @description Override of the tolerance. from_scratch: null = per the served dtype, pattern (absolute, probability units) / states (q, k, v, attention output, hidden states: max |diff| <= tol * max(1, max |recomputed|)): float32 1e-4 / 1e-4, float16 5e-2 / 2e-2, bfloat16 2e-1 / 1e-1 (measured drift: README 'Numerical precision'); a value given here sets both. recorded_qkv: null = 1e-5 for float32 models, 1e-2 for float16/bfloat16 (absolute).
              */
@@ -2932,14 +3920,20 @@ export interface components {
         };
         /** VerifyResponse */
         VerifyResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
             /** @description The model that produced this response. */
             model: components["schemas"]["ModelRef"];
             /**
              * Results
-             * @description For a 'texts' request, in order.
+             * @description For a 'texts' or 'token_lists' request, in order.
              */
             results?: components["schemas"]["VerifyResult"][] | null;
-            /** @description For a 'text' request. */
+            /** @description For a 'text' or 'tokens' request. */
             verification?: components["schemas"]["VerifyResult"] | null;
         } & {
             [key: string]: unknown;
@@ -3036,6 +4030,37 @@ export interface components {
             tolerance: number;
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * ZeroIntervention
+         * @description Set the selection to 0 (zero ablation).
+         */
+        ZeroIntervention: {
+            /**
+             * Heads
+             * @description Heads (hooks with a head axis).
+             */
+            heads?: number[] | null;
+            /**
+             * Hook
+             * @description A TransformerLens 4.x hook name ('blocks.0.attn.hook_z', 'hook_embed', 'ln_final.hook_scale') or an fnmatch pattern over them ('blocks.*.hook_resid_post'); GET /v1/hooks lists them with shapes. Applied at every hook the pattern matches, in forward order.
+             */
+            hook: string;
+            /**
+             * @description 'zero'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "zero";
+            /**
+             * Positions
+             * @description Positions (the pos axis; query_pos for patterns and scores).
+             */
+            positions?: number[] | null;
+            /**
+             * Prompts
+             * @description Batch rows (prompt indices).
+             */
+            prompts?: number[] | null;
         };
     };
     responses: never;
@@ -3401,7 +4426,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorResponse"];
                 };
             };
-            /** @description Invalid request: blank text, a text of fewer than 2 tokens, too many tokens, a probe longer than n_ctx, a bad threshold. */
+            /** @description Invalid request: blank text, a text of fewer than 2 tokens, too many tokens, a probe longer than n_ctx, a bad threshold, a head outside the model or given twice, every head excluded. */
             422: {
                 headers: {
                     [name: string]: unknown;
@@ -3429,6 +4454,35 @@ export interface operations {
                 };
             };
             /** @description The request ran past request_timeout_s. */
+            504: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    hooks_v1_hooks_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HooksResponse"];
+                };
+            };
+            /** @description The request took longer than request_timeout_s (120 s). */
             504: {
                 headers: {
                     [name: string]: unknown;
@@ -3753,6 +4807,94 @@ export interface operations {
                 };
             };
             /** @description Invalid request (field, limit and value named). */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Overloaded: the device queue is full. */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The model is not loaded yet. */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The request ran past request_timeout_s. */
+            504: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    run_v1_run_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["RunRequest"];
+            };
+        };
+        responses: {
+            /** @description JSON, or with Accept: application/x-safetensors one safetensors file (README, 'Tensors on the wire'). */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["RunResponse"];
+                    "application/x-safetensors": unknown;
+                };
+            };
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Accept names no media type we produce. */
+            406: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Request body too large. */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Invalid request: unknown hook (closest names given), a selection out of range, a tensor of the wrong shape, prompts of different lengths, too many tokens, a metric token that is not one token, memory. */
             422: {
                 headers: {
                     [name: string]: unknown;

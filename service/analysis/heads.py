@@ -26,7 +26,21 @@ Scores (all float, per head; name: formula, range/unit):
 - ``induction_probe``: :func:`induction_probe_score` on repeated random tokens; [0, 1].
 
 The three TransformerLens scores follow ``transformer_lens/head_detector.py``
-(``compute_head_attention_similarity_score`` with ``error_measure="mul"``): the fraction of the
+(``compute_head_attention_similarity_score``), with either of its error measures
+(``error_measure``, TransformerLens 4.3's ``detect_head`` option, default ``"mul"``):
+
+- ``"mul"``: ``sum(A * P) / sum(A)``, described next.
+- ``"abs"``: ``1 - round(sum_{q,k} |A[q,k] - P[q,k]| / T, 3)`` (TransformerLens:
+  ``1 - round((abs_diff.mean() * size).item(), 3)``, its 3-decimal rounding included), with
+  ``exclude_bos`` / ``exclude_current_token`` zeroing ``|A - P|`` in column 0 / on the
+  diagonal; in (-1, 1], 1 = the pattern exactly, lower = worse (a pattern row with no 1,
+  e.g. a token without an earlier copy, costs the row's whole attention mass). As P is 0/1
+  and A <= 1, ``sum |A - P| = sum(A) - 2 sum(A * P) + n(P)`` over the kept entries, so it
+  comes from the same sums as "mul" plus the number of marked pairs. TransformerLens asserts
+  a lower-triangular ``|A - P|`` (causal models); encoders are scored with the same formula
+  over the whole matrix.
+
+"mul" is the fraction of the
 head's attention mass that falls on the detection pattern. ``exclude_bos`` zeroes column 0 and
 ``exclude_current_token`` zeroes the diagonal of A *before* both sums, so with an exclusion the
 denominator is the remaining mass (a ratio of totals, as TransformerLens computes it, not a
@@ -65,6 +79,9 @@ LABEL_ORDER: tuple[str, ...] = (
     "induction", "previous_token", "duplicate_token", "next_token", "self", "sink", "broad",
 )
 _LABELS = frozenset(LABEL_ORDER)
+
+#: TransformerLens 4.3 ``detect_head``'s error measures (``ErrorMeasure``), default first
+ERROR_MEASURES: tuple[str, ...] = ("mul", "abs")
 
 SCORE_NAMES: tuple[str, ...] = (
     "previous_token", "duplicate_token", "induction", "next_token", "self", "sink",
@@ -130,6 +147,7 @@ def head_scores(
     causal: bool,
     exclude_bos: bool = False,
     exclude_current_token: bool = False,
+    error_measure: str = "mul",
 ) -> dict[str, torch.Tensor]:
     """All text-based scores of every head for one text (see the module docstring).
 
@@ -140,6 +158,9 @@ def head_scores(
             normaliser uses the q+1 visible keys of a causal query, T otherwise).
         exclude_bos, exclude_current_token: TransformerLens options for the pattern scores
             (previous_token, duplicate_token, induction, next_token).
+        error_measure: TransformerLens' measure for those four scores: ``"mul"`` (fraction of
+            attention mass on the pattern, [0, 1]) or ``"abs"`` (``1 - round(sum |A - P| / T,
+            3)``, (-1, 1]); the other scores do not depend on it.
 
     Returns:
         name -> float64 ``[layer, head]`` for every name in :data:`SCORE_NAMES` except
@@ -166,6 +187,8 @@ def head_scores(
     L, NH, T, _ = pattern.shape
     if len(token_ids) != T:
         raise ValueError(f"{len(token_ids)} token ids for a pattern over {T} positions")
+    if error_measure not in ERROR_MEASURES:
+        raise ValueError(f"error_measure must be one of {ERROR_MEASURES}; got {error_measure!r}")
     names = ["previous_token", "duplicate_token", "induction"] + ([] if causal else ["next_token"])
     pairs = _pair_index(np.asarray(list(token_ids), dtype=np.int64), exclude_bos,
                         exclude_current_token)
@@ -223,7 +246,13 @@ def head_scores(
     rows = n_visible >= 2
     ok = den > 0
     safe = np.where(ok, den, 1.0)
-    res = {n: np.where(ok, num[n] / safe, math.nan) for n in names}
+    if error_measure == "abs":
+        # sum |A - P| over the kept entries = sum(A) - 2 sum(A * P) + n(P) (P is 0/1, A <= 1);
+        # TransformerLens' 1 - round(mean * size, 3), Python's round on the float, per head
+        res = {n: np.array([1 - round(float(v), 3) for v in
+                            (den - 2 * num[n] + len(pairs[n])) / T]) for n in names}
+    else:
+        res = {n: np.where(ok, num[n] / safe, math.nan) for n in names}
     if causal:
         res["next_token"] = np.full(n_heads, math.nan)
     res["self"] = self_

@@ -133,6 +133,23 @@ def resolve_base_url(base_url: str | None = None, warn=None) -> str | None:
     return new
 
 
+def _tl_heads(heads: Any) -> Any:
+    """``[[layer, head], ...]`` from TransformerLens' forms of a head selection: a list of
+    ``(layer, head)`` pairs or a ``{layer: [head, ...]}`` dict (``detect_head(heads=...)``),
+    or a numpy array / tensor ``[n, 2]``; numpy integers become ints. Anything else is passed
+    on for the request schema to refuse (naming the field)."""
+    if hasattr(heads, "tolist"):
+        heads = heads.tolist()
+    if isinstance(heads, Mapping):
+        return [[int(layer), int(h)] for layer, hs in heads.items() for h in hs]
+    if isinstance(heads, (list, tuple)):
+        return [p.tolist() if hasattr(p, "tolist") else (
+            [int(x) for x in p] if isinstance(p, (list, tuple)) and all(
+                isinstance(x, int) or type(x).__module__ == "numpy" for x in p) else p)
+            for p in heads]
+    return heads
+
+
 class BaseClient:
     """What Client and AsyncClient share: configuration, request building, retry policy,
     error mapping and response parsing. Not used directly."""
@@ -331,12 +348,23 @@ class _Endpoints:
                                 texts, options)
 
     def heads(self, text: str | list[str] | None = None, *, texts: list[str] | None = None,
+              error_measure: str | None = None, heads: Any = None, exclude_heads: Any = None,
               **options) -> HeadsResponse:
         """``POST /v1/heads``: scores (previous_token, duplicate_token, induction, next_token,
         self, sink, entropy, ...) and a label for every head, layer-major (``.heads``); several
-        texts are averaged. Options (``HeadsRequest``): ``thresholds`` (dict), ``probe``
-        (dict), ``exclude_bos``, ``exclude_current_token``, ``round``. Sources:
-        TransformerLens head_detector.py; 004_e7341cee07d297e4.txt."""
+        texts are averaged. ``error_measure``: ``"mul"`` (default) or ``"abs"``, TransformerLens
+        4.3 ``detect_head``'s; ``heads``: the heads to score, as TransformerLens takes them (a
+        list of ``(layer, head)`` pairs or a ``{layer: [head, ...]}`` dict; None = all; the
+        response lists only those, where detect_head gives the others -1); ``exclude_heads``:
+        heads to leave out (same forms). Other options (``HeadsRequest``): ``thresholds``
+        (dict), ``probe`` (dict), ``exclude_bos``, ``exclude_current_token``, ``round``.
+        Sources: TransformerLens head_detector.py; 004_e7341cee07d297e4.txt."""
+        if error_measure is not None:
+            options["error_measure"] = error_measure
+        if heads is not None:
+            options["heads"] = _tl_heads(heads)
+        if exclude_heads is not None:
+            options["exclude_heads"] = _tl_heads(exclude_heads)
         return self._post_model("/v1/heads", HeadsRequest, HeadsResponse, text, texts, options)
 
     def links(self, text: str | list[str] | None = None, *, texts: list[str] | None = None,
