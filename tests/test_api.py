@@ -36,11 +36,14 @@ def test_attention_matches_runtime_and_hf(client, gpt2_runtime):
     assert r.status_code == 200
     body = AttentionResponse.model_validate(r.json())
     assert body.model.id == "attnscope-tiny-gpt2" and body.results is None
-    fw = gpt2_runtime.forward_many([gpt2_runtime.tokenize(SENTENCE)])[0]
+    # the reference on the tokens the response reports: BOS first (add_bos null, GPT-2)
+    assert body.add_bos is True
+    fw = gpt2_runtime.forward_many([gpt2_runtime.tokenize(SENTENCE, add_bos=True)])[0]
+    assert [t.id for t in body.attention.tokens] == list(fw.tokens.input_ids)
     got = decode(body.attention.pattern)
     assert got.shape == tuple(fw.pattern.shape)
     assert np.abs(got - fw.pattern.double().numpy()).max() <= 1e-6
-    assert [t.label for t in body.attention.tokens][:2] == ["Then", " I"]
+    assert [t.label for t in body.attention.tokens][:3] == ["<|endoftext|>", "Then", " I"]
     assert body.attention.scores is None
 
 

@@ -34,8 +34,8 @@ def api(url, path, body):
     return r.json()
 
 
-def open_explorer(page, url, text=SENTENCE, layer=0, head="mean", path="/explorer"):
-    page.goto(f"{url}{path}?text={quote(text)}&layer={layer}&head={head}")
+def open_explorer(page, url, text=SENTENCE, layer=0, head="mean", path="/explorer", extra=""):
+    page.goto(f"{url}{path}?text={quote(text)}&layer={layer}&head={head}{extra}")
     page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
 
 
@@ -153,9 +153,9 @@ def test_head_mean_and_pickers_update_url(live_server, page, patterns):
 
 
 def test_head_grid_scores_and_click_opens_the_head(live_server, page, patterns):
-    # the page sends one add_bos for every panel (its checkbox, off here); /v1/heads alone
-    # defaults to BOS prepended (TransformerLens' semantics)
-    heads = api(live_server.url, "/v1/heads", {"text": SENTENCE, "add_bos": False})
+    # the page sends one add_bos for every panel (its checkbox: the model's convention, BOS
+    # first for GPT-2, as every endpoint's default)
+    heads = api(live_server.url, "/v1/heads", {"text": SENTENCE})
     open_explorer(page, live_server.url)
     cells = page.locator("#headgrid button.headcell")
     assert cells.count() == len(heads["heads"]) == 8
@@ -287,7 +287,8 @@ def test_url_values_past_the_model_are_said_and_rollout_has_no_head(live_server,
 
 def test_line_view_legend_once_and_trajectory_labels_apart(live_server, page):
     text = "And God said, Let there be light: and there was light. And God saw the light."
-    open_explorer(page, live_server.url, text=text, layer=1, head=0)
+    # the text's own tokens (add_bos=0): without the BOS sink this text gives L1H0 two labels
+    open_explorer(page, live_server.url, text=text, layer=1, head=0, extra="&add_bos=0")
     # the head checkboxes carry the swatches; the line view adds only its count note
     assert page.locator("#line-heads .swatch").count() >= 2
     assert page.locator("#lineview .legend .swatch").count() == 0
@@ -296,7 +297,7 @@ def test_line_view_legend_once_and_trajectory_labels_apart(live_server, page):
     boxes = page.locator("#trajectories text.toklabel").evaluate_all(
         "ts => ts.map(t => { const b = t.getBBox(); return [b.x, b.y, b.x + b.width, b.y + b.height]; })")
     W, H = (float(page.locator("#trajectories svg").get_attribute(a)) for a in ("width", "height"))
-    n = len(api(live_server.url, "/v1/tokenize", {"text": text})["tokens"]["tokens"])
+    n = len(api(live_server.url, "/v1/tokenize", {"text": text, "add_bos": False})["tokens"]["tokens"])
     assert boxes and all(b[0] >= 0 and b[1] >= 0 and b[2] <= W and b[3] <= H for b in boxes), boxes
     for i, a in enumerate(boxes):
         for b in boxes[i + 1:]:
@@ -319,12 +320,13 @@ def test_line_view_legend_once_and_trajectory_labels_apart(live_server, page):
 
 def test_long_text_uses_compact_wire_forms_and_caps_the_line_view(live_server, page):
     text = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)  # ~200 tokens
-    n = len(api(live_server.url, "/v1/tokenize", {"text": text})["tokens"]["tokens"])
+    # without BOS (the text's own tokens): with it the sink leaves under 4000 weights >= 0.01
+    n = len(api(live_server.url, "/v1/tokenize", {"text": text, "add_bos": False})["tokens"]["tokens"])
     assert 150 < n <= 256
     sizes = []
     page.on("response", lambda r: sizes.append((r.url, len(r.body())))
             if r.url.endswith("/v1/attention") else None)
-    open_explorer(page, live_server.url, text=text, layer=1, head="mean")
+    open_explorer(page, live_server.url, text=text, layer=1, head="mean", extra="&add_bos=0")
     assert page.locator("#heatmap canvas").get_attribute("data-n") == str(n)
     # float16 lower triangle of one layer's 4 heads: 2 bytes x 4 x n(n+1)/2, base64 (4/3)
     tril = 2 * 4 * n * (n + 1) // 2 * 4 // 3
@@ -481,7 +483,7 @@ def test_a_late_reply_for_an_earlier_text_is_not_shown(live_server, page):
     page.fill("#text", b)
     page.click("#run")
     page.wait_for_function("document.body.dataset.state === 'ready'", timeout=60_000)
-    want = api(live_server.url, "/v1/heads", {"text": b, "add_bos": False})["heads"]
+    want = api(live_server.url, "/v1/heads", {"text": b})["heads"]
     late = held[0].fetch()
     with page.expect_response("**/v1/heads"):
         held[0].fulfill(response=late)
@@ -497,7 +499,7 @@ def test_a_late_reply_for_an_earlier_text_is_not_shown(live_server, page):
 def test_a_panel_that_cannot_be_computed_says_why_and_the_rest_stand(live_server, page):
     """A 1-token text: head scores need 2 tokens; the heads panel says so, the heat map,
     tokens and links are there, and the status line names the panel."""
-    open_explorer(page, live_server.url, text="x")
+    open_explorer(page, live_server.url, text="x", extra="&add_bos=0")  # no BOS: 1 token
     assert page.locator("#tokens .token").count() == 1
     assert page.locator("#heatmap canvas").count() >= 1
     err = page.inner_text("#headgrid .panel-error")
@@ -512,3 +514,22 @@ def test_a_panel_that_cannot_be_computed_says_why_and_the_rest_stand(live_server
     status = page.inner_text("#status")
     assert "layer=abc is not a layer index: showing layer 0" in status, status
     assert "head=-2 is not a head index: showing head mean" in status, status
+
+
+def test_bos_is_the_first_token_by_default_and_one_flag_away(live_server, page):
+    """The explorer follows the model's convention (GPT-2: BOS first, as every endpoint's
+    add_bos null): the checkbox starts checked, the first token is <|endoftext|> and the URL
+    stays clean; unchecking gives the text's own tokens and says add_bos=0 in the URL."""
+    open_explorer(page, live_server.url)
+    assert page.is_checked("#add-bos")
+    first = page.locator("#tokens .token").first
+    assert first.inner_text().strip().startswith("<|endoftext|>")
+    n = len(api(live_server.url, "/v1/tokenize", {"text": SENTENCE})["tokens"]["tokens"])
+    assert page.locator("#tokens .token").count() == n
+    assert "add_bos" not in parse_qs(urlparse(page.url).query)
+    page.uncheck("#add-bos")
+    page.click("#run")
+    page.wait_for_function(f"document.querySelectorAll('#tokens .token').length === {n - 1} && "
+                           "document.body.dataset.state === 'ready'", timeout=60_000)
+    assert parse_qs(urlparse(page.url).query)["add_bos"] == ["0"]
+    assert not page.locator("#tokens .token").first.inner_text().strip().startswith("<|endoftext|>")

@@ -18,7 +18,7 @@ import { colourBar, headColour, headGrid, heatmap, lineView, showLabel, trajecto
 const $ = (s) => document.querySelector(s);
 const client = new Client("");
 const panels = [];
-const state = { text: "", layer: 0, head: "mean", addBos: false, view: "weight" };
+const state = { text: "", layer: 0, head: "mean", addBos: null, view: "weight" };
 let model = null;
 let tokens = [];
 let cache = new Map();  // `${layer}|${mean}` -> Tensor [1, H, T, T] or [1, T, T]
@@ -67,7 +67,10 @@ function readUrl() {
   state.layer = index("layer", u.get("layer"), 0);
   const h = u.get("head");
   state.head = h === null || h === "mean" ? "mean" : index("head", h, "mean");
-  state.addBos = u.get("add_bos") === "1";
+  // add_bos: "1" / "0" in the URL override the model's convention (null = the model's:
+  // BOS first for GPT-2-family models, as every endpoint does; resolved once /v1/model answers)
+  const bos = u.get("add_bos");
+  state.addBos = bos === "1" ? true : bos === "0" ? false : null;
   state.view = ["norm", "rollout"].includes(u.get("view")) ? u.get("view") : "weight";
 }
 
@@ -76,7 +79,8 @@ function writeUrl() {
   if (state.text) u.set("text", state.text);
   u.set("layer", String(state.layer));
   u.set("head", String(state.head));
-  if (state.addBos) u.set("add_bos", "1");
+  const bosDefault = !!(model && model.add_bos_default);
+  if (state.addBos !== null && state.addBos !== bosDefault) u.set("add_bos", state.addBos ? "1" : "0");
   if (state.view !== "weight") u.set("view", state.view);
   history.replaceState(null, "", `${location.pathname}?${u}`);
 }
@@ -459,6 +463,7 @@ async function main() {
     return;
   }
   renderModel();
+  if (state.addBos === null) state.addBos = !!model.add_bos_default;
   $("#text").value = state.text;
   $("#add-bos").checked = state.addBos;
   $("#form").addEventListener("submit", (ev) => {
