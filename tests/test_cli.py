@@ -219,3 +219,32 @@ def test_patch_metric_given_through_option_is_read(run):
     rc, out, err = run("patch", "The cat sat", "The dog sat", "--option", "metric=loss", "--json")
     assert rc == 0, err
     assert json.loads(out)["metric"] == "loss"
+
+
+def test_run_caches_by_hook_name_and_saves_safetensors(run, tmp_path):
+    """``attnscope run``: prompts as ids or texts, --cache patterns, a --request file for the
+    interventions and metrics, --save writes the activations by TransformerLens name."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({
+        "interventions": [{"kind": "zero", "hook": "blocks.0.attn.hook_z", "heads": [1]}],
+        "metrics": {"lp": {"kind": "logprob", "terms": [{"position": -1, "target": 7}]}}}))
+    save = tmp_path / "acts.safetensors"
+    rc, out, err = run("run", "--tokens", "0,5,6,7", "--cache", "blocks.*.hook_resid_post",
+                       "--request", str(req), "--save", str(save))
+    assert rc == 0, err
+    assert "blocks.1.hook_resid_post  [1, 4, " in out and "metric lp = " in out
+    arrays = load_file(str(save))
+    assert sorted(arrays) == ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"]
+    assert arrays["blocks.0.hook_resid_post"].shape[:2] == (1, 4)
+    assert np.isfinite(arrays["blocks.1.hook_resid_post"]).all()
+    rc, out, err = run("run", "--hooks")
+    assert rc == 0 and "blocks.0.attn.hook_z" in out and "[batch, pos, head, d_head]" in out
+    rc, out, err = run("run")
+    assert rc == 2 and "--tokens" in err
+    rc, out, err = run("run", "--tokens", "0,5", "--cache", "blocks.0.hook_resid_psot")
+    assert rc != 0 and "blocks.0.hook_resid_post" in err

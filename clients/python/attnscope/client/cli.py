@@ -72,9 +72,14 @@ def _output_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _text_args(p: argparse.ArgumentParser, plot: bool = True) -> None:
-    p.add_argument("text", help="the text to analyse ('-' = standard input)")
-    p.add_argument("--add-bos", action="store_true", default=None,
-                   help="causal models: prepend the BOS token")
+    p.add_argument("text", nargs="?", default=None,
+                   help="the text to analyse ('-' = standard input); or --tokens")
+    p.add_argument("--tokens", type=_ints, default=None, metavar="ID,ID,...",
+                   help="token ids instead of TEXT, used exactly as given (no BOS added), "
+                        "e.g. --tokens 50256,464,3797")
+    p.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="texts: prepend the BOS token (default: the model's convention, BOS "
+                        "for GPT-2; --no-add-bos = the text's own tokens)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
                    help="any request option, value as JSON (e.g. --option 'layers=[0]'); "
                         "repeatable")
@@ -202,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("clean_text", help="the clean prompt")
     p.add_argument("corrupted_text", help="the corrupted prompt (same token count)")
-    p.add_argument("--add-bos", action="store_true", default=None, help="prepend the BOS token")
+    p.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="prepend the BOS token (default: the model's convention)")
     p.add_argument("--target", default=None, help="logit difference: target token")
     p.add_argument("--distractor", default=None, help="logit difference: distractor token")
     p.add_argument("--metric", choices=["logit_diff", "loss"], default=None, help="(logit_diff)")
@@ -234,6 +240,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     from . import batch as _batch
 
+    p = sub.add_parser("run", help="one hooked forward: cache activations by TransformerLens "
+                       "hook name, interventions, metrics (POST /v1/run)")
+    _common(p)
+    p.add_argument("texts", nargs="*", help="prompts as texts (same token count), or none "
+                   "with --tokens / --request")
+    p.add_argument("--tokens", action="append", type=_ints, default=None, metavar="IDS",
+                   help="a prompt as comma-separated token ids (repeatable)")
+    p.add_argument("--cache", action="append", default=None, metavar="HOOK",
+                   help="a hook name or pattern to return, e.g. 'blocks.*.hook_resid_post' "
+                        "(repeatable)")
+    p.add_argument("--request", metavar="FILE", default=None,
+                   help="the whole request as JSON (file, or - for stdin): interventions, "
+                        "metrics, grad, logits; the flags above add to it")
+    p.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="texts: prepend BOS (default: the model's convention)")
+    p.add_argument("--save", metavar="FILE.safetensors", default=None,
+                   help="write the cached activations (and grads as grad.<hook>) to a "
+                        "safetensors file, by hook name")
+    p.add_argument("--hooks", action="store_true", help="list the model's hook points and exit")
+
     p = sub.add_parser("batch", help="run analyses over a JSONL corpus (resumable)",
                        description=_batch.__doc__.replace("``", "'"),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -244,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- helpers -------------------------------------------------------------------------------
 
-def _read_text(s: str) -> str:
+def _read_text(s: str | None) -> str | None:
+    """TEXT ('-' = standard input); None where --tokens gives the input instead."""
     return sys.stdin.read() if s == "-" else s
 
 
@@ -292,8 +319,10 @@ def _options(args, names: dict[str, str]) -> dict[str, Any]:
         v = getattr(args, attr, None)
         if v is not None and v is not False:
             out[field] = v
-    if getattr(args, "add_bos", None):
-        out["add_bos"] = True
+    if getattr(args, "add_bos", None) is not None:
+        out["add_bos"] = args.add_bos
+    if getattr(args, "tokens", None) is not None:
+        out["tokens"] = args.tokens
     for item in getattr(args, "option", []) or []:  # (checked by _check_args before this)
         key, value = _parse_option(item)
         out[key] = value
@@ -772,6 +801,79 @@ def cmd_rollout(args) -> int:
     return EXIT_OK
 
 
+def cmd_run(args) -> int:
+    with _client(args) as c:
+        if args.hooks:
+            res = c.hooks()
+            if args.json:
+                _print_json(res)
+                return EXIT_OK
+            rows = [[h.name, "[" + ", ".join(h.axes) + "]",
+                     "[" + ", ".join("?" if n is None else str(n) for n in h.shape) + "]"]
+                    for h in res.hooks]
+            print(_table(rows, ["hook", "axes", "shape"]))
+            return EXIT_OK
+        body: dict[str, Any] = {}
+        if args.request:
+            raw = sys.stdin.read() if args.request == "-" else _read_file(args.request)
+            try:
+                body = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"--request {args.request}: not valid JSON ({exc.msg} at "
+                                 f"character {exc.pos})")
+            if not isinstance(body, dict):
+                raise UsageError(f"--request {args.request}: a JSON object is expected")
+        if args.texts:
+            body["texts"] = list(args.texts)
+        if args.tokens:
+            body["tokens"] = [list(t) for t in args.tokens]
+        if args.cache:
+            body["cache"] = list(body.get("cache", [])) + list(args.cache)
+        if args.add_bos is not None:
+            body["add_bos"] = args.add_bos
+        if "texts" not in body and "tokens" not in body:
+            raise UsageError("run: give prompts as TEXT arguments, --tokens or in --request")
+        tokens = body.pop("tokens", None)
+        out = c.run(tokens, **body)
+    if args.save:
+        from safetensors.numpy import save_file
+
+        import numpy as np
+
+        arrays = {k: np.ascontiguousarray(v) for k, v in out.cache.items()}
+        arrays.update({f"grad.{k}": np.ascontiguousarray(v) for k, v in out.grads.items()})
+        try:
+            save_file(arrays, args.save)
+        except OSError as exc:
+            raise UsageError(f"cannot write --save {args.save}: {exc.strerror or exc}")
+        print(f"{len(arrays)} tensors saved to {args.save}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"tokens": out.tokens, "add_bos": out.add_bos,
+                          "cache": {k: {"shape": list(v.shape), "dtype": str(v.dtype)}
+                                    for k, v in out.cache.items()},
+                          "metrics": out.metrics, "metric_values": out.metric_values,
+                          "grad_value": out.grad_value, "top": out.top}))
+        return EXIT_OK
+    print(f"{len(out.tokens)} prompts x {len(out.tokens[0])} tokens (add_bos {out.add_bos})")
+    rows = [[k, "[" + ", ".join(map(str, v.shape)) + "]", str(v.dtype), _fmt(float(v.min())),
+             _fmt(float(v.max()))] for k, v in out.cache.items()]
+    if rows:
+        print(_table(rows, ["hook", "shape", "dtype", "min", "max"]))
+    for name, v in out.metrics.items():
+        print(f"metric {name} = {_fmt(v)}  ({', '.join(_fmt(x) for x in out.metric_values[name])})")
+    for name, g in out.grads.items():
+        print(f"grad {name} [{', '.join(map(str, g.shape))}] max |g| {_fmt(float(abs(g).max()))}")
+    return EXIT_OK
+
+
+def _read_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}")
+
+
 def _fmt(x, blank: bool = False) -> str:
     if x is None and blank:
         return ""
@@ -781,7 +883,7 @@ def _fmt(x, blank: bool = False) -> str:
 COMMANDS = {"model": cmd_model, "tokenize": cmd_tokenize, "attention": cmd_attention,
             "trajectories": cmd_trajectories, "verify": cmd_verify, "heads": cmd_heads,
             "links": cmd_links, "norms": cmd_norms, "rollout": cmd_rollout,
-            "predict": cmd_predict, "ablate": cmd_ablate, "patch": cmd_patch}
+            "predict": cmd_predict, "ablate": cmd_ablate, "patch": cmd_patch, "run": cmd_run}
 
 
 SERVICE_CLI = "attnscope.service.cli"
