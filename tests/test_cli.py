@@ -248,3 +248,22 @@ def test_run_caches_by_hook_name_and_saves_safetensors(run, tmp_path):
     assert rc == 2 and "--tokens" in err
     rc, out, err = run("run", "--tokens", "0,5", "--cache", "blocks.0.hook_resid_psot")
     assert rc != 0 and "blocks.0.hook_resid_post" in err
+
+
+def test_tokens_instead_of_text_and_the_bos_flags(run, live_server):
+    """--tokens ID,ID gives ids as they are; the BOS convention (GPT-2: on) is one flag away
+    (--no-add-bos) (issue 25 items 1, 2)."""
+    rc, out, _ = run("tokenize", SENTENCE, "--json")
+    on = json.loads(out)
+    assert rc == 0 and on["add_bos"] is True and on["tokens"]["tokens"][0]["id"] == 0
+    rc, out, _ = run("tokenize", SENTENCE, "--no-add-bos", "--json")
+    off = json.loads(out)
+    assert rc == 0 and off["add_bos"] is False
+    assert [t["id"] for t in off["tokens"]["tokens"]] == [t["id"] for t in on["tokens"]["tokens"]][1:]
+    ids = ",".join(str(t["id"]) for t in on["tokens"]["tokens"])
+    rc, out, _ = run("tokenize", "--tokens", ids, "--json")
+    got = json.loads(out)
+    assert rc == 0 and got["add_bos"] is False
+    assert [t["id"] for t in got["tokens"]["tokens"]] == [t["id"] for t in on["tokens"]["tokens"]]
+    rc, out, _ = run("attention", "--tokens", "0,5,99999", "--json")
+    assert rc != 0

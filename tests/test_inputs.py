@@ -210,3 +210,22 @@ def test_ids_are_used_exactly_as_given(client):
     assert toks[3]["special"] and toks[3]["label"] == "<|endoftext|>"
     text_toks = client.post("/v1/tokenize", json={"text": TEXT, "add_bos": False}).json()
     assert [t["label"] for t in toks[:3]] == [t["label"] for t in text_toks["tokens"]["tokens"][:3]]
+
+
+# ------------------------------------------------------------------ client
+def test_the_client_takes_token_ids_wherever_it_takes_text(client):
+    from attnscope.client import Client
+
+    c = Client("http://testserver", http_client=client, max_retries=0)
+    ids = _ids(client, TEXT)
+    a, b = c.attention(TEXT, layers=[0]), c.attention(tokens=ids, layers=[0])
+    assert a.add_bos is True and b.add_bos is False
+    assert (a.attention.pattern.numpy() == b.attention.pattern.numpy()).all()
+    assert [r.tokens[0].id for r in c.tokenize(token_lists=[ids, ids[1:]]).results] == \
+        [0, ids[1]]
+    assert c.tokenize(TEXT, add_bos=False).tokens.n_tokens == len(ids) - 1
+    ab = c.ablate(tokens=ids, heads=[(0, 0)])
+    assert ab.add_bos is False and [t.id for t in ab.tokens] == ids
+    other = _ids(client, "When John and Mary went to the store, John gave a drink to")
+    p = c.patch(clean_tokens=ids, corrupted_tokens=other, metric="loss")
+    assert p.add_bos is False and len(p.heads) == 2

@@ -333,7 +333,14 @@ class _Endpoints:
     def tokenize(self, text: str | list[str] | None = None, *, texts: list[str] | None = None,
                  **options) -> TokenizeResponse:
         """``POST /v1/tokenize``: tokens as the analyses see them (``.tokens`` for one text,
-        ``.results`` for a list). Options: ``add_bos``."""
+        ``.results`` for a list). Options: ``add_bos``.
+
+        Every text method also takes token ids instead of text: ``tokens=[...]`` (one
+        sequence) or ``token_lists=[[...], ...]``, used exactly as given (no BOS added);
+        ``add_bos`` (default None = the model's convention: BOS for GPT-2) applies to text.
+        ``ablate``: ``reference_token_lists``, ``resample_tokens``; ``patch``:
+        ``clean_tokens``, ``corrupted_tokens``; ``scratch_attention``: ``tokens``,
+        ``query_tokens``. Responses echo the ``add_bos`` used."""
         return self._post_model("/v1/tokenize", TokenizeRequest, TokenizeResponse, text, texts,
                                 options)
 
@@ -445,7 +452,7 @@ class _Endpoints:
         return self._post_model("/v1/predictions", PredictionsRequest, PredictionsResponse,
                                 text, texts, options)
 
-    def ablate(self, text: str, *, heads: list[list[int]] | list[tuple[int, int]] | None = None,
+    def ablate(self, text: str | None = None, *, heads: list[list[int]] | list[tuple[int, int]] | None = None,
                **options) -> AblateResponse:
         """``POST /v1/ablate``: ``heads`` ([[layer, head], ...]) ablated together, ``method``
         'zero' | 'mean' (``reference_texts``) | 'resample' (``resample_text``); per position
@@ -458,19 +465,23 @@ class _Endpoints:
         binary = bool(fields.pop("binary", False))
         if heads is not None:
             fields["heads"] = _head_pairs(heads)
-        req = _validated(AblateRequest, "/v1/ablate", text=text, **fields)
+        if text is not None:  # else tokens=[...] (ids as given) in the options
+            fields["text"] = text
+        req = _validated(AblateRequest, "/v1/ablate", **fields)
         return self._call("POST", "/v1/ablate", req.model_dump(mode="json", exclude_unset=True),
                           AblateResponse, binary)
 
-    def patch(self, clean_text: str, corrupted_text: str, **options) -> PatchResponse:
+    def patch(self, clean_text: str | None = None, corrupted_text: str | None = None,
+              **options) -> PatchResponse:
         """``POST /v1/patch``: activation patching clean -> corrupted, ``.heads`` ``[layer][head]``
         of the normalised metric ``(patched - corrupted) / (clean - corrupted)`` (TransformerLens
         ``get_act_patch_attn_head_out_all_pos``); ``per_position`` -> ``.heads_per_position``,
         ``residual`` -> ``.residual`` ``[layer][pos]``; ``metric`` 'logit_diff' (with
         ``logit_diff={"target", "distractor"}``) or 'loss'; ``method='attribution'`` for the
         linear approximation from one backward (``.approximation`` says so)."""
-        req = _validated(PatchRequest, "/v1/patch", clean_text=clean_text,
-                         corrupted_text=corrupted_text, **options)
+        texts = {k: v for k, v in (("clean_text", clean_text),
+                                    ("corrupted_text", corrupted_text)) if v is not None}
+        req = _validated(PatchRequest, "/v1/patch", **texts, **options)
         return self._call("POST", "/v1/patch", req.model_dump(mode="json", exclude_unset=True),
                           PatchResponse)
 
