@@ -245,16 +245,18 @@ class RunRequest(TensorOptions):
         logits={"positions": [-1], "top_k": 3},
     )
 
-    tokens: list[Annotated[list[TokenId], Field(max_length=1 << 16)]] | None = Field(
+    token_lists: list[Annotated[list[TokenId], Field(max_length=1 << 16)]] | None = Field(
         None, min_length=1, max_length=MAX_PROMPTS,
-        description="The prompts as token ids, one list per prompt, used exactly as given (no "
-        "BOS added). All prompts of a run have the same number of tokens.")
+        description="The prompts as token ids, one list per prompt (``[batch, pos]``, as "
+        "TransformerLens' ``run_with_cache(tokens)``), used exactly as given (no BOS added). All "
+        "prompts of a run have the same number of tokens.")
     texts: list[Annotated[str, Field(min_length=1)]] | None = Field(
         None, min_length=1, max_length=MAX_PROMPTS,
         description="The prompts as texts (tokenized as plain text; BOS per ``add_bos``).")
     add_bos: bool | None = Field(
         None, description="Texts: prepend BOS. Null = the model's convention (true for GPT-2, "
-        "as TransformerLens' to_tokens). Ignored for ``tokens``.")
+        "as TransformerLens' to_tokens). Token ids are used as given: with ``token_lists`` "
+        "only null or false.")
     cache: list[Union[Annotated[str, Field(min_length=1, max_length=200)], CacheItem]] = Field(
         default_factory=list, max_length=MAX_ITEMS,
         description="Hooks to return: names or patterns (strings) or entries with a selection. "
@@ -273,12 +275,15 @@ class RunRequest(TensorOptions):
 
     @model_validator(mode="after")
     def _prompts(self):
-        if (self.tokens is None) == (self.texts is None):
-            raise ValueError("give exactly one of 'tokens' or 'texts'")
-        if self.tokens is not None:
-            for i, t in enumerate(self.tokens):
+        if (self.token_lists is None) == (self.texts is None):
+            raise ValueError("give exactly one of 'token_lists' or 'texts'")
+        if self.token_lists is not None:
+            for i, t in enumerate(self.token_lists):
                 if not t:
-                    raise ValueError(f"tokens[{i}] holds no token ids")
+                    raise ValueError(f"token_lists[{i}] holds no token ids")
+            if self.add_bos:
+                raise ValueError("add_bos applies to texts; token ids are used as given (put "
+                                 "the BOS id first)")
         if self.grad is not None and self.grad.metric not in self.metrics:
             raise ValueError(f"grad.metric {self.grad.metric!r} is not declared in 'metrics' "
                              f"(declared: {sorted(self.metrics)})")

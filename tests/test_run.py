@@ -79,7 +79,7 @@ def test_every_cached_hook_equals_transformerlens_by_name_and_shape(api, tl):
 
 
 def test_the_wire_forms_carry_the_same_numbers(api, client):
-    body = {"tokens": [CLEAN], "cache": ["blocks.1.attn.hook_pattern", "blocks.0.hook_resid_post",
+    body = {"token_lists": [CLEAN], "cache": ["blocks.1.attn.hook_pattern", "blocks.0.hook_resid_post",
                                           "blocks.0.attn.hook_attn_scores"]}
     binary = api.run(**body)
     b64 = api.run(**body, binary=False)
@@ -101,7 +101,7 @@ def test_token_ids_and_texts_give_identical_responses(client):
                                            "logits": {"positions": [-1]}}).json()
     ids = [t["id"] for t in by_text["prompts"][0]["tokens"]]
     assert by_text["add_bos"] is True and ids[0] == 0  # GPT-2 convention: BOS prepended
-    by_ids = client.post("/v1/run", json={"tokens": [ids], "cache": ["blocks.0.attn.hook_z"],
+    by_ids = client.post("/v1/run", json={"token_lists": [ids], "cache": ["blocks.0.attn.hook_z"],
                                           "logits": {"positions": [-1]}}).json()
     assert by_ids["cache"] == by_text["cache"] and by_ids["logits"] == by_text["logits"]
     assert by_ids["add_bos"] is False
@@ -272,37 +272,37 @@ def test_patch_equals_the_same_experiment_as_a_run(client, api):
 
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("body, param, words", [
-    ({"tokens": [[0, 1, 2]], "cache": ["blocks.0.hook_resid_psot"]}, "cache.0.hook",
+    ({"token_lists": [[0, 1, 2]], "cache": ["blocks.0.hook_resid_psot"]}, "cache.0.hook",
      "blocks.0.hook_resid_post"),
-    ({"tokens": [[0, 1, 2]], "cache": [{"hook": "blocks.0.attn.hook_z", "heads": [9]}]},
+    ({"token_lists": [[0, 1, 2]], "cache": [{"hook": "blocks.0.attn.hook_z", "heads": [9]}]},
      None, "head"),
-    ({"tokens": [[0, 1, 2]], "interventions": [R.add("hook_embed", [1.0, 2.0])]},
+    ({"token_lists": [[0, 1, 2]], "interventions": [R.add("hook_embed", [1.0, 2.0])]},
      None, "needs [128]"),
-    ({"tokens": [[0, 1, 2], [0, 1, 3]], "interventions": [
+    ({"token_lists": [[0, 1, 2], [0, 1, 3]], "interventions": [
         R.patch("hook_embed", source_prompt=5)]}, None, "5"),
-    ({"tokens": [[0, 1, 2], [0, 1]]}, "tokens", "[3, 2]"),
-    ({"tokens": [[0, 1, 4096]]}, "tokens.0.2", "2047"),
-    ({"tokens": [[1] * 257]}, "tokens.0", "256"),
-    ({"tokens": [[0, 1, 2]], "metrics": {"m": R.logit_diff((-1, " Mary", 1))}},
+    ({"token_lists": [[0, 1, 2], [0, 1]]}, "token_lists", "[3, 2]"),
+    ({"token_lists": [[0, 1, 4096]]}, "token_lists.0.2", "2047"),
+    ({"token_lists": [[1] * 257]}, "token_lists.0", "256"),
+    ({"token_lists": [[0, 1, 2]], "metrics": {"m": R.logit_diff((-1, " Mary", 1))}},
      "metrics.m.terms.0.target", "not one"),
-    ({"tokens": [[0, 1, 2]], "grad": {"metric": "nope", "hooks": ["hook_embed"]}}, None, "nope"),
-    ({"tokens": [[0, 1, 2]], "texts": ["x"]}, None, "exactly one"),
+    ({"token_lists": [[0, 1, 2]], "grad": {"metric": "nope", "hooks": ["hook_embed"]}}, None, "nope"),
+    ({"token_lists": [[0, 1, 2]], "texts": ["x"]}, None, "exactly one"),
 ])
 def test_bad_input_is_a_named_4xx_and_the_service_keeps_serving(client, body, param, words):
     r = client.post("/v1/run", json=body)
     e = assert_error(r, 422, param=param)
     assert words in e["message"], e
-    assert client.post("/v1/run", json={"tokens": [[0, 1, 2]]}).status_code == 200
+    assert client.post("/v1/run", json={"token_lists": [[0, 1, 2]]}).status_code == 200
 
 
 def test_a_run_over_the_memory_limit_is_refused_before_the_forward(make_client, gpt2_runtime):
     c = make_client(gpt2_runtime, max_request_bytes=1 << 20)
-    r = c.post("/v1/run", json={"tokens": [[1] * 200] * 4, "cache": ["*"]})
+    r = c.post("/v1/run", json={"token_lists": [[1] * 200] * 4, "cache": ["*"]})
     e = assert_error(r, 422, type_="memory_limit_exceeded")
     assert "max_request_bytes" in e["message"]
-    assert c.post("/v1/run", json={"tokens": [[0, 1, 2]]}).status_code == 200
+    assert c.post("/v1/run", json={"token_lists": [[0, 1, 2]]}).status_code == 200
 
 
 def test_hooks_on_an_encoder_is_unsupported(bert_client):
     assert_error(bert_client.get("/v1/hooks"), 422)
-    assert_error(bert_client.post("/v1/run", json={"tokens": [[101, 102]]}), 422)
+    assert_error(bert_client.post("/v1/run", json={"token_lists": [[101, 102]]}), 422)

@@ -38,8 +38,8 @@ def check(rt, req: RunRequest) -> None:
     closest names)."""
     check_lm(rt)
     p = parts(rt)
-    prompts = req.tokens if req.tokens is not None else req.texts
-    field = "tokens" if req.tokens is not None else "texts"
+    prompts = req.token_lists if req.token_lists is not None else req.texts
+    field = "token_lists" if req.token_lists is not None else "texts"
     if len(prompts) > rt.settings.max_batch:
         raise BatchTooLarge(f"{field} holds {len(prompts)} prompts; the limit is "
                             f"{rt.settings.max_batch} (max_batch)", field)
@@ -63,9 +63,10 @@ def add_bos_of(rt, req) -> bool:
 def prompts_of(rt, req: RunRequest) -> list:
     """The prompts as ``TokenizedText`` (ids used as given; texts tokenized, BOS per
     :func:`add_bos_of`), all of one length (422 naming the lengths otherwise)."""
-    if req.tokens is not None:
-        items = [rt.tokenized_from_ids(ids, f"tokens.{i}") for i, ids in enumerate(req.tokens)]
-        field = "tokens"
+    if req.token_lists is not None:
+        items = [rt.tokenized_from_ids(ids, f"token_lists.{i}")
+                 for i, ids in enumerate(req.token_lists)]
+        field = "token_lists"
     else:
         bos = add_bos_of(rt, req)
         items = [rt.tokenize(t, bos, f"texts.{i}") for i, t in enumerate(req.texts)]
@@ -317,7 +318,7 @@ sizes fixed by the model (null: set by the request). GPT-2-family causal LMs; an
         summary="One hooked forward: cache activations, apply interventions, read metrics "
                 "and gradients (TransformerLens hook names)",
         description="""Remote execution of one forward of the resident causal LM on a batch of
-prompts of equal length (``tokens`` as ids used as given, or ``texts`` with BOS per
+prompts of equal length (``token_lists`` as ids used as given, or ``texts`` with BOS per
 ``add_bos``), in one device turn:
 
 * ``cache``: hook names or fnmatch patterns (``blocks.*.hook_resid_post``), each with an

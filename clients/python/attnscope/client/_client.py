@@ -497,7 +497,8 @@ class _Endpoints:
         """``POST /v1/run``: one hooked forward on the server -> :class:`~.run.RunOutput`
         (``out.cache["blocks.0.attn.hook_z"]`` ``[batch, pos, head, d_head]`` as numpy, TL's
         names and shapes; ``out.metrics``, ``out.grads``, ``out.logits``/``out.top``,
-        ``out.loss``). ``tokens``: prompts as ids (used as given) or ``texts`` (BOS per
+        ``out.loss``). ``tokens``: prompts as ids ``[batch, pos]`` (used as given; the
+        request's ``token_lists``) or ``texts`` (BOS per
         ``add_bos``, default the model's convention); ``cache``: hook names/patterns or
         :func:`~.run.cached` entries; ``interventions`` / ``metrics``: the builders of
         :mod:`attnscope.client.run` (or plain dicts). Options (``RunRequest``): ``add_bos``,
@@ -506,8 +507,8 @@ class _Endpoints:
         arrays read without a JSON parse. Raises :class:`RequestValidationError` before
         sending when the request does not fit the schema; the service's 4xx as usual."""
         fields: dict[str, Any] = dict(options)
-        if tokens is not None:
-            fields["tokens"] = [[int(t) for t in p] for p in tokens]
+        if tokens is not None:  # [batch, pos] ids, as TransformerLens' run_with_cache(tokens)
+            fields["token_lists"] = [[int(t) for t in p] for p in tokens]
         if texts is not None:
             fields["texts"] = list(texts)
         fields["cache"] = list(cache)

@@ -826,14 +826,15 @@ def cmd_run(args) -> int:
         if args.texts:
             body["texts"] = list(args.texts)
         if args.tokens:
-            body["tokens"] = [list(t) for t in args.tokens]
+            body["token_lists"] = [list(t) for t in args.tokens]
         if args.cache:
             body["cache"] = list(body.get("cache", [])) + list(args.cache)
         if args.add_bos is not None:
             body["add_bos"] = args.add_bos
-        if "texts" not in body and "tokens" not in body:
-            raise UsageError("run: give prompts as TEXT arguments, --tokens or in --request")
-        tokens = body.pop("tokens", None)
+        if "texts" not in body and "token_lists" not in body:
+            raise UsageError("run: give prompts as TEXT arguments, --tokens or in --request "
+                             "(texts or token_lists)")
+        tokens = body.pop("token_lists", None)
         out = c.run(tokens, **body)
     if args.save:
         from safetensors.numpy import save_file
