@@ -1,0 +1,304 @@
+"""/v1/logit-lens and /v1/logit-attribution: the residual stream through ln_final and the
+unembedding, per state (logit lens) and per component (direct logit attribution), on the hooked
+forward of /v1/run (service/runtime/hooked.py, TransformerLens 4.x hook names; each prompt its
+own forward, so prompts may differ in length). The formulas are in service/analysis/lens.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnscope.schemas.lens import (
+    WEIGHTS_DOC, LogitAttributionRequest, LogitAttributionResponse, LogitLensRequest,
+    LogitLensResponse,
+)
+from ..analysis import lens as A
+from ..errors import InvalidRequest, OutOfRange
+from ..runtime import hooked as H
+from .core.engine import Plan
+from .core.estimates import tokens_bytes
+from .core.table import Endpoint
+from .interventions import _single_token, check_lm
+from .run import parts
+
+#: one top-k or target entry of a response (dict + JSON: id, label, bytes, partial, numbers)
+ENTRY_BYTES = 400
+
+
+def _f(x) -> float:
+    """A float32 value as its shortest round-tripping decimal (as every endpoint sends them)."""
+    return float(str(np.float32(float(x))))
+
+
+def check(rt, req) -> None:
+    """A causal GPT-2 LM the hooked forward runs (422 ``unsupported_model`` /
+    ``unsupported_model_config``)."""
+    check_lm(rt)
+    parts(rt)
+
+
+def _token(rt, ref, param: str, vocab: int) -> int:
+    """A token id (checked against the vocabulary) or a text that is one token (422)."""
+    if isinstance(ref, str):
+        return int(_single_token(rt, ref, param))
+    if not 0 <= int(ref) < vocab:
+        raise OutOfRange(f"{param}: token id {ref} is out of range (0..{vocab - 1})", param)
+    return int(ref)
+
+
+def _positions(positions, T: int, default: list[int] | None, where: str) -> list[int]:
+    """``positions`` resolved against a prompt of ``T`` tokens (negatives from the end), each
+    once; ``default`` (None: every position) when not given."""
+    if positions is None:
+        return list(range(T)) if default is None else default
+    out, seen = [], {}
+    for i, q in enumerate(positions):
+        if not -T <= q < T:
+            raise OutOfRange(f"positions.{i} = {q} is out of range: {where} has {T} token"
+                             f"{'s' if T != 1 else ''} (valid -{T}..{T - 1})", f"positions.{i}")
+        r = q % T
+        if r in seen:
+            raise InvalidRequest(f"positions.{i} = {q} repeats positions.{seen[r]} (position "
+                                 f"{r})", f"positions.{i}")
+        seen[r] = i
+        out.append(r)
+    return out
+
+
+def _where(req, i: int) -> str:
+    many = req.texts is not None or req.token_lists is not None
+    return f"prompt {i}" if many else "the prompt"
+
+
+def _prompt_body(it) -> dict:
+    return {"tokens": [t.as_dict() for t in it.tokens], "n_tokens": len(it)}
+
+
+def _forward_bytes(p: H.GPT2Parts, T: int) -> int:
+    """The hooked forward's live tensors for one prompt (as /v1/run estimates them)."""
+    es = p.wte.element_size()
+    return es * (3 * p.n_heads * T * T + T * (8 * p.d_model + 2 * p.d_mlp) + 2 * p.d_vocab)
+
+
+# ------------------------------------------------------------------------------ logit lens
+def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
+    """Positions and the target checked per prompt (422), the estimate (the largest prompt's
+    forward, its cached states and one state's lens logits with their log-softmax and
+    probabilities in float32; every prompt's response entries), and the job: per prompt one
+    hooked forward caching the residual states, then per state the lens logits and their
+    statistics (service/analysis/lens.py)."""
+    p = parts(rt)
+    L, V, D = p.n_layers, p.d_vocab, p.d_model
+    target = None if req.target is None else _token(rt, req.target, "target", V)
+    n_states = L + 1 + (L if req.incl_mid else 0)
+    per_prompt = []
+    est_job, est_body = 0, 0
+    for i, it in enumerate(items):
+        T = len(it)
+        pos = _positions(req.positions, T, None, _where(req, i))
+        per_prompt.append(pos)
+        job = _forward_bytes(p, T) + p.wte.element_size() * n_states * T * D + 4 * 4 * T * V
+        est_job = max(est_job, job)
+        est_body += tokens_bytes(T) + n_states * (200 + len(pos) * (req.top_k + 1)
+                                                  * ENTRY_BYTES)
+    hooks = [f"blocks.{layer}.hook_resid_pre" for layer in range(L)]
+    labels = [f"{layer}_pre" for layer in range(L)]
+    if req.incl_mid:
+        hooks = [h for layer in range(L) for h in (f"blocks.{layer}.hook_resid_pre",
+                                                   f"blocks.{layer}.hook_resid_mid")]
+        labels = [s for layer in range(L) for s in (f"{layer}_pre", f"{layer}_mid")]
+    hooks.append(f"blocks.{L - 1}.hook_resid_post")
+    labels.append("final_post")
+
+    def job(_forwards) -> dict:
+        prompts = []
+        for it, pos in zip(items, per_prompt):
+            ids = torch.tensor([list(it.input_ids)], dtype=torch.long)
+            cache = {h: None for h in hooks}
+            if req.ln == "final":
+                cache["ln_final.hook_scale"] = None
+            res = H.run(p, ids, cache=cache, logit_positions=[-1])
+            scale = res.cache.get("ln_final.hook_scale")
+            T = ids.shape[1]
+            tid = ids[0]
+            if target is not None:
+                targets = torch.full((len(pos),), target, dtype=torch.long)
+            else:
+                targets = torch.tensor([int(tid[q + 1]) if q + 1 < T else -1 for q in pos],
+                                       dtype=torch.long)
+            states = []
+            for hook, label in zip(hooks, labels):
+                logits = A.lens_logits(res.cache[hook][0], p.unembed, p.lnf_w, p.lnf_b, p.eps,
+                                       req.ln, None if scale is None else scale[0])
+                st = A.lens_stats(logits, tid, pos, req.top_k, targets)
+                del logits
+                top_refs = rt.token_refs(st.top_ids.reshape(-1).tolist())
+                k = st.top_ids.shape[1]
+                tgt_refs = rt.token_refs(targets.clamp(min=0).tolist())
+                rows = []
+                for j, q in enumerate(pos):
+                    top = [dict(top_refs[j * k + c], prob=_f(st.top_probs[j, c]),
+                                logit=_f(st.top_logits[j, c])) for c in range(k)]
+                    tg = None
+                    if int(targets[j]) >= 0:
+                        lp = float(st.target_logprob[j])
+                        tg = dict(tgt_refs[j], rank=int(st.target_rank[j]), logprob=_f(lp),
+                                  prob=_f(np.exp(lp)))
+                    rows.append({"position": q, "top": top, "target": tg})
+                states.append({"label": label, "hook": hook,
+                               "loss": None if st.loss is None else _f(st.loss),
+                               "positions": rows})
+            prompts.append({**_prompt_body(it), "states": states})
+        return {"model": rt.model_ref(), "add_bos": bool(req.add_bos), "ln": req.ln,
+                "ln_description": A.LN_DESCRIPTION[req.ln], "weights": WEIGHTS_DOC,
+                "prompts": prompts}
+
+    return Plan([], job, int(est_job + est_body))
+
+
+# ------------------------------------------------------------------ direct logit attribution
+def _per_prompt(rt, ref, n: int, param: str, vocab: int) -> list[int] | None:
+    """One token id per prompt from a token (every prompt) or a list of one per prompt."""
+    if ref is None:
+        return None
+    if isinstance(ref, list):
+        if len(ref) != n:
+            raise InvalidRequest(f"{param}: {len(ref)} tokens given for {n} prompt"
+                                 f"{'s' if n != 1 else ''} (one per prompt, or a single "
+                                 "token for all)", param)
+        return [_token(rt, r, f"{param}.{i}", vocab) for i, r in enumerate(ref)]
+    return [_token(rt, ref, param, vocab)] * n
+
+
+def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
+    """Targets, distractors (a distractor equal to its target is a 422) and positions checked
+    per prompt, the estimate (the largest prompt's forward with its cached head results
+    ``[pos, head, d_model]`` per layer and the float64 stack at the chosen positions; the
+    response's numbers), and the job: per prompt one hooked forward caching the components at
+    the chosen positions, their parts of the logit direction and the served logits there."""
+    p = parts(rt)
+    L, Hn, D, V = p.n_layers, p.n_heads, p.d_model, p.d_vocab
+    n = len(items)
+    tgt = _per_prompt(rt, req.target, n, "target", V)
+    dis = _per_prompt(rt, req.distractor, n, "distractor", V)
+    if dis is not None:
+        for i, (a, b) in enumerate(zip(tgt, dis)):
+            if a == b:
+                param = "distractor" if not isinstance(req.distractor, list) else f"distractor.{i}"
+                raise InvalidRequest(f"{param}: the distractor is the target (token {a}); the "
+                                     "logit difference would be 0", param)
+    per_prompt = []
+    est_job, est_body = 0, 0
+    n_comp = 2 + L * Hn + 2 * L
+    es = p.wte.element_size()
+    for i, it in enumerate(items):
+        T = len(it)
+        pos = _positions(req.positions, T, [T - 1], _where(req, i))
+        per_prompt.append(pos)
+        P = len(pos)
+        job = _forward_bytes(p, T) + es * T * Hn * D + es * P * n_comp * D + 8 * 3 * n_comp * P * D
+        est_job = max(est_job, job)
+        est_body += tokens_bytes(T) + P * (400 + 30 * n_comp)
+    comps = {"hook_embed": None, "hook_pos_embed": None, "ln_final.hook_scale": None,
+             "blocks.*.attn.hook_result": None, "blocks.*.hook_mlp_out": None}
+
+    def job(_forwards) -> dict:
+        prompts = []
+        b_O = torch.stack([blk.proj_b for blk in p.blocks])  # [layer, d_model]
+        for i, (it, pos) in enumerate(zip(items, per_prompt)):
+            ids = torch.tensor([list(it.input_ids)], dtype=torch.long)
+            sel = H.CacheSelect(positions=pos)
+            res = H.run(p, ids, cache={k: sel for k in comps}, logit_positions=pos)
+            c = res.cache
+            P = len(pos)
+            heads = torch.stack([c[f"blocks.{layer}.attn.hook_result"][0] for layer in range(L)])
+            # stack [component, P, d_model]: embed, pos_embed, L x H heads, L biases, L MLPs
+            stack = torch.cat([
+                c["hook_embed"][0][None], c["hook_pos_embed"][0][None],
+                heads.permute(0, 2, 1, 3).reshape(L * Hn, P, D),
+                b_O[:, None, :].expand(L, P, D),
+                torch.stack([c[f"blocks.{layer}.hook_mlp_out"][0] for layer in range(L)]),
+            ])
+            t = torch.full((P,), tgt[i], dtype=torch.long)
+            d = None if dis is None else torch.full((P,), dis[i], dtype=torch.long)
+            direction = A.logit_direction(p.unembed, t, d)
+            scale = c["ln_final.hook_scale"][0]  # [P, 1]
+            parts_ = A.direct_logit_attribution(stack, scale, p.lnf_w, direction)  # [C, P]
+            bias = A.ln_bias_term(p.lnf_b, direction)
+            lg = res.logits[0].double()  # [P, vocab], the forward's own logits
+            served = lg[torch.arange(P), t] - (0 if d is None else lg[torch.arange(P), d])
+            rows = []
+            for j, q in enumerate(pos):
+                col = parts_[:, j]
+                total = float(col.sum())
+                rows.append({
+                    "position": q, "target": tgt[i], "distractor": None if dis is None
+                    else dis[i], "logit_diff": _f(served[j]), "scale": _f(scale[j, 0]),
+                    "embed": _f(col[0]), "pos_embed": _f(col[1]),
+                    "heads": [[_f(v) for v in col[2 + layer * Hn: 2 + (layer + 1) * Hn]]
+                              for layer in range(L)],
+                    "attn_bias": [_f(v) for v in col[2 + L * Hn: 2 + L * Hn + L]],
+                    "mlp": [_f(v) for v in col[2 + L * Hn + L:]],
+                    "ln_final_bias": _f(bias[j]), "sum_of_parts": _f(total),
+                    "residual_error": float(f"{float(served[j]) - total - float(bias[j]):.3g}"),
+                })
+            prompts.append({**_prompt_body(it), "positions": rows})
+        return {"model": rt.model_ref(), "add_bos": bool(req.add_bos),
+                "method": A.DLA_DESCRIPTION, "weights": WEIGHTS_DOC, "prompts": prompts}
+
+    return Plan([], job, int(est_job + est_body))
+
+
+ENDPOINTS = [
+    Endpoint(
+        path="/v1/logit-lens", name="logit_lens", request=LogitLensRequest,
+        response=LogitLensResponse,
+        summary="Logit lens: every residual state through ln_final and the unembedding",
+        description="""For each prompt (``text``, ``texts``, ``tokens``, ``token_lists``; BOS per
+``add_bos``) and each residual state in forward order (``blocks.{l}.hook_resid_pre``,
+optionally ``blocks.{l}.hook_resid_mid``, and the final ``blocks.{L-1}.hook_resid_post``;
+TransformerLens' accumulated_resid labels ``{l}_pre``, ``{l}_mid``, ``final_post``), the lens
+logits ``LN(x) W_U`` (nostalgebraist 2020) with ``ln``: ``"own"`` = ln_final with the state's
+own statistics (TransformerLens 4.3 ``cache.accumulated_resid(apply_ln=True)``, which
+recomputes the final norm per state) or ``"final"`` = the final LayerNorm's scale frozen from
+the run (``apply_ln_to_stack`` semantics: centred, divided by ``ln_final.hook_scale``), then
+ln_final's weight and bias (the unprocessed weights do not fold them into ``W_U``). Per state:
+the mean next-token cross entropy (nats) over every position; per requested position the
+top-k tokens (probability, logit) and the rank (tokens with a higher logit; 0 = top) and
+log-prob of the actual next token or of ``target``. The ``final_post`` state is the model's own
+prediction. Equal to TransformerLens 4.3 (``enable_compatibility_mode(no_processing=True)``)
+to <= 1e-5 (tests/test_lens.py).
+Errors: 422 a position out of range or repeated, a target that is not one token or not in the
+vocabulary, too many tokens, a model the hooked forward does not run; 429 over the memory
+budget.""",
+        plan=lens_plan, check=check,
+        invalid="Invalid request: a position out of range or repeated, a target that is not one "
+                "token, too many tokens, an unsupported model, memory.",
+        tags=("lens",), order=130,
+    ),
+    Endpoint(
+        path="/v1/logit-attribution", name="logit_attribution",
+        request=LogitAttributionRequest, response=LogitAttributionResponse,
+        summary="Direct logit attribution to heads, MLPs, embeddings and biases",
+        description="""At each chosen position (default the last) of each prompt, the logit
+direction ``d = W_U[:, target] - W_U[:, distractor]`` (or ``W_U[:, target]`` without a
+distractor) attributed to every component of the final residual state through ln_final with
+its scale frozen from the run (TransformerLens ``cache.apply_ln_to_stack``, which also centres
+each component): ``part(c) = ((c - mean c) / s) . (w * d)``, ``s`` = ``ln_final.hook_scale``,
+``w`` ln_final's weight, for ``hook_embed``, ``hook_pos_embed``, every head's
+``blocks.{l}.attn.hook_result`` (without b_O; TransformerLens ``stack_head_results``), every
+layer's attention output bias ``b_O`` and every ``blocks.{l}.hook_mlp_out``. The parts sum to
+the served logit difference up to ln_final's bias term ``b . d``, which is reported
+(``ln_final_bias``), and ``residual_error`` = served - parts - bias is float rounding only
+(<= 1e-4, tests/test_lens.py). Raw weights: b_V stays inside each head's result (a processed
+TransformerLens model folds it into b_O).
+Errors: 422 a position out of range or repeated, a target or distractor that is not one token,
+a distractor equal to the target, a per-prompt list of the wrong length; 429 over the memory
+budget.""",
+        plan=dla_plan, check=check,
+        invalid="Invalid request: a position out of range or repeated, a target or distractor "
+                "that is not one token (or equal), too many tokens, an unsupported model, "
+                "memory.",
+        tags=("lens",), order=131,
+    ),
+]
