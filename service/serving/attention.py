@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from attnscope.schemas import AttentionRequest
+from attnscope.schemas import AttentionRequest, AttentionResponse
 from ..analysis.attention import select_heads
 from ..encoding import encode_tensor, estimate_encoded_bytes
 from ..errors import InvalidRequest
 from .core.engine import Plan
 from .core.table import Endpoint
-from attnscope.schemas import AttentionResponse
 from .core.checks import check_indices
 from .common import text_or_results
 

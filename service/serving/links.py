@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnscope.schemas import LinksRequest
+from attnscope.schemas import LinksRequest, LinksResponse
 from ..analysis.links import skipped_queries, strongest_links
 from ..analysis.verify_recorded import AttentionParams
 from .core.estimates import links_bytes
 from ..errors import InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
 from .core.engine import Plan
 from .core.table import Endpoint
-from attnscope.schemas import LinksResponse
 from .core.checks import check_distinct, check_index
 from .common import text_or_results
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from attnscope.schemas import NormsRequest, NormsResponse
 from ..analysis import norms as N
 from ..analysis.verify_recorded import AttentionParams
 from ..encoding import encode_tensor, estimate_encoded_bytes
 from ..errors import InvalidRequest, NonFiniteValues
 from .core.engine import Plan
 from .core.table import Endpoint
-from attnscope.schemas import NormsRequest, NormsResponse
 from .core.checks import check_indices
 from .common import text_or_results
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from attnscope.schemas import RolloutRequest, RolloutResponse
 from ..analysis import rollout as RO
 from ..encoding import encode_tensor, estimate_encoded_bytes
 from ..errors import InvalidRequest, NonFiniteValues, n_tokens
 from .core.engine import Plan
 from .core.table import Endpoint
-from attnscope.schemas import RolloutRequest, RolloutResponse
 from .core.checks import check_indices
 from .common import text_or_results
 

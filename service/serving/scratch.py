@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from attnscope.schemas import ScratchAttentionRequest
 from attnscope.schemas.scratch import MAX_WEIGHTS
+from attnscope.schemas import ScratchAttentionRequest, ScratchAttentionResponse
 from ..analysis.scratch import as_matrix, embedding_qkv, scratch_attention
 from ..encoding import encode_tensor
 from .core.estimates import scratch_bytes
@@ -13,7 +13,6 @@ from ..errors import InvalidRequest
 from .core.engine import Plan
 from .core.inputs import tokenized
 from .core.table import Endpoint
-from attnscope.schemas import ScratchAttentionResponse
 
 
 def check_wire_range(r: dict, dtype: str) -> None:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from attnscope.schemas import TrajectoriesRequest
+from attnscope.schemas import TrajectoriesRequest, TrajectoriesResponse
 from ..analysis.trajectories import check_trajectory_request, trajectories
 from ..encoding import encode_tensor
 from .core.estimates import trajectories_bytes
 from ..errors import InvalidRequest
 from .core.engine import Plan
 from .core.table import Endpoint
-from attnscope.schemas import TrajectoriesResponse
 from .common import text_or_results
 
 
