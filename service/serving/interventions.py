@@ -23,7 +23,7 @@ import torch
 from attnscope.schemas.interventions import AblateRequest, PatchRequest, PredictionsRequest
 from ..analysis import interventions as A
 from ..encoding import encode_tensor, estimate_encoded_bytes
-from ..errors import BatchTooLarge, InvalidRequest, OutOfRange, n_tokens
+from ..errors import BatchTooLarge, InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
 from ..runtime import interventions as I
 from .core.engine import Plan
 from .core.table import Endpoint
@@ -48,6 +48,18 @@ def _num(x) -> float | None:
     if not math.isfinite(v):
         return None
     return float(str(np.float32(v)))
+
+
+def _finite(t, what: str):
+    """``t`` (the model's logits, a metric value or a grid of them: tensor or float),
+    unchanged, when every value is finite; else :class:`NonFiniteValues` (500
+    ``non_finite_values``, naming ``what``): the one rule of every endpoint, a number the model
+    produced is never sent as null. (A normalised patching metric whose clean and corrupted
+    values are equal has no scale: that NaN is not the model's and stays a documented null.)"""
+    ok = bool(torch.isfinite(t).all()) if isinstance(t, torch.Tensor) else math.isfinite(t)
+    if not ok:
+        raise NonFiniteValues(f"{what} NaN/inf; refusing to report it as numbers")
+    return t
 
 
 def _grid(t: torch.Tensor) -> list:
@@ -149,7 +161,8 @@ def predictions_plan(rt, req: PredictionsRequest, items) -> Plan:
         out = []
         for fw, pos in zip(forwards, chosen):
             ids = fw.tokens.input_ids
-            s = A.next_token_stats(I.recorded_logits(rt, fw.tensors), ids, req.top_k)
+            logits = _finite(I.recorded_logits(rt, fw.tensors), "the model's logits hold")
+            s = A.next_token_stats(logits, ids, req.top_k)
             labels = [t.label for t in fw.tokens.tokens]
             rows, losses = [], []
             for p in pos:
@@ -238,7 +251,7 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
         labels = [t.label for t in main.tokens]
         body: dict = {"model": rt.model_ref(), "tokens": [t.as_dict() for t in main.tokens],
                       "method": req.method, "heads": [list(h) for h in heads] if heads else None}
-        clean = I.recorded_logits(rt, ft)  # [pos, vocab]
+        clean = _finite(I.recorded_logits(rt, ft), "the model's logits hold")  # [pos, vocab]
         ld_body = None
         if ld is not None:
             tgt, dis, lpos = ld
@@ -249,7 +262,7 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
             body["logit_diff"] = ld_body
             return body
         run = I.ablate(rt, ft, heads, value, capture_patterns=req.include_patterns)
-        abl = run.logits[0]
+        abl = _finite(run.logits[0], "the ablated run's logits hold")
         lc, la = A.log_softmax(clean), A.log_softmax(abl)
         kl = A.kl_divergence(lc, la)
         ci, cl, cp = A.topk(clean, req.top_k)
@@ -318,7 +331,7 @@ def _scan(rt, req, ft, value, clean, ids, positions, ld) -> dict:
 
         def metric(lg):
             return A.kl_divergence(lc[None], A.log_softmax(lg)).mean(-1)
-    grid = I.ablation_scan(rt, ft, value, metric, P)
+    grid = _finite(I.ablation_scan(rt, ft, value, metric, P), "the scan's metric grid holds")
     return {"metric": req.scan_metric, "clean": _num(clean_v), "grid": _grid(grid),
             "effect": _grid(grid - clean_v)}
 
@@ -378,16 +391,18 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
 
             def raw(lg):
                 return A.token_loss(A.log_softmax(lg), nxt).mean(-1)
-        c_val = float(raw(I.recorded_logits(rt, fc, P)[None])[0])
+        c_val = _finite(float(raw(I.recorded_logits(rt, fc, P)[None])[0]),
+                        "the clean run's metric is")
         if attribution:
             # the corrupted run is the attribution forward itself (metric, z, gradients): one
             # recorded forward (clean), one forward and one backward (corrupted)
             m, grads, zk = I.attribution_grads(
                 rt, I.embedding_output(rt, corr_t.input_ids), lambda lg: raw(lg)[0], P, with_z=True)
-            k_val = float(m)
+            k_val = _finite(float(m), "the corrupted run's metric is")
         else:
             fk = forwards[1].tensors
-            k_val = float(raw(I.recorded_logits(rt, fk, P)[None])[0])
+            k_val = _finite(float(raw(I.recorded_logits(rt, fk, P)[None])[0]),
+                            "the corrupted run's metric is")
         body: dict = {
             "model": rt.model_ref(),
             "clean_tokens": [t.as_dict() for t in clean_t.tokens],
@@ -400,8 +415,8 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
             "heads_per_position": None, "residual": None, "approximation": None,
         }
 
-        def norm(x):
-            return A.normalized(x, c_val, k_val)
+        def norm(x):  # the patched metric (checked finite), normalised
+            return A.normalized(_finite(x, "the patched metric grid holds"), c_val, k_val)
         if attribution:
             g = torch.stack(grads).cpu()
             zc = I.head_z(fc.pattern, fc.v)
@@ -417,7 +432,7 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
             if req.residual:
                 body["residual"] = _grid(norm(I.resid_patch_grid(rt, fc, fk, raw, P)))
         body["heads"] = _grid(norm(heads_raw))
-        body["heads_raw"] = _grid(heads_raw)
+        body["heads_raw"] = _grid(heads_raw)  # finite: norm() checked it
         return body
 
     return Plan([clean_t] if attribution else [clean_t, corr_t], job, est, detail=detail)
