@@ -48,9 +48,12 @@ def test_attention_matches_runtime_and_hf(client, gpt2_runtime):
 
 
 def test_selection_head_mean_rounding_base64(client, gpt2_runtime):
-    fw = gpt2_runtime.forward_many([gpt2_runtime.tokenize(SENTENCE)])[0]
+    # the reference on the tokens the response reports: BOS first (add_bos null, GPT-2)
+    fw = gpt2_runtime.forward_many([gpt2_runtime.tokenize(SENTENCE, add_bos=True)])[0]
     full = fw.pattern.double().numpy()
     r = client.post("/v1/attention", json={"text": SENTENCE, "layers": [1, 0], "heads": [2], "round": 3})
+    assert r.json()["add_bos"] is True
+    assert [t["id"] for t in r.json()["attention"]["tokens"]] == list(fw.tokens.input_ids)
     got = decode(r.json()["attention"]["pattern"])
     assert got.shape == (2, 1, fw.n_tokens, fw.n_tokens)
     assert np.abs(got - np.round(full[[1, 0]][:, [2]], 3)).max() <= 1e-9
@@ -71,7 +74,9 @@ def test_scores_masked_explicitly(client, gpt2_runtime):
     assert s[0][0][0][1] is None  # future key of a causal model: null, documented
     arr = np.array([[[[np.nan if x is None else x for x in row] for row in h] for h in lyr] for lyr in s])
     assert np.isnan(arr[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]]).all()
-    fw = gpt2_runtime.forward_many([gpt2_runtime.tokenize(SENTENCE)])[0]
+    # the reference on the tokens the response reports (BOS first by default)
+    fw = gpt2_runtime.forward_many([gpt2_runtime.tokenize(SENTENCE, add_bos=True)])[0]
+    assert [t["id"] for t in r.json()["attention"]["tokens"]] == list(fw.tokens.input_ids)
     lower = np.tril_indices(T)
     ref = fw.scores([0]).double().numpy()
     assert np.abs(arr[..., lower[0], lower[1]] - ref[..., lower[0], lower[1]]).max() <= 1e-5
@@ -101,8 +106,10 @@ def test_tokenize(client, gpt2_runtime):
     assert not any(t.special for t in toks[1:])
     assert "".join(t.label for t in toks[1:]) == "a <|endoftext|> b"
     r = client.post("/v1/tokenize", json={"texts": ["x", "y z"]})
+    # add_bos null: the model's convention (BOS first for GPT-2), as the analyses see them
+    assert r.json()["add_bos"] is True
     assert [x["n_tokens"] for x in r.json()["results"]] == [
-        len(gpt2_runtime.tokenize("x")), len(gpt2_runtime.tokenize("y z"))]
+        len(gpt2_runtime.tokenize("x", add_bos=True)), len(gpt2_runtime.tokenize("y z", add_bos=True))]
     assert [len(x["tokens"]) for x in r.json()["results"]] == [x["n_tokens"] for x in r.json()["results"]]
 
 
