@@ -173,28 +173,36 @@ class LogitDiffMetric(_Metric):
     """``logit[target] - logit[distractor]`` at each term's position (logits, unnormalised)."""
 
     kind: Literal["logit_diff"] = Field(description="'logit_diff'.")
-    terms: list[LogitDiffTerm] = Field(..., min_length=1, max_length=MAX_ITEMS)
+    terms: list[LogitDiffTerm] = Field(..., min_length=1, max_length=MAX_ITEMS,
+                                       description="(prompt, position, target, distractor) "
+                                       "terms; one value each, reduced to ``value``.")
 
 
 class ProbMetric(_Metric):
     """Next-token probability of the target (softmax of the logits; in [0, 1])."""
 
     kind: Literal["prob"] = Field(description="'prob'.")
-    terms: list[TokenTerm] = Field(..., min_length=1, max_length=MAX_ITEMS)
+    terms: list[TokenTerm] = Field(..., min_length=1, max_length=MAX_ITEMS,
+                                   description="(prompt, position, target) terms; one value "
+                                   "each, reduced to ``value``.")
 
 
 class LogProbMetric(_Metric):
     """Next-token log-probability of the target (log-softmax; nats, <= 0)."""
 
     kind: Literal["logprob"] = Field(description="'logprob'.")
-    terms: list[TokenTerm] = Field(..., min_length=1, max_length=MAX_ITEMS)
+    terms: list[TokenTerm] = Field(..., min_length=1, max_length=MAX_ITEMS,
+                                   description="(prompt, position, target) terms; one value "
+                                   "each, reduced to ``value``.")
 
 
 class LossMetric(_Metric):
     """Next-token cross entropy ``-log p(token[p+1])`` at each position (nats, >= 0)."""
 
     kind: Literal["loss"] = Field(description="'loss'.")
-    terms: list[PositionTerm] = Field(..., min_length=1, max_length=MAX_ITEMS)
+    terms: list[PositionTerm] = Field(..., min_length=1, max_length=MAX_ITEMS,
+                                      description="(prompt, position) terms; one value each, "
+                                      "reduced to ``value``.")
 
 
 class KLMetric(_Metric):
@@ -202,7 +210,9 @@ class KLMetric(_Metric):
     distributions at one position (nats, >= 0)."""
 
     kind: Literal["kl"] = Field(description="'kl'.")
-    terms: list[KLTerm] = Field(..., min_length=1, max_length=MAX_ITEMS)
+    terms: list[KLTerm] = Field(..., min_length=1, max_length=MAX_ITEMS,
+                                description="(prompt, reference_prompt, position) terms; one "
+                                "value each, reduced to ``value``.")
 
 
 Metric = Annotated[
@@ -336,8 +346,10 @@ class RunResponse(LenientModel):
     selections: dict[str, dict] = Field(
         description="Per cached hook the indices kept along each cut axis (prompts, heads, "
         "positions), so a selected tensor's axes can be read back.")
-    logits: LogitsResult | None = None
-    loss: LossResult | None = None
+    logits: LogitsResult | None = Field(
+        None, description="The logits the request's ``logits`` asked for (null: not asked).")
+    loss: LossResult | None = Field(
+        None, description="Per-token next-token loss and its mean (null: ``loss`` false).")
     metrics: dict[str, MetricResult] = Field(description="Declared metrics by name.")
     grads: dict[str, WireTensor] = Field(
         description="Hook name -> d(grad.metric value)/d(hook), the hook's full shape.")
