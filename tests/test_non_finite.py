@@ -26,12 +26,12 @@ B = "The dog sat on the rug and the dog slept."  # the same token count as A (ch
 NAN = {"status": 500, "type": "non_finite_values"}
 OK = {"status": 200}
 VERIFY_FAILS = {"status": 200, "verify_fails": True}
-#: issue 25's endpoints (/v1/run, /v1/logit-lens, /v1/logit-attribution, written while this
-#: test was): 200 with null for the NaN logits, probabilities and attributions. Strict xfail:
+#: /v1/run (issue 25), /v1/logit-lens and /v1/logit-attribution (issue 26), written while this
+#: test was: 200 with null for the NaN logits, probabilities and attributions. Strict xfail:
 #: when they follow the rule these entries fail, and become NAN.
 NOT_YET = {"status": 500, "type": "non_finite_values",
-           "xfail": "issue 25's endpoint answers 200 with null for NaN numbers (not yet on the "
-                    "one rule)"}
+           "xfail": "answers 200 with null for NaN numbers (not yet on the one rule; "
+                    "issues 25/26)"}
 
 #: path -> [(request body, expected)], one entry per POST endpoint of the endpoint table
 CASES: dict[str, list[tuple[dict, dict]]] = {
