@@ -69,13 +69,15 @@ def test_links_endpoint_bundled(client, gpt2_runtime):
     labels = [t.label for t in fw.tokens.tokens]
     n = fw.n_tokens
     for layer, head, ignore in [(0, None, []), (1, None, [0]), (0, 1, []), (1, 3, [0, 2])]:
-        payload = {"text": SENTENCE, "layer": layer, "ignore": ignore}
+        # the source document's tokenisation: the text's own tokens (no BOS)
+        payload = {"text": SENTENCE, "layer": layer, "ignore": ignore, "add_bos": False}
         if head is not None:
             payload["head"] = head
         r = client.post("/v1/links", json=payload)
         assert r.status_code == 200, r.text
         body = LinksResponse.model_validate(r.json())
         assert body.layer == layer and body.head == head and body.results is None
+        assert body.add_bos is False
         w = fw.pattern[layer].double().numpy()
         w = w.mean(0) if head is None else w[head]
         want = seed_strongest_previous_token(w, n, True, ignore)
@@ -88,7 +90,8 @@ def test_links_endpoint_bundled(client, gpt2_runtime):
         assert got.skipped[:1] == [0] and (1 in got.skipped) == (0 in ignore)
         assert [t.label for t in got.tokens] == labels
     # the previous-token head L0H1 mostly links a token to the one before it
-    r = client.post("/v1/links", json={"text": SENTENCE, "layer": 0, "head": 1}).json()
+    r = client.post("/v1/links", json={"text": SENTENCE, "layer": 0, "head": 1,
+                                       "add_bos": False}).json()
     prev = [q for q in r["links"]["links"] if q["links"][0]["key_pos"] == q["query_pos"] - 1]
     assert len(prev) >= 0.8 * len(r["links"]["links"])
 
@@ -121,13 +124,16 @@ def test_links_encoder_direction(bert_client, bert_runtime):
 
 
 def test_links_documented_empty_results(client, gpt2_runtime):
-    r = client.post("/v1/links", json={"text": "a", "layer": 0})  # one token, self excluded
+    # the text's own tokens (add_bos false): "a" is one token, self excluded
+    r = client.post("/v1/links", json={"text": "a", "layer": 0, "add_bos": False})
     assert r.status_code == 200 and r.json()["links"]["links"] == [] and r.json()["links"]["skipped"] == [0]
     n = len(gpt2_runtime.tokenize(SENTENCE))
-    r = client.post("/v1/links", json={"text": SENTENCE, "layer": 0, "ignore": list(range(n))})
+    r = client.post("/v1/links", json={"text": SENTENCE, "layer": 0, "ignore": list(range(n)),
+                                       "add_bos": False})
     assert r.status_code == 200 and r.json()["links"]["links"] == []
     assert r.json()["links"]["skipped"] == list(range(n))
-    r = client.post("/v1/links", json={"text": "a", "layer": 0, "exclude_self": False})
+    r = client.post("/v1/links", json={"text": "a", "layer": 0, "exclude_self": False,
+                                       "add_bos": False})
     assert r.json()["links"]["links"][0]["links"] == [{"key_pos": 0, "key": "a", "weight": 1.0}]
 
 
