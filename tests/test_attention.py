@@ -20,12 +20,15 @@ def test_text_at_n_ctx_through_the_app_is_bit_exact(client, gpt2_runtime):
     n_ctx = rt.adapter.n_ctx if hasattr(rt.adapter, "n_ctx") else 256
     text = " the" * (n_ctx + 40)
     ids = rt.tokenizer(text)["input_ids"]
-    # cut to exactly n_ctx tokens
-    text = rt.tokenizer.decode(ids[:n_ctx]) + f""
-    tt = rt.tokenize(text)
+    # cut to exactly n_ctx tokens with the BOS the default (add_bos null, GPT-2) prepends
+    text = rt.tokenizer.decode(ids[:n_ctx - 1]) + f""
+    tt = rt.tokenize(text, add_bos=True)
     assert len(tt) == n_ctx
     r = client.post("/v1/attention", json={"text": text, "encoding": "base64"})
     assert r.status_code == 200, r.text
+    # the reference on the tokens the response reports
+    assert r.json()["add_bos"] is True
+    assert [t["id"] for t in r.json()["attention"]["tokens"]] == list(tt.input_ids)
     got = decode(r.json()["attention"]["pattern"])
     hf = hf_reference(rt, list(tt.input_ids))
     assert np.array_equal(got, hf["pattern"].numpy())
@@ -46,7 +49,9 @@ def test_scores_from_the_qkv_views_equal_a_manual_recomputation(family, make_cli
                                           "encoding": "base64"})
         assert r.status_code == 200, r.text[:300]
         for t, res in zip(texts, r.json()["results"]):
-            ids = list(rt.tokenize(t).input_ids)
+            # the reference on the tokens the response reports (GPT-2: BOS first by default)
+            ids = [tok["id"] for tok in res["tokens"]]
+            assert ids == list(rt.tokenize(t, add_bos=rt.default_add_bos).input_ids)
             hf = hf_reference(rt, ids)
             scores = decode(res["scores"]).astype(np.float64)
             want = (hf["q"].double() @ hf["k"].double().transpose(-1, -2)).numpy()
