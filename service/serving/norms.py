@@ -18,14 +18,18 @@ from .core.checks import check_indices
 from .common import text_or_results
 
 
-def check(rt, req) -> tuple[list[int], list[int]]:
-    """Token-independent checks (422, before tokenizing): layer/head indices in range and
-    distinct, 'tril' on an encoder. Returns the layers and heads analysed."""
+def check(rt, req) -> None:
+    """Token-independent checks (422, before tokenizing; the engine runs them once): layer/head
+    indices in range and distinct, 'tril' on an encoder."""
     check_indices(req.layers, rt.adapter.n_layers, "layers", "layer")
     check_indices(req.heads, rt.adapter.n_heads, "heads", "head")
     if req.layout == "tril" and not rt.adapter.causal:
         raise InvalidRequest("layout 'tril' needs a causal model; this one is an encoder "
                              "(the norms are not triangular)", "layout")
+
+
+def selection(rt, req) -> tuple[list[int], list[int]]:
+    """The layers and heads analysed (the request's, else all); checked by :func:`check`."""
     layers = req.layers if req.layers is not None else list(range(rt.adapter.n_layers))
     heads = req.heads if req.heads is not None else list(range(rt.adapter.n_heads))
     return layers, heads
@@ -68,7 +72,7 @@ def plan(rt, req, items, *, binary: bool = False) -> Plan:
 
 def build(rt, req, forwards, encoding: str) -> dict:
     """The response body (tensors through encode_tensor)."""
-    layers, heads = check(rt, req)
+    layers, heads = selection(rt, req)
     sel = None if req.heads is None else heads
     params = {lyr: AttentionParams.of(rt.adapter, lyr) for lyr in layers}
     out = []

@@ -14,10 +14,9 @@ from .core.checks import check_indices
 from .common import text_or_results
 
 
-def check(rt, req, lengths: list[int] | None = None) -> tuple[list[int], list[int] | None]:
-    """Model-aware checks (422): layer indices, 'tril' on an encoder, flow over
-    :data:`rollout.FLOW_MAX_TOKENS` tokens (the message names the limit). Returns the rollout
-    layers and the flow layers (None without flow)."""
+def check(rt, req) -> None:
+    """Token-independent checks (422, before tokenizing; the engine runs them once): layer
+    indices, flow_layers without flow, 'tril' on an encoder."""
     L = rt.adapter.n_layers
     check_indices(req.layers, L, "layers", "layer")
     check_indices(req.flow_layers, L, "flow_layers", "layer")
@@ -27,7 +26,12 @@ def check(rt, req, lengths: list[int] | None = None) -> tuple[list[int], list[in
     if req.layout == "tril" and not rt.adapter.causal:
         raise InvalidRequest("layout 'tril' needs a causal model; this one is an encoder "
                              "(rollout is not triangular)", "layout")
-    if req.flow and lengths is not None:
+
+
+def check_lengths(req, lengths: list[int]) -> None:
+    """The token-dependent check (422): flow over :data:`rollout.FLOW_MAX_TOKENS` tokens (the
+    message names the limit)."""
+    if req.flow:
         for i, n in enumerate(lengths):
             if n > RO.FLOW_MAX_TOKENS:
                 where = req.input_param(i)
@@ -37,6 +41,11 @@ def check(rt, req, lengths: list[int] | None = None) -> tuple[list[int], list[in
                     f" {where} has {n_tokens(n)}. Send a shorter text or set flow to false "
                     "(rollout has no such limit)", "flow",
                 )
+
+
+def selection(rt, req) -> tuple[list[int], list[int] | None]:
+    """The rollout layers and the flow layers (None without flow); checked by :func:`check`."""
+    L = rt.adapter.n_layers
     layers = req.layers if req.layers is not None else list(range(L))
     flow_layers = None
     if req.flow:
@@ -67,14 +76,14 @@ def plan(rt, req, items, *, binary: bool = False) -> Plan:
     (:func:`estimate`, counted with the forwards before any runs) and the job (:func:`build`)."""
     encoding = "binary" if binary else req.encoding
     lengths = [len(it) for it in items]
-    check(rt, req, lengths)
+    check_lengths(req, lengths)
     return Plan(items, lambda forwards: build(rt, req, forwards, encoding),
                 estimate(rt, req, lengths, encoding))
 
 
 def build(rt, req, forwards, encoding: str) -> dict:
     """The response body (tensors through encode_tensor)."""
-    layers, flow_layers = check(rt, req, [fw.n_tokens for fw in forwards])
+    layers, flow_layers = selection(rt, req)
     causal = rt.adapter.causal
     out = []
     for i, fw in enumerate(forwards):
