@@ -80,14 +80,16 @@ def test_from_scratch_passes_with_honest_differences(fixture, request):
     v = r.json()["verification"]
     VerifyResponse.model_validate(r.json())
     _honest_pass(v, rt)
-    assert v["add_bos"] is False and v["dtype"] == "float32"
+    # add_bos null: the model's convention (GPT-2: BOS first; encoders: their own framing)
+    assert v["add_bos"] is (fixture == "gpt2") and v["dtype"] == "float32"
     d_head = rt.adapter.d_head
     assert [lyr["scale"] for lyr in v["layers"]] == pytest.approx([d_head ** -0.5] * rt.adapter.n_layers)
     assert v["message"].startswith("passed")
-    if fixture == "gpt2":  # with BOS too
-        v = c.post(URL, json={"text": SENTENCE, "add_bos": True}).json()["verification"]
+    if fixture == "gpt2":  # BOS first by default; and the text's own tokens (add_bos false) too
+        assert v["tokens"][0]["special"]
+        v = c.post(URL, json={"text": SENTENCE, "add_bos": False}).json()["verification"]
         _honest_pass(v, rt)
-        assert v["add_bos"] is True and v["tokens"][0]["special"]
+        assert v["add_bos"] is False and not v["tokens"][0]["special"]
 
 
 def test_from_scratch_passes_on_gpt2_small_shaped_random_model(gpt2_small_random_dir):
@@ -368,7 +370,9 @@ def test_recomputation_equals_hugging_face(fixture, request):
 
 
 def test_layers_selection_and_batch(client):
-    r = client.post(URL, json={"texts": [SENTENCE, "And"], "layers": [1], "projections": True, **RQ})
+    # the text's own tokens (add_bos false): "And" is one token
+    r = client.post(URL, json={"texts": [SENTENCE, "And"], "layers": [1], "projections": True,
+                               "add_bos": False, **RQ})
     assert r.status_code == 200, r.text
     res = r.json()["results"]
     assert [lyr["layer"] for lyr in res[0]["layers"]] == [1] and all(x["passed"] for x in res)
