@@ -454,3 +454,83 @@ def test_reference_means_feed_mean_ablation(bundled):
     res = K.run(bundled.parts, IDS, cache={"blocks.0.attn.hook_z": None}, interventions=[
         K.Mean(hook="blocks.0.attn.hook_z", heads=[1], reference=m)])
     assert torch.equal(res.cache["blocks.0.attn.hook_z"][:, :, 1], m[1].expand(2, 10, 32))
+
+
+# ----------------------------------------- starting at a layer; per-row masks (patching grids)
+def test_start_from_a_cached_residual_equals_the_full_forward(bundled):
+    """``start=l, resid_pre=<hook_resid_pre of l>``: the layers from l with their
+    interventions, bit for bit the full forward's (what the patching grids run)."""
+    p = bundled.parts
+    full = K.run(p, IDS, cache={"blocks.*.hook_resid_pre": None})
+    for layer in range(p.n_layers + 1):
+        resid = (full.cache[f"blocks.{layer}.hook_resid_pre"] if layer < p.n_layers else None)
+        ivs = [K.Zero(hook="blocks.1.attn.hook_z", heads=[2])] if layer <= 1 else []
+        ref = K.run(p, IDS, interventions=ivs, logit_positions=[-1, 3])
+        if resid is None:  # start = n_layers: ln_f and the unembedding only
+            resid = K.run(p, IDS, cache={"blocks.1.hook_resid_post": None}).cache[
+                "blocks.1.hook_resid_post"]
+        got = K.run(p, IDS, interventions=ivs, logit_positions=[-1, 3], start=layer,
+                    resid_pre=resid)
+        assert torch.equal(got.logits, ref.logits), layer
+    one = K.run(p, IDS[:1].expand(3, -1), start=1,
+                resid_pre=full.cache["blocks.1.hook_resid_pre"][:1])  # [1, pos, d] broadcast
+    assert torch.equal(one.logits, K.run(p, IDS[:1].expand(3, -1)).logits)
+
+
+def test_start_refuses_hooks_below_it_and_bad_residuals(bundled):
+    p = bundled.parts
+    r = torch.zeros(2, IDS.shape[1], p.d_model)
+    for kw, param in (
+            (dict(start=1, resid_pre=r, cache={"blocks.0.hook_resid_post": None}), "start"),
+            (dict(start=1, resid_pre=r, interventions=[K.Zero(hook="hook_embed")]), "start"),
+            (dict(start=1), "resid_pre"),
+            (dict(start=1, resid_pre=r[:, :-1]), "resid_pre"),
+            (dict(start=1, resid_pre=r.double()), "resid_pre"),
+            (dict(start=p.n_layers + 1, resid_pre=r), "start")):
+        with pytest.raises(InvalidRequest) as e:
+            K.run(p, IDS, **kw)
+        assert e.value.param == param, kw
+
+
+def test_mask_edits_each_row_its_own_selection(bundled):
+    """A per-row mask (row h: head h at every position; row 2: head 1 at position 4 only) is
+    the same forward as one intervention per row with a prompts/heads/positions selection."""
+    p = bundled.parts
+    ids = IDS[:1].expand(3, -1)
+    clean = K.run(p, IDS[1:], cache={"blocks.1.attn.hook_z": None}).cache["blocks.1.attn.hook_z"][0]
+    mask = torch.zeros(3, ids.shape[1], p.n_heads, dtype=torch.bool)
+    mask[0, :, 0] = mask[1, :, 1] = True
+    mask[2, 4, 1] = True
+    for make in (lambda **kw: K.Set(value=clean, **kw), K.Zero,
+                 lambda **kw: K.Mean(reference=clean.mean(0), **kw)):
+        masked = K.run(p, ids, interventions=[make(hook="blocks.1.attn.hook_z", mask=mask)])
+        sel = [make(hook="blocks.1.attn.hook_z", prompts=[0], heads=[0]),
+               make(hook="blocks.1.attn.hook_z", prompts=[1], heads=[1]),
+               make(hook="blocks.1.attn.hook_z", prompts=[2], heads=[1], positions=[4])]
+        if isinstance(sel[0], K.Set):  # a value of the selection's shape
+            sel = [K.Set(hook=s.hook, prompts=s.prompts, heads=s.heads, positions=s.positions,
+                         value=clean[s.positions or slice(None)][:, s.heads])
+                   for s in sel]
+        ref = K.run(p, ids, interventions=sel)
+        assert torch.equal(masked.logits, ref.logits)
+        assert not torch.equal(masked.logits[0], masked.logits[1])
+    # residual stream, [batch, pos] mask: row t takes position t from the other prompt
+    other = K.run(p, IDS[1:], cache={"blocks.1.hook_resid_pre": None}).cache["blocks.1.hook_resid_pre"][0]
+    eye = torch.eye(3, ids.shape[1], dtype=torch.bool)
+    masked = K.run(p, ids, interventions=[K.Set(hook="blocks.1.hook_resid_pre", value=other,
+                                                mask=eye)])
+    ref = K.run(p, ids, interventions=[
+        K.Set(hook="blocks.1.hook_resid_pre", prompts=[t], positions=[t], value=other[t:t + 1])
+        for t in range(3)])
+    assert torch.equal(masked.logits, ref.logits)
+
+
+def test_bad_masks_are_refused(bundled):
+    p = bundled.parts
+    T = IDS.shape[1]
+    for m in (torch.ones(2, T, dtype=torch.bool),  # hook_z has 3 leading axes
+              torch.ones(2, T, 5, dtype=torch.bool),
+              torch.ones(2, T, p.n_heads)):  # not bool
+        with pytest.raises(InvalidRequest) as e:
+            K.run(p, IDS, interventions=[K.Zero(hook="blocks.0.attn.hook_z", mask=m)])
+        assert e.value.param == "interventions[0].mask"

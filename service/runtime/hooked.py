@@ -323,6 +323,11 @@ class Intervention:
     prompts: Sequence[int] | None = None
     heads: Sequence[int] | None = None
     positions: Sequence[int] | None = None
+    #: bool, one axis per leading axis of the hook (``[batch, pos]``, ``[batch, pos, head]``;
+    #: ``[batch, head, query_pos]`` for scores and patterns), each of size 1 or the axis's: the
+    #: edit applies where it is True (and inside the other selections), e.g. a batch of
+    #: patching variants, row i editing its own head or position. None = everywhere.
+    mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -537,12 +542,20 @@ class _Sel:
 
 
 class _Edit:
-    __slots__ = ("iv", "sel", "payload", "param")
+    __slots__ = ("iv", "sel", "payload", "param", "mask")
 
-    def __init__(self, iv, sel: _Sel, payload, param: str):
+    def __init__(self, iv, sel: _Sel, payload, param: str, mask=None):
         self.iv, self.sel, self.payload, self.param = iv, sel, payload, param
+        self.mask = mask  # None, or bool of x.ndim axes (trailing ones of size 1)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mask is None:
+            return self._apply(x, False)
+        return torch.where(self.mask, self._apply(x, True), x)
+
+    def _apply(self, x: torch.Tensor, masked: bool) -> torch.Tensor:
+        """The edited tensor; ``masked``: the caller selects from it with ``torch.where``
+        (no fresh copy needed when the selection is everything)."""
         iv, sel = self.iv, self.sel
         region = x if sel.index is None else x[sel.index]
         kind = iv.kind
@@ -567,6 +580,8 @@ class _Edit:
             full = x[s:s + 1].expand_as(x)
             new = full if sel.index is None else full[sel.index]
         if sel.index is None:  # a fresh tensor (an expanded view would not .view() later)
+            if masked:
+                return new.to(x.dtype)
             return new.to(x.dtype).contiguous() if new.data_ptr() != x.data_ptr() \
                 else new.to(x.dtype).clone(memory_format=torch.contiguous_format)
         x = x.clone()
@@ -665,6 +680,23 @@ def _payload(iv, sel: _Sel, B: int, T: int, p: GPT2Parts, param: str):
                              f"selected prompts first)", f"{param}.value")
     raise InvalidRequest(f"{param}: unknown intervention kind {kind!r} (zero, mean, set, add, "
                          f"scale)", param)
+
+
+def _mask(iv, hp: HookPoint, B: int, T: int, param: str, device) -> torch.Tensor | None:
+    """``iv.mask`` checked against the hook's leading axes and shaped for ``torch.where``."""
+    m = getattr(iv, "mask", None)
+    if m is None:
+        return None
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+        raise InvalidRequest(f"{param}.mask: a bool tensor", f"{param}.mask")
+    shape = hp.shape(B, T)
+    n_lead = 3 if hp.head_axis is not None else 2
+    lead = shape[:n_lead]
+    if m.dim() != n_lead or any(a not in (1, b) for a, b in zip(m.shape, lead)):
+        raise InvalidRequest(f"{param}.mask: shape {list(m.shape)} given, {hp.name} needs "
+                             f"{n_lead} axes ({', '.join(hp.axes[:n_lead])}), each of size 1 or "
+                             f"{list(lead)}", f"{param}.mask")
+    return m.to(device).view(*m.shape, *([1] * (len(shape) - n_lead)))
 
 
 _TERM_ARITY = {LogitDiff: 4, Prob: 3, LogProb: 3, Loss: 2, KL: 3}
@@ -770,7 +802,8 @@ def _plan(p: GPT2Parts, B: int, T: int, cache, interventions, grad) -> _Plan:
             raise InvalidRequest(f"{param}: an intervention (Zero, Mean, Set, Add, Scale)", param)
         for hp in resolve(p, iv.hook, f"{param}.hook"):
             s = _Sel(hp, B, T, iv, param, dev)
-            plan.site(hp).edits.append(_Edit(iv, s, _payload(iv, s, B, T, p, param), param))
+            plan.site(hp).edits.append(_Edit(iv, s, _payload(iv, s, B, T, p, param), param,
+                                             _mask(iv, hp, B, T, param, dev)))
     if grad is not None:
         for j, name in enumerate(grad.hooks):
             for hp in resolve(p, name, f"grad.hooks[{j}]"):
@@ -950,7 +983,8 @@ def run(model, input_ids, *, cache: Mapping[str, CacheSelect | None] | None = No
         interventions: Sequence[AnyIntervention] = (),
         logit_positions: Sequence[int] | None = None,
         metrics: Mapping[str, AnyMetric] | None = None,
-        grad: GradRequest | None = None) -> RunResult:
+        grad: GradRequest | None = None,
+        start: int = 0, resid_pre: torch.Tensor | None = None) -> RunResult:
     """One hooked GPT-2 forward of ``input_ids`` ``[batch, pos]`` (int64, equal lengths, no
     padding) on ``model`` (:class:`GPT2Parts`, or a ``GPT2LMHeadModel`` / adapter).
 
@@ -963,11 +997,21 @@ def run(model, input_ids, *, cache: Mapping[str, CacheSelect | None] | None = No
     ``torch.inference_mode``). Everything is validated before the forward; errors are
     :class:`InvalidRequest` with ``param`` naming the field (``input_ids``,
     ``cache['<key>'].heads``, ``interventions[2].value``, ``metrics['ld'].terms[0]``,
-    ``grad.hooks[1]``, ...)."""
+    ``grad.hooks[1]``, ...).
+
+    ``start`` and ``resid_pre``: begin at block ``start`` with ``resid_pre`` ``[batch | 1, pos,
+    d_model]`` (the model's dtype) as the residual stream entering it, i.e. the value of
+    ``blocks.{start}.hook_resid_pre`` before its interventions (e.g. a recorded forward's
+    ``hidden_states[start]``, whose layers below are then not run again: patching grids start
+    each batch of variants at the layer its edit is in). The embeddings and blocks below
+    ``start`` do not run, so none of their hooks may be cached, edited or differentiated;
+    ``input_ids`` still give the batch, the length and the metrics' next tokens. ``start =
+    n_layers``: ln_f and the unembedding only."""
     p = _as_parts(model)
     ids = _check_ids(p, input_ids)
     B, T = ids.shape
     plan = _plan(p, B, T, cache, interventions, grad)
+    resid_pre = _check_start(p, plan, B, T, start, resid_pre)
     lpos = None if logit_positions is None else _indices(
         list(logit_positions), T, "position", "logit_positions", True, p.device)
     checked = {}
@@ -980,7 +1024,7 @@ def run(model, input_ids, *, cache: Mapping[str, CacheSelect | None] | None = No
     ctx = torch.enable_grad() if grad is not None else torch.inference_mode()
     with ctx:
         r = _Run(plan, grad is not None)
-        x, h_final = _forward(p, r, ids, plan)
+        x, h_final = _forward(p, r, ids, plan, start, resid_pre)
         if lpos is None:
             logits = F.linear(h_final, p.unembed)  # [batch, pos, vocab], HF's lm_head
             logits_at = lambda rows, pos: logits[rows, pos]  # noqa: E731
@@ -1010,21 +1054,52 @@ def run(model, input_ids, *, cache: Mapping[str, CacheSelect | None] | None = No
     return RunResult(r.out, out_logits, positions, results, grads, gval)
 
 
-def _forward(p: GPT2Parts, r: _Run, ids: torch.Tensor, plan: _Plan):
-    """Embeddings, blocks, ln_f: returns (last residual, ln_f output [batch, pos, d_model])."""
+def _check_start(p: GPT2Parts, plan: _Plan, B: int, T: int, start, resid_pre):
+    """``resid_pre`` on the model's device, ``[batch | 1, pos, d_model]`` expanded to the
+    batch; None for a forward from the embeddings."""
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= p.n_layers:
+        raise InvalidRequest(f"start: a layer 0..{p.n_layers}, got {start!r}", "start")
+    if resid_pre is None:
+        if start:
+            raise InvalidRequest("start: a forward from a later layer needs resid_pre (the "
+                                 "residual stream entering it)", "resid_pre")
+        return None
+    if not isinstance(resid_pre, torch.Tensor) or resid_pre.dtype != p.dtype \
+            or resid_pre.dim() != 3 or resid_pre.shape[0] not in (1, B) \
+            or tuple(resid_pre.shape[1:]) != (T, p.d_model):
+        got = (f"{list(resid_pre.shape)} {resid_pre.dtype}" if isinstance(resid_pre, torch.Tensor)
+               else type(resid_pre).__name__)
+        raise InvalidRequest(f"resid_pre: [{B} or 1, {T}, {p.d_model}] {p.dtype} needed, got "
+                             f"{got}", "resid_pre")
+    below = [s.hp.name for (layer, site), s in plan.sites.items()
+             if (layer is None and site in ("embed", "pos_embed"))
+             or (layer is not None and layer < start)]
+    if below:
+        raise InvalidRequest(f"{below[0]} is below the start layer {start}: it does not run",
+                             "start")
+    return resid_pre.to(p.device).expand(B, T, p.d_model)
+
+
+def _forward(p: GPT2Parts, r: _Run, ids: torch.Tensor, plan: _Plan, start: int = 0,
+             resid_pre: torch.Tensor | None = None):
+    """Embeddings (or ``resid_pre`` at block ``start``), blocks, ln_f: returns (last residual,
+    ln_f output [batch, pos, d_model])."""
     B, T = ids.shape
     g = plan.glob
-    emb = F.embedding(ids, p.wte)
-    if (s := g.get("embed")) is not None:
-        emb = r.at(s, emb)
-    pos = F.embedding(torch.arange(T, device=ids.device).unsqueeze(0), p.wpe)  # [1, pos, d]
-    if (s := g.get("pos_embed")) is not None:
-        pos = r.at(s, pos.expand(B, T, -1))
-    x = emb + pos
+    if resid_pre is None:
+        emb = F.embedding(ids, p.wte)
+        if (s := g.get("embed")) is not None:
+            emb = r.at(s, emb)
+        pos = F.embedding(torch.arange(T, device=ids.device).unsqueeze(0), p.wpe)  # [1, pos, d]
+        if (s := g.get("pos_embed")) is not None:
+            pos = r.at(s, pos.expand(B, T, -1))
+        x = emb + pos
+    else:
+        x = resid_pre
     dt = x.dtype
     masked = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)  # key > query
     mask = torch.zeros(T, T, dtype=dt, device=x.device).masked_fill(masked, torch.finfo(dt).min)
-    for blk, sites in zip(p.blocks, plan.layers):
+    for blk, sites in zip(p.blocks[start:], plan.layers[start:]):
         x = _block(p, blk, r, sites, x, mask, masked)
     h = _ln(r, g, "lnf", x, p.lnf_w, p.lnf_b, p.eps)
     return x, h
