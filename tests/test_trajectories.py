@@ -69,10 +69,12 @@ def reference(rt, text, include_final=False, n_components=2):
 def test_matches_sklearn_directly(fixture, request):
     rt = request.getfixturevalue(f"{fixture}_runtime")
     c = request.getfixturevalue("client" if fixture == "gpt2" else "bert_client")
-    r = c.post(URL, json={"text": SENTENCE})
+    # the source document's steps on the text's own tokens (no BOS): add_bos false
+    r = c.post(URL, json={"text": SENTENCE, "add_bos": False})
     assert r.status_code == 200, r.text
     body = TrajectoriesResponse.model_validate(r.json())
     t = body.trajectories
+    assert t.add_bos is False
     states, hidden_2d, evr, distances = reference(rt, SENTENCE)
     n_state, n_token, _ = hidden_2d.shape
     assert t.states == list(range(rt.adapter.n_layers + 1)) and len(t.states) == n_state
@@ -96,8 +98,9 @@ def test_matches_sklearn_directly(fixture, request):
 def test_include_final_more_components_selection(client, gpt2_runtime):
     states, proj, evr, distances = reference(gpt2_runtime, SENTENCE, include_final=True, n_components=5)
     sel = [11, 8, 9]
+    # the source's steps on the text's own tokens (no BOS): add_bos false
     r = client.post(URL, json={"text": SENTENCE, "include_final": True, "n_components": 5,
-                               "positions": sel, "encoding": "base64"})
+                               "positions": sel, "encoding": "base64", "add_bos": False})
     assert r.status_code == 200, r.text
     t = r.json()["trajectories"]
     L = gpt2_runtime.adapter.n_layers
@@ -109,7 +112,8 @@ def test_include_final_more_components_selection(client, gpt2_runtime):
     assert np.abs(np.array(t["explained_variance_ratio"]) - evr).max() < 1e-6
     assert np.abs(np.array(t["distance_projected"]) - np.array(distances)[sel]).max() < 1e-4
     # the final state differs from the default's: dropping it is not a no-op
-    d = client.post(URL, json={"text": SENTENCE, "positions": sel}).json()["trajectories"]
+    d = client.post(URL, json={"text": SENTENCE, "positions": sel,
+                               "add_bos": False}).json()["trajectories"]
     assert len(d["states"]) == len(t["states"]) - 1
 
 
@@ -151,7 +155,9 @@ def test_recorded_states_are_the_block_outputs_and_the_final_is_hugging_faces(fi
         assert r.status_code == 422 and r.json()["error"]["param"] == "include_final"
         assert "no final LayerNorm" in r.json()["error"]["message"]
     t = c.post(URL, json={"text": SENTENCE}).json()["trajectories"]
-    assert t["states"] == list(range(L + 1)) and t["add_bos"] is False and t["dtype"] == "float32"
+    # add_bos null: the model's convention (GPT-2: BOS first; encoders: their own framing)
+    assert t["states"] == list(range(L + 1)) and t["add_bos"] is (fixture == "gpt2")
+    assert t["dtype"] == "float32"
     assert t["state_names"] == ["embeddings"] + [f"block {i} output" for i in range(L)]
 
 
@@ -165,12 +171,13 @@ def test_texts_batch(client):
 
 
 def test_one_token_text(client):
-    # "And" is one token: 3 states x 1 token = 3 samples, enough for up to 3 components
-    r = client.post(URL, json={"text": "And"})
+    # "And" is one token (the text's own tokens, add_bos false): 3 states x 1 token = 3
+    # samples, enough for up to 3 components
+    r = client.post(URL, json={"text": "And", "add_bos": False})
     assert r.status_code == 200, r.text
     t = r.json()["trajectories"]
     assert len(t["tokens"]) == 1 and arr(t["paths"]).shape == (1, 3, 2)
-    r = client.post(URL, json={"text": "And", "n_components": 4})
+    r = client.post(URL, json={"text": "And", "n_components": 4, "add_bos": False})
     assert r.status_code == 422
     err = r.json()["error"]
     assert err["param"] == "n_components" and "min(n_samples, d_model)" in err["message"]
