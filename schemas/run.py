@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .interventions import TopToken
 from .common import (
-    MAX_TEXTS, Base64Tensor, BinaryTensorRef, LenientModel, ModelRef, StrictModel, Token,
+    MAX_TEXTS, Base64Tensor, LenientModel, ModelRef, StrictModel, TensorField, Token,
     TensorOptions, example,
 )
 
@@ -309,7 +309,8 @@ class RunRequest(TensorOptions):
 
 
 # ---------------------------------------------------------------------------------- responses
-WireTensor = Union[Base64Tensor, BinaryTensorRef, list]
+#: a tensor in a /v1/run response: the JSON, base64 or binary forms of ``schemas.common``
+WireTensor = TensorField
 
 
 class Prompt(LenientModel):

@@ -59,7 +59,9 @@ CASES: dict[str, list[tuple[dict, dict]]] = {
     "/v1/attention-norms": [({"text": A}, NAN)],
     "/v1/rollout": [({"text": A}, NAN)],
     "/v1/run": [({"texts": [A], "cache": ["blocks.0.attn.hook_pattern"]}, NAN),
-                ({"texts": [A], "logits": {"positions": [-1], "top_k": 3}}, NOT_YET),
+                ({"texts": [A], "logits": {"positions": [-1], "top_k": 3}}, NAN),
+                ({"texts": [A], "metrics": {"m": {"kind": "prob", "terms": [
+                    {"position": -1, "target": 5}]}}}, NAN),
                 ({"texts": [A], "loss": True}, NAN)],
     # the weights only, LayerNorm not folded in: the NaN ln_1 weight is in no W_OV / W_QK
     "/v1/circuits": [({}, OK)],

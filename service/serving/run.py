@@ -16,7 +16,7 @@ import torch
 from attnscope.schemas import HooksResponse, RunRequest, RunResponse
 from ..encoding import encode_tensor, estimate_encoded_bytes
 from ..encoding.inputs import decode_input
-from ..errors import BatchTooLarge, InvalidRequest
+from ..errors import BatchTooLarge, InvalidRequest, NonFiniteValues
 from ..runtime import hooked as H
 from .core.engine import Plan
 from .core.table import Endpoint
@@ -253,6 +253,10 @@ def plan(rt, req: RunRequest, items, *, binary: bool = False) -> Plan:
             "grads": {n: enc(g, f"grads.{n}") for n, g in res.grads.items()},
             "grad_value": None if res.grad_value is None else _f(res.grad_value),
         }
+        if req.logits is not None or req.loss:
+            if not bool(torch.isfinite(res.logits).all()):
+                raise NonFiniteValues("logits hold NaN/inf (the forward produced non-finite "
+                                      "values)", "logits")
         if req.logits is not None:
             pos = res.logit_positions
             lg = res.logits
@@ -279,8 +283,6 @@ def plan(rt, req: RunRequest, items, *, binary: bool = False) -> Plan:
             body["loss"] = {"per_token": enc(per, "loss.per_token"), "mean": _f(per.mean())}
         for name, m in body["metrics"].items():
             if not (math.isfinite(m["value"]) and all(map(math.isfinite, m["values"]))):
-                from ..errors import NonFiniteValues
-
                 raise NonFiniteValues(f"metrics.{name} is not finite (NaN or inf in the "
                                       "forward)", f"metrics.{name}")
         return body
