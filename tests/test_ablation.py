@@ -221,7 +221,8 @@ def test_ablate_patterns_after_the_ablation(client, gpt2_runtime):
     Hugging Face's own output_attentions under the same hook; every wire encoding."""
     rt = gpt2_runtime
     text = "Then I tried to find some way of embracing my mother's ghost."
-    ids = list(rt.tokenize(text).input_ids)
+    # the reference on the tokens the response reports (add_bos null: BOS first for GPT-2)
+    ids = list(rt.tokenize(text, add_bos=True).input_ids)
 
     def edit(layer, z):
         z = z.clone()
@@ -245,6 +246,7 @@ def test_ablate_patterns_after_the_ablation(client, gpt2_runtime):
     for extra in ({"encoding": "json"}, {"encoding": "base64"}, {"encoding": "base64", "layout": "tril"}):
         r = client.post("/v1/ablate", json={**req, **extra})
         assert r.status_code == 200, r.text
+        assert [t["id"] for t in r.json()["tokens"]] == ids and r.json()["add_bos"] is True
         pat = decode_tensor(r.json()["patterns"])
         np.testing.assert_allclose(pat, want, atol=1e-6)
     r = client.post("/v1/ablate", json=req, headers={"accept": "application/x-safetensors"})
@@ -291,8 +293,12 @@ def test_ablate_methods_mean_and_resample(client, gpt2_runtime):
     res = client.post("/v1/ablate", json={"text": text, "heads": [[0, 1]], "method": "resample",
                                           "resample_text": other}).json()
     assert res["mean_kl"] > 0
-    ids, oids = list(rt.tokenize(text).input_ids), list(rt.tokenize(other).input_ids)
-    ref_ids = [list(rt.tokenize(t).input_ids) for t in (other, "A bird flew over it all")]
+    # the references on the tokens the endpoint analyses: add_bos null, BOS first (GPT-2) on
+    # every text of the request (text, resample_text, reference_texts)
+    assert res["add_bos"] is True
+    ids, oids = list(rt.tokenize(text, True).input_ids), list(rt.tokenize(other, True).input_ids)
+    assert [t["id"] for t in res["tokens"]] == ids
+    ref_ids = [list(rt.tokenize(t, True).input_ids) for t in (other, "A bird flew over it all")]
     zs_o, zs_refs = [], [[], []]
     with torch.no_grad():
         hf_run(rt.model, [oids], watch=zs_o)
@@ -345,8 +351,9 @@ def test_ablate_bad_inputs(client, bert_client, gpt2_runtime):
     for body, type_, param in cases:
         e = assert_error(client.post("/v1/ablate", json=body), 422, type_, param)
         assert e["message"]
+    # the counts of the texts' own tokens (add_bos false)
     e = assert_error(client.post("/v1/ablate", json={"text": t, "heads": [[0, 1]], "method": "resample",
-                                                     "resample_text": "Short."}), 422)
+                                                     "resample_text": "Short.", "add_bos": False}), 422)
     assert "has 4 tokens" in e["message"] and "text has 9" in e["message"]
     assert_error(bert_client.post("/v1/ablate", json={"text": t, "heads": [[0, 1]]}), 422, "unsupported_model")
     assert client.post("/v1/ablate", json={"text": t, "heads": [[0, 1]]}).status_code == 200
