@@ -168,19 +168,28 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path, lag=None):
         self.proc, self.url, self.log = proc, url, log
+        self.lag = lag  # tests/loop_lag.py ServerLag: its event loop's lags (lag_log=...)
 
 
-def start_server(tmp: Path, *args: str, env: dict | None = None, wait_ready: bool = True) -> LiveServer:
-    """Start ``attnscope serve`` (a real uvicorn) on 127.0.0.1 and wait until /readyz is 200."""
+def start_server(tmp: Path, *args: str, env: dict | None = None, wait_ready: bool = True,
+                 lag_log: Path | None = None, hold: Path | None = None) -> LiveServer:
+    """Start ``attnscope serve`` (a real uvicorn) on 127.0.0.1 and wait until /readyz is 200.
+    With ``lag_log``, a probe on its event loop writes its lags there (tests/lag_serve.py;
+    ``server.lag`` reads them); with ``hold``, every device-slot job waits while that file
+    exists (the test creates and deletes it)."""
     tiers.require("server", "starts a server")
     port = free_port()
     log = tmp / f"server-{port}.log"
     full_env = {**os.environ, **(env or {})}
+    if hold is not None:
+        lag_log = lag_log or tmp / f"lag-{port}.log"
+        full_env["ATTNSCOPE_TEST_HOLD"] = str(hold)
+    cmd = [sys.executable, "-m", "attnscope.service.cli"] if lag_log is None else \
+        [sys.executable, str(Path(__file__).resolve().parent / "lag_serve.py"), str(lag_log)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "attnscope.service.cli", "serve", "--host", "127.0.0.1",
-         "--port", str(port), *args],
+        [*cmd, "serve", "--host", "127.0.0.1", "--port", str(port), *args],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=full_env,
     )
     url = f"http://127.0.0.1:{port}"
@@ -198,7 +207,9 @@ def start_server(tmp: Path, *args: str, env: dict | None = None, wait_ready: boo
         else:
             proc.kill()
             raise RuntimeError(f"server not ready: {log.read_text()[-2000:]}")
-    return LiveServer(proc, url, log)
+    from loop_lag import ServerLag
+
+    return LiveServer(proc, url, log, None if lag_log is None else ServerLag(lag_log))
 
 
 def stop_server(s: LiveServer) -> None:
@@ -212,6 +223,7 @@ def stop_server(s: LiveServer) -> None:
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory):
     """A real uvicorn serving the bundled model on 127.0.0.1 (session-wide)."""
-    s = start_server(tmp_path_factory.mktemp("live"), "--model", "bundled", "--max-queue", "256")
+    tmp = tmp_path_factory.mktemp("live")
+    s = start_server(tmp, "--model", "bundled", "--max-queue", "256", lag_log=tmp / "lag.log")
     yield s
     stop_server(s)

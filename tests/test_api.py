@@ -156,10 +156,11 @@ def test_not_ready_is_503(make_client):
     c = make_client(None, model="/nonexistent/dir", exit_on_load_failure=False)
     import time
 
-    for _ in range(100):
+    for _ in range(2400):  # wait for the event (the load failed); 120 s: a safety net
         if c.app.state.load_error:
             break
         time.sleep(0.05)
+    assert c.app.state.load_error
     r = c.get("/readyz")
     assert r.status_code == 503 and r.json()["error"]["type"] == "not_ready"
     r = c.post("/v1/attention", json={"text": "x"})

@@ -19,7 +19,7 @@ from recorded_reference import hf_reference
 
 
 # --------------------------------------------------------------- app lifecycle
-def _ready(c, timeout=60):
+def _ready(c, timeout=300):  # a safety net against a hang, not a figure
     deadline = time.time() + timeout
     while time.time() < deadline:
         if c.get("/readyz").status_code == 200:

@@ -76,7 +76,7 @@ def test_load_errors_shown_to_clients_have_no_paths(tmp_path):
     with TestClient(app) as c:
         import time
 
-        for _ in range(200):
+        for _ in range(2400):  # wait for the event (the load failed); 120 s: a safety net
             r = c.get("/readyz")
             if "failed" in r.text:
                 break

@@ -67,6 +67,20 @@ class Served:
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=30)
 
+    def in_flight(self) -> float:
+        """``attnscope_requests_in_flight`` (this /metrics request included)."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return float(re.search(r"^attnscope_requests_in_flight (\S+)$", text, re.M).group(1))
+
+    def wait_in_flight(self, above: float, fewer: bool = False, bound_s: float = 60.0) -> None:
+        """Wait until more than ``above`` requests are in flight (one sent since has reached
+        the app), or with ``fewer`` until no more are (it has ended); the bound is for the
+        event, not a figure."""
+        deadline = time.monotonic() + bound_s
+        while (self.in_flight() > above) if fewer else (self.in_flight() <= above):
+            assert time.monotonic() < deadline, f"in flight: still {self.in_flight()}"
+            time.sleep(0.02)
+
     def requests_total(self) -> dict[tuple[str, str, str], float]:
         """``attnscope_requests_total`` by (method, route, status), from /metrics."""
         out = {}
@@ -329,12 +343,14 @@ def test_an_aborted_upload_is_recorded_as_499_and_a_bad_chunk_as_400(served):
     after a good one: both were recorded as status 500 (the handler ended without a response)."""
     key = {s: ("POST", "/v1/attention", s) for s in ("499", "400", "500")}
     before = served.requests_total()
+    idle = served.in_flight()
     with served.connect() as s:
         s.sendall(post_head("/v1/attention", 100_000, AUTH) + b" " * 1000)
-        time.sleep(0.3)  # the handler is reading the body
+        served.wait_in_flight(idle)  # the app has it and reads the body
+    served.wait_in_flight(idle, fewer=True)  # and it is over
     with served.connect() as s:
         s.sendall(post_head("/v1/attention", None, AUTH, chunked=True) + b"5\r\n{\"tex\r\n")
-        time.sleep(0.3)
+        served.wait_in_flight(idle)
         s.sendall(b"zz\r\n")
         raw, end = read_to_end(s)
     deadline = time.monotonic() + 60  # a bound for the event, not a figure
