@@ -246,9 +246,11 @@ def test_patch_attribution_endpoint(client, gpt2_runtime):
 
 def test_patch_bad_inputs_and_memory(client, bert_client, make_client, gpt2_runtime):
     ld = {"target": " m", "distractor": " ru"}
+    # the counts of the texts' own tokens (add_bos false)
     e = assert_error(client.post("/v1/patch", json={"clean_text": "The cat sat on the mat.",
                                                     "corrupted_text": "The man sat on the mat.",
-                                                    "logit_diff": ld}), 422, "validation_error", "corrupted_text")
+                                                    "logit_diff": ld, "add_bos": False}),
+                     422, "validation_error", "corrupted_text")
     assert "9 tokens" in e["message"] and "has 8" in e["message"]
     base = {"clean_text": CLEAN, "corrupted_text": CORRUPTED}
     for body, type_, param in [
