@@ -43,6 +43,8 @@ from .norms import NormsRequest, NormsResponse, NormsResult
 from .rollout import RolloutRequest, RolloutResponse, RolloutResult
 from .verify import HeadDiff, LayerDiff, VerifyRequest, VerifyResponse, VerifyResult
 from .run import HooksResponse, RunRequest, RunResponse
+from .lens import LogitAttributionRequest, LogitAttributionResponse, LogitLensRequest, LogitLensResponse  # noqa: E501
+from .circuits import CircuitsRequest, CircuitsResponse
 
 __all__ = [
     "AblateRequest",
@@ -96,4 +98,10 @@ __all__ = [
     "HooksResponse",
     "RunRequest",
     "RunResponse",
+    "LogitLensRequest",
+    "LogitLensResponse",
+    "LogitAttributionRequest",
+    "LogitAttributionResponse",
+    "CircuitsRequest",
+    "CircuitsResponse",
 ]

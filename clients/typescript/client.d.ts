@@ -38,4 +38,10 @@ export interface AttnscopeClient {
   hooks(): Promise<S["HooksResponse"]>;
   /** POST /v1/run: One hooked forward: cache activations, apply interventions, read metrics and gradients (TransformerLens hook names) */
   run(body: S["RunRequest"], opts?: CallOptions): Promise<S["RunResponse"]>;
+  /** POST /v1/logit-lens: Logit lens: every residual state through ln_final and the unembedding */
+  logit_lens(body: S["LogitLensRequest"]): Promise<S["LogitLensResponse"]>;
+  /** POST /v1/logit-attribution: Direct logit attribution to heads, MLPs, embeddings and biases */
+  logit_attribution(body: S["LogitAttributionRequest"]): Promise<S["LogitAttributionResponse"]>;
+  /** POST /v1/circuits: Weight-only OV/QK circuit summaries and composition scores of every head */
+  circuits(body: S["CircuitsRequest"]): Promise<S["CircuitsResponse"]>;
 }

@@ -376,6 +376,9 @@ export const ENDPOINTS = [
   {"name": "rollout", "method": "POST", "path": "/v1/rollout", "binary": true},
   {"name": "hooks", "method": "GET", "path": "/v1/hooks", "binary": false},
   {"name": "run", "method": "POST", "path": "/v1/run", "binary": true},
+  {"name": "logit_lens", "method": "POST", "path": "/v1/logit-lens", "binary": false},
+  {"name": "logit_attribution", "method": "POST", "path": "/v1/logit-attribution", "binary": false},
+  {"name": "circuits", "method": "POST", "path": "/v1/circuits", "binary": false},
 ];
 // ---- end of the generated endpoints
 for (const ep of ENDPOINTS) {
