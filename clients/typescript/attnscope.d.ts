@@ -142,6 +142,40 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/circuits": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Weight-only OV/QK circuit summaries and composition scores of every head
+         * @description From the weights alone (no text; Elhage et al. 2021, "A Mathematical
+         *     Framework for Transformer Circuits"), per head: the copying score of the full OV circuit
+         *     ``W_E W_OV W_U`` (``sum(lambda) / sum(|lambda|)`` over its eigenvalues, in [-1, 1], and the
+         *     positive eigenvalues' share ``sum(max(Re lambda, 0)) / sum(|lambda|)``), computed on the
+         *     d_head x d_head matrix ``W_O (W_U W_E) W_V``, which has the same nonzero eigenvalues (never the
+         *     vocab x vocab matrix); the top singular values and Frobenius norms of ``W_OV = W_V W_O`` and
+         *     ``W_QK = W_Q W_K^T`` (by QR cores, as TransformerLens' FactoredMatrix); and the Q-, K- and
+         *     V-composition scores ``||W_A W_B||_F / (||W_A||_F ||W_B||_F)`` between every pair of heads in
+         *     different layers (TransformerLens ``all_composition_scores``, ``[layer_a, head_a, layer_b,
+         *     head_b]``, 0 unless layer_a < layer_b). The checkpoint's raw weights, as TransformerLens'
+         *     ``enable_compatibility_mode(no_processing=True)`` / ``from_pretrained_no_processing``: no
+         *     LayerNorm folding, no centring, biases ignored (said in ``weights``). Computed in float64 once
+         *     per model revision and kept; equal to TransformerLens 4.3 and numpy to <= 1e-5
+         *     (tests/test_circuits.py).
+         *     Errors: 422 a model the hooked forward does not run (encoders, other families).
+         */
+        post: operations["circuits_v1_circuits_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/heads": {
         parameters: {
             query?: never;
@@ -230,6 +264,76 @@ export interface paths {
          *     413; 429; 503.
          */
         post: operations["links_v1_links_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/logit-attribution": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Direct logit attribution to heads, MLPs, embeddings and biases
+         * @description At each chosen position (default the last) of each prompt, the logit
+         *     direction ``d = W_U[:, target] - W_U[:, distractor]`` (or ``W_U[:, target]`` without a
+         *     distractor) attributed to every component of the final residual state through ln_final with
+         *     its scale frozen from the run (TransformerLens ``cache.apply_ln_to_stack``, which also centres
+         *     each component): ``part(c) = ((c - mean c) / s) . (w * d)``, ``s`` = ``ln_final.hook_scale``,
+         *     ``w`` ln_final's weight, for ``hook_embed``, ``hook_pos_embed``, every head's
+         *     ``blocks.{l}.attn.hook_result`` (without b_O; TransformerLens ``stack_head_results``), every
+         *     layer's attention output bias ``b_O`` and every ``blocks.{l}.hook_mlp_out``. The parts sum to
+         *     the served logit difference up to ln_final's bias term ``b . d``, which is reported
+         *     (``ln_final_bias``), and ``residual_error`` = served - parts - bias is float rounding only
+         *     (<= 1e-4, tests/test_lens.py). Raw weights: b_V stays inside each head's result (a processed
+         *     TransformerLens model folds it into b_O).
+         *     Errors: 422 a position out of range or repeated, a target or distractor that is not one token,
+         *     a distractor equal to the target, a per-prompt list of the wrong length; 429 over the memory
+         *     budget.
+         */
+        post: operations["logit_attribution_v1_logit_attribution_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/logit-lens": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Logit lens: every residual state through ln_final and the unembedding
+         * @description For each prompt (``text``, ``texts``, ``tokens``, ``token_lists``; BOS per
+         *     ``add_bos``) and each residual state in forward order (``blocks.{l}.hook_resid_pre``,
+         *     optionally ``blocks.{l}.hook_resid_mid``, and the final ``blocks.{L-1}.hook_resid_post``;
+         *     TransformerLens' accumulated_resid labels ``{l}_pre``, ``{l}_mid``, ``final_post``), the lens
+         *     logits ``LN(x) W_U`` (nostalgebraist 2020) with ``ln``: ``"own"`` = ln_final with the state's
+         *     own statistics (TransformerLens 4.3 ``cache.accumulated_resid(apply_ln=True)``, which
+         *     recomputes the final norm per state) or ``"final"`` = the final LayerNorm's scale frozen from
+         *     the run (``apply_ln_to_stack`` semantics: centred, divided by ``ln_final.hook_scale``), then
+         *     ln_final's weight and bias (the unprocessed weights do not fold them into ``W_U``). Per state:
+         *     the mean next-token cross entropy (nats) over every position; per requested position the
+         *     top-k tokens (probability, logit) and the rank (tokens with a higher logit; 0 = top) and
+         *     log-prob of the actual next token or of ``target``. The ``final_post`` state is the model's own
+         *     prediction. Equal to TransformerLens 4.3 (``enable_compatibility_mode(no_processing=True)``)
+         *     to <= 1e-5 (tests/test_lens.py).
+         *     Errors: 422 a position out of range or repeated, a target that is not one token or not in the
+         *     vocabulary, too many tokens, a model the hooked forward does not run; 429 over the memory
+         *     budget.
+         */
+        post: operations["logit_lens_v1_logit_lens_post"];
         delete?: never;
         options?: never;
         head?: never;
@@ -351,7 +455,7 @@ export interface paths {
         /**
          * One hooked forward: cache activations, apply interventions, read metrics and gradients (TransformerLens hook names)
          * @description Remote execution of one forward of the resident causal LM on a batch of
-         *     prompts of equal length (``tokens`` as ids used as given, or ``texts`` with BOS per
+         *     prompts of equal length (``token_lists`` as ids used as given, or ``texts`` with BOS per
          *     ``add_bos``), in one device turn:
          *
          *     * ``cache``: hook names or fnmatch patterns (``blocks.*.hook_resid_post``), each with an
@@ -1074,6 +1178,158 @@ export interface components {
              */
             prompts?: number[] | null;
         };
+        /**
+         * CircuitsRequest
+         * @description Weights only: no text.
+         * @example {
+         *       "top_k": 4
+         *     }
+         */
+        CircuitsRequest: {
+            /**
+             * Composition
+             * @description Include the Q-, K- and V-composition scores.
+             * @default true
+             */
+            composition?: boolean;
+            /**
+             * Top K
+             * @description Singular values per head and circuit (at most d_head are returned).
+             * @default 8
+             */
+            top_k?: number;
+        };
+        /** CircuitsResponse */
+        CircuitsResponse: {
+            /** @description Composition scores (Elhage et al. 2021; TransformerLens utils.composition_scores), null when not asked. */
+            composition?: components["schemas"]["CompositionScores"] | null;
+            /** D Head */
+            d_head: number;
+            /**
+             * Heads
+             * @description Every head, layer-major.
+             */
+            heads: components["schemas"]["HeadCircuit"][];
+            model: components["schemas"]["ModelRef"];
+            /** N Heads */
+            n_heads: number;
+            /** N Layers */
+            n_layers: number;
+            /**
+             * Weights
+             * @description The checkpoint's raw weights, as TransformerLens' enable_compatibility_mode(no_processing=True) / from_pretrained_no_processing gives them: no LayerNorm folding (ln1's and ln_final's weights are not multiplied in), no centring, biases ignored. Row-vector convention: W_Q, W_K, W_V [d_model, d_head] per head (columns of c_attn), W_O [d_head, d_model] (rows of c_proj), W_E = wte [d_vocab, d_model], W_U = lm_head.weight^T [d_model, d_vocab]; W_OV = W_V W_O, W_QK = W_Q W_K^T (d_model x d_model, rank <= d_head, without the 1/sqrt(d_head) score scaling).
+             */
+            weights: string;
+        } & {
+            [key: string]: unknown;
+        };
+        /** CompositionScores */
+        CompositionScores: {
+            /**
+             * K
+             * @description K-composition: ||W_OV^a (W_QK^b)^T||_F / (...), all_composition_scores('K').
+             */
+            k: unknown[];
+            /**
+             * Q
+             * @description [layer_a][head_a][layer_b][head_b]: Q-composition of head a (earlier) into head b's queries, ||W_OV^a W_QK^b||_F / (||W_OV^a||_F ||W_QK^b||_F); 0 unless layer_a < layer_b (TransformerLens all_composition_scores('Q')).
+             */
+            q: unknown[];
+            /**
+             * V
+             * @description V-composition: ||W_OV^a W_OV^b||_F / (...), all_composition_scores('V').
+             */
+            v: unknown[];
+        } & {
+            [key: string]: unknown;
+        };
+        /** DLAPosition */
+        DLAPosition: {
+            /**
+             * Attn Bias
+             * @description [layer]: the attention output bias b_O's part.
+             */
+            attn_bias: number[];
+            /**
+             * Distractor
+             * @description Distractor token id, or null.
+             */
+            distractor: number | null;
+            /**
+             * Embed
+             * @description hook_embed's part.
+             */
+            embed: number;
+            /**
+             * Heads
+             * @description [layer][head]: blocks.{l}.attn.hook_result's part (z_h W_O^h, without b_O).
+             */
+            heads: number[][];
+            /**
+             * Ln Final Bias
+             * @description b · d: ln_final's bias on the direction, the one term that is not a residual component.
+             */
+            ln_final_bias: number;
+            /**
+             * Logit Diff
+             * @description The served value: logits[target] (- logits[distractor]) of the model's forward at this position.
+             */
+            logit_diff: number;
+            /**
+             * Mlp
+             * @description [layer]: blocks.{l}.hook_mlp_out's part (its b_out included).
+             */
+            mlp: number[];
+            /**
+             * Pos Embed
+             * @description hook_pos_embed's part.
+             */
+            pos_embed: number;
+            /**
+             * Position
+             * @description The position (negatives resolved).
+             */
+            position: number;
+            /**
+             * Residual Error
+             * @description logit_diff - (sum_of_parts + ln_final_bias): float rounding only (the parts decompose the final state exactly once the scale is frozen).
+             */
+            residual_error: number;
+            /**
+             * Scale
+             * @description ln_final.hook_scale at this position, sqrt(var(x) + eps) of the last residual state: the frozen scale every part is divided by.
+             */
+            scale: number;
+            /**
+             * Sum Of Parts
+             * @description embed + pos_embed + sum(heads) + sum(attn_bias) + sum(mlp).
+             */
+            sum_of_parts: number;
+            /**
+             * Target
+             * @description Target token id.
+             */
+            target: number;
+        } & {
+            [key: string]: unknown;
+        };
+        /** DLAPrompt */
+        DLAPrompt: {
+            /**
+             * N Tokens
+             * @description Number of tokens.
+             */
+            n_tokens: number;
+            /** Positions */
+            positions: components["schemas"]["DLAPosition"][];
+            /**
+             * Tokens
+             * @description The prompt's tokens.
+             */
+            tokens: components["schemas"]["Token"][];
+        } & {
+            [key: string]: unknown;
+        };
         /** ErrorBody */
         ErrorBody: {
             /**
@@ -1119,6 +1375,45 @@ export interface components {
              * @description Name of a metric declared in ``metrics``.
              */
             metric: string;
+        };
+        /** HeadCircuit */
+        HeadCircuit: {
+            /**
+             * Copying Score
+             * @description Elhage et al. 2021's eigenvalue summary of the full OV circuit W_E W_OV W_U (d_vocab x d_vocab): sum_i lambda_i / sum_i |lambda_i| over its eigenvalues (complex moduli), in [-1, 1]; 1 when every eigenvalue is positive (the head copies the tokens it attends to). Computed on the d_head x d_head matrix W_O W_U W_E W_V, which has the same nonzero eigenvalues (the cyclic property), never the vocab x vocab one.
+             */
+            copying_score: number;
+            /** Head */
+            head: number;
+            /** Layer */
+            layer: number;
+            /**
+             * Ov Frobenius
+             * @description ||W_OV||_F.
+             */
+            ov_frobenius: number;
+            /**
+             * Ov Singular Values
+             * @description The top singular values of W_OV (descending).
+             */
+            ov_singular_values: number[];
+            /**
+             * Positive Eigenvalue Share
+             * @description sum_i max(Re lambda_i, 0) / sum_i |lambda_i|, in [0, 1]: the positive eigenvalues' share of the total magnitude (equals (1 + copying_score) / 2 when every eigenvalue is real).
+             */
+            positive_eigenvalue_share: number;
+            /**
+             * Qk Frobenius
+             * @description ||W_QK||_F.
+             */
+            qk_frobenius: number;
+            /**
+             * Qk Singular Values
+             * @description The top singular values of W_QK (descending).
+             */
+            qk_singular_values: number[];
+        } & {
+            [key: string]: unknown;
         };
         /** HeadDiff */
         HeadDiff: {
@@ -1567,7 +1862,10 @@ export interface components {
              * @enum {string}
              */
             reduce?: "mean" | "sum";
-            /** Terms */
+            /**
+             * Terms
+             * @description (prompt, reference_prompt, position) terms; one value each, reduced to ``value``.
+             */
             terms: components["schemas"]["KLTerm"][];
         };
         /** KLTerm */
@@ -1650,6 +1948,68 @@ export interface components {
              * @description As q_max_abs_diff, for the values.
              */
             v_max_abs_diff?: number | null;
+        } & {
+            [key: string]: unknown;
+        };
+        /** LensPosition */
+        LensPosition: {
+            /**
+             * Position
+             * @description The position (negatives resolved).
+             */
+            position: number;
+            /** @description The target's rank and log-prob (null at the last position when the target is the next token). */
+            target?: components["schemas"]["TargetStat"] | null;
+            /**
+             * Top
+             * @description Top-k tokens, most probable first.
+             */
+            top: components["schemas"]["TopToken"][];
+        } & {
+            [key: string]: unknown;
+        };
+        /** LensPrompt */
+        LensPrompt: {
+            /**
+             * N Tokens
+             * @description Number of tokens.
+             */
+            n_tokens: number;
+            /**
+             * States
+             * @description Per residual state, in forward order.
+             */
+            states: components["schemas"]["LensState"][];
+            /**
+             * Tokens
+             * @description The prompt's tokens.
+             */
+            tokens: components["schemas"]["Token"][];
+        } & {
+            [key: string]: unknown;
+        };
+        /** LensState */
+        LensState: {
+            /**
+             * Hook
+             * @description The hook the state is read from, e.g. 'blocks.3.hook_resid_pre'; final_post is 'blocks.{L-1}.hook_resid_post'.
+             */
+            hook: string;
+            /**
+             * Label
+             * @description TransformerLens' accumulated_resid label: '{l}_pre', '{l}_mid', 'final_post'.
+             */
+            label: string;
+            /**
+             * Loss
+             * @description Mean next-token cross entropy over positions 0..T-2 of the lens logits (nats); null for a 1-token prompt.
+             */
+            loss: number | null;
+            /**
+             * Positions
+             * @description Per requested position.
+             */
+            positions: components["schemas"]["LensPosition"][];
         } & {
             [key: string]: unknown;
         };
@@ -1839,8 +2199,87 @@ export interface components {
              * @enum {string}
              */
             reduce?: "mean" | "sum";
-            /** Terms */
+            /**
+             * Terms
+             * @description (prompt, position, target) terms; one value each, reduced to ``value``.
+             */
             terms: components["schemas"]["TokenTerm"][];
+        };
+        /**
+         * LogitAttributionRequest
+         * @description Direct logit attribution at chosen positions to a logit direction (``text``, ``texts``,
+         *     ``tokens`` or ``token_lists``; each prompt is its own forward).
+         * @example {
+         *       "distractor": " the",
+         *       "target": " John",
+         *       "text": "When Mary and John went to the store, John gave a drink to"
+         *     }
+         */
+        LogitAttributionRequest: {
+            /**
+             * Add Bos
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
+             */
+            add_bos?: boolean | null;
+            /**
+             * Distractor
+             * @description Null: the direction is the target's unembedding (the target's logit is attributed). Else target minus distractor (the logit difference); one token, or one per prompt.
+             */
+            distractor?: number | string | (number | string)[] | null;
+            /**
+             * Positions
+             * @description Positions whose logits are attributed; null = the last; negatives count from the end.
+             */
+            positions?: number[] | null;
+            /**
+             * Target
+             * @description The target token (id, or a text that is one token), or one per prompt.
+             */
+            target: number | string | (number | string)[];
+            /**
+             * Text
+             * @description One text. Always treated as text: strings that spell special tokens are tokenized as plain text.
+             */
+            text?: string | null;
+            /**
+             * Texts
+             * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
+             */
+            texts?: string[] | null;
+            /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
+        };
+        /** LogitAttributionResponse */
+        LogitAttributionResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
+            /**
+             * Method
+             * @description The formula, in words.
+             */
+            method: string;
+            model: components["schemas"]["ModelRef"];
+            /** Prompts */
+            prompts: components["schemas"]["DLAPrompt"][];
+            /**
+             * Weights
+             * @description The weights used: the checkpoint's own, unprocessed (no LayerNorm folding, no centring of writing weights or of the unembedding, b_V not folded into b_O): TransformerLens' enable_compatibility_mode(no_processing=True) / from_pretrained_no_processing. ln_final's weight w and bias b are therefore applied explicitly: LN(x) = (x - mean(x)) / scale * w + b.
+             */
+            weights: string;
+        } & {
+            [key: string]: unknown;
         };
         /** LogitDiff */
         LogitDiff: {
@@ -1881,7 +2320,10 @@ export interface components {
              * @enum {string}
              */
             reduce?: "mean" | "sum";
-            /** Terms */
+            /**
+             * Terms
+             * @description (prompt, position, target, distractor) terms; one value each, reduced to ``value``.
+             */
             terms: components["schemas"]["LogitDiffTerm"][];
         };
         /**
@@ -1930,6 +2372,103 @@ export interface components {
             target: number | string;
         };
         /**
+         * LogitLensRequest
+         * @description The logit lens of every residual state of each prompt (``text``, ``texts``, ``tokens``
+         *     or ``token_lists``; each prompt is its own forward).
+         * @example {
+         *       "positions": [
+         *         -1
+         *       ],
+         *       "text": "When Mary and John went to the store, John gave a drink to",
+         *       "top_k": 3
+         *     }
+         */
+        LogitLensRequest: {
+            /**
+             * Add Bos
+             * @description Prepend the BOS token to the texts (not to token ids, which are used exactly as given). null (the default) = the model's convention: true for causal models whose tokenizer has a BOS token (GPT-2: <|endoftext|>, id 50256; the bundled model: id 0), as TransformerLens' to_tokens prepends it on every call and as GPT-2 was trained with it between documents; false for encoders, which always get their own framing ([CLS] ... [SEP]; true is a 422 there). false = the text's own tokens only, as the source documents tokenize. The value used is echoed in the response's add_bos. With token ids only, true is a 422 (put the BOS id first) and null means false.
+             */
+            add_bos?: boolean | null;
+            /**
+             * Incl Mid
+             * @description Also each block's ``hook_resid_mid`` (after attention, before the MLP), as accumulated_resid(incl_mid=True).
+             * @default false
+             */
+            incl_mid?: boolean;
+            /**
+             * Ln
+             * @description How each residual state x is normalised before the unembedding. 'own': ln_final applied to x with x's own statistics, LN(x) = (x - mean x) / sqrt(var x + eps) * w + b (TransformerLens 4.3 accumulated_resid(apply_ln=True), which for the full stack recomputes the final norm per state, apply_ln_to_stack(..., recompute_ln=True)). 'final': the final LayerNorm's scale frozen from the run, (x - mean x) / scale_final * w + b, scale_final = ln_final.hook_scale of the last residual state at that position (TransformerLens apply_ln_to_stack(..., recompute_ln=False), then ln_final's w and b, which unprocessed weights do not fold into W_U). The last state (final_post) gives the model's own logits either way.
+             * @default own
+             * @enum {string}
+             */
+            ln?: "own" | "final";
+            /**
+             * Positions
+             * @description Positions whose per-position tables (top-k, target) are returned; null = every position; negatives count from the end. The loss is always over every position.
+             */
+            positions?: number[] | null;
+            /**
+             * Target
+             * @description A token (id, or a text that is one token) whose rank and log-prob are reported at every position. Null: the prompt's actual next token (none at the last position).
+             */
+            target?: number | string | null;
+            /**
+             * Text
+             * @description One text. Always treated as text: strings that spell special tokens are tokenized as plain text.
+             */
+            text?: string | null;
+            /**
+             * Texts
+             * @description Several texts (a batch), analysed independently; results in order. At most max_batch (a setting, default 32; never more than 4096).
+             */
+            texts?: string[] | null;
+            /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
+             * Tokens
+             * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
+             */
+            tokens?: number[] | null;
+            /**
+             * Top K
+             * @description Top-k tokens per state and position (0: none).
+             * @default 5
+             */
+            top_k?: number;
+        };
+        /** LogitLensResponse */
+        LogitLensResponse: {
+            /**
+             * Add Bos
+             * @description Whether the BOS token was prepended to the request's texts: the request's add_bos, or where it was null the model's convention (GPT-2 family: true; encoders: false). False when only token ids were given (ids are used exactly as given).
+             * @default false
+             */
+            add_bos?: boolean;
+            /**
+             * Ln
+             * @description The normalisation used ('own' or 'final', see the request).
+             */
+            ln: string;
+            /**
+             * Ln Description
+             * @description The formula, in words.
+             */
+            ln_description: string;
+            model: components["schemas"]["ModelRef"];
+            /** Prompts */
+            prompts: components["schemas"]["LensPrompt"][];
+            /**
+             * Weights
+             * @description The weights used: the checkpoint's own, unprocessed (no LayerNorm folding, no centring of writing weights or of the unembedding, b_V not folded into b_O): TransformerLens' enable_compatibility_mode(no_processing=True) / from_pretrained_no_processing. ln_final's weight w and bias b are therefore applied explicitly: LN(x) = (x - mean(x)) / scale * w + b.
+             */
+            weights: string;
+        } & {
+            [key: string]: unknown;
+        };
+        /**
          * LogitsOptions
          * @description Which logits come back: at ``positions`` (null = all), either the ``top_k`` tokens per
          *     (prompt, position) or the ``full`` ``[batch, position, vocab]`` tensor.
@@ -1959,7 +2498,7 @@ export interface components {
              * Logits
              * @description ``[batch, position, vocab]``.
              */
-            logits?: components["schemas"]["Base64Tensor"] | components["schemas"]["BinaryTensorRef"] | unknown[] | null;
+            logits?: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[] | null;
             /**
              * Positions
              * @description The positions read (negative ones resolved).
@@ -1990,7 +2529,10 @@ export interface components {
              * @enum {string}
              */
             reduce?: "mean" | "sum";
-            /** Terms */
+            /**
+             * Terms
+             * @description (prompt, position) terms; one value each, reduced to ``value``.
+             */
             terms: components["schemas"]["PositionTerm"][];
         };
         /** LossResult */
@@ -2004,7 +2546,7 @@ export interface components {
              * Per Token
              * @description ``[batch, pos - 1]``: loss of token p + 1 (nats).
              */
-            per_token: components["schemas"]["Base64Tensor"] | components["schemas"]["BinaryTensorRef"] | unknown[];
+            per_token: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
         } & {
             [key: string]: unknown;
         };
@@ -2679,7 +3221,10 @@ export interface components {
              * @enum {string}
              */
             reduce?: "mean" | "sum";
-            /** Terms */
+            /**
+             * Terms
+             * @description (prompt, position, target) terms; one value each, reduced to ``value``.
+             */
             terms: components["schemas"]["TokenTerm"][];
         };
         /** ProbeInfo */
@@ -2993,7 +3538,7 @@ export interface components {
         RunRequest: {
             /**
              * Add Bos
-             * @description Texts: prepend BOS. Null = the model's convention (true for GPT-2, as TransformerLens' to_tokens). Ignored for ``tokens``.
+             * @description Texts: prepend BOS. Null = the model's convention (true for GPT-2, as TransformerLens' to_tokens). Token ids are used as given: with ``token_lists`` only null or false.
              */
             add_bos?: boolean | null;
             /**
@@ -3048,10 +3593,10 @@ export interface components {
              */
             texts?: string[] | null;
             /**
-             * Tokens
-             * @description The prompts as token ids, one list per prompt, used exactly as given (no BOS added). All prompts of a run have the same number of tokens.
+             * Token Lists
+             * @description The prompts as token ids, one list per prompt (``[batch, pos]``, as TransformerLens' ``run_with_cache(tokens)``), used exactly as given (no BOS added). All prompts of a run have the same number of tokens.
              */
-            tokens?: number[][] | null;
+            token_lists?: number[][] | null;
         };
         /** RunResponse */
         RunResponse: {
@@ -3065,7 +3610,7 @@ export interface components {
              * @description TransformerLens hook name -> tensor, TL shapes with the batch axis first, cut to the selection.
              */
             cache: {
-                [key: string]: components["schemas"]["Base64Tensor"] | components["schemas"]["BinaryTensorRef"] | unknown[];
+                [key: string]: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
             };
             /**
              * Grad Value
@@ -3077,9 +3622,11 @@ export interface components {
              * @description Hook name -> d(grad.metric value)/d(hook), the hook's full shape.
              */
             grads: {
-                [key: string]: components["schemas"]["Base64Tensor"] | components["schemas"]["BinaryTensorRef"] | unknown[];
+                [key: string]: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
             };
+            /** @description The logits the request's ``logits`` asked for (null: not asked). */
             logits?: components["schemas"]["LogitsResult"] | null;
+            /** @description Per-token next-token loss and its mean (null: ``loss`` false). */
             loss?: components["schemas"]["LossResult"] | null;
             /**
              * Metrics
@@ -3472,6 +4019,46 @@ export interface components {
              * @description max |recomputed| of the state (model units); the state passes when max_abs_diff <= state_tolerance * max(1, scale).
              */
             scale: number;
+        } & {
+            [key: string]: unknown;
+        };
+        /** TargetStat */
+        TargetStat: {
+            /**
+             * Bytes
+             * @description The token's raw bytes as lowercase hex ('20636174' for ' cat'): for byte-level BPE (GPT-2) the bytes the token stands for; for WordPiece (BERT) and special tokens the UTF-8 of the token string ('##ing', '[CLS]', '<|endoftext|>').
+             */
+            bytes: string;
+            /**
+             * Id
+             * @description Vocabulary id of the target.
+             */
+            id: number;
+            /**
+             * Label
+             * @description Readable text the token stands for (byte-level BPE decoded: no 'Ġ'); special tokens by name. Made visible: bytes of a character split across tokens are '\xNN' escapes; a newline, tab and carriage return are the two characters '\n', '\t', '\r' (as TransformerLens and CircuitsVis show them), other control characters '\xNN' (C0, DEL) or '\u00NN' (C1). Other text, backslashes included, is as is: 'bytes' is the exact form.
+             */
+            label: string;
+            /**
+             * Logprob
+             * @description log-softmax of the lens logits at the target (nats, <= 0).
+             */
+            logprob: number;
+            /**
+             * Partial
+             * @description True when 'bytes' is not a whole UTF-8 sequence: the token holds part of a character split across byte-level tokens (an emoji's 4 bytes over 2 tokens). False for WordPiece and special tokens.
+             */
+            partial: boolean;
+            /**
+             * Prob
+             * @description exp(logprob), in [0, 1].
+             */
+            prob: number;
+            /**
+             * Rank
+             * @description Number of tokens with a strictly higher logit at this state (0 = the top token).
+             */
+            rank: number;
         } & {
             [key: string]: unknown;
         };
@@ -4386,6 +4973,84 @@ export interface operations {
             };
         };
     };
+    circuits_v1_circuits_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["CircuitsRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CircuitsResponse"];
+                };
+            };
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Request body too large. */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Invalid request: top_k out of 1..1024, an unsupported model. */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Overloaded: the device queue is full. */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The model is not loaded yet. */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The request ran past request_timeout_s. */
+            504: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
     heads_v1_heads_post: {
         parameters: {
             query?: never;
@@ -4534,6 +5199,162 @@ export interface operations {
                 };
             };
             /** @description Invalid request: layer/head/ignore position out of range, direction 'any' on a causal model, too many tokens. */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Overloaded: the device queue is full. */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The model is not loaded yet. */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The request ran past request_timeout_s. */
+            504: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    logit_attribution_v1_logit_attribution_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["LogitAttributionRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["LogitAttributionResponse"];
+                };
+            };
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Request body too large. */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Invalid request: a position out of range or repeated, a target or distractor that is not one token (or equal), too many tokens, an unsupported model, memory. */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Overloaded: the device queue is full. */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The model is not loaded yet. */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The request ran past request_timeout_s. */
+            504: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    logit_lens_v1_logit_lens_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["LogitLensRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["LogitLensResponse"];
+                };
+            };
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Request body too large. */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Invalid request: a position out of range or repeated, a target that is not one token, too many tokens, an unsupported model, memory. */
             422: {
                 headers: {
                     [name: string]: unknown;
