@@ -11,6 +11,7 @@ import torch
 from attnscope.service.analysis import interventions as A
 from attnscope.service.config import Settings
 from attnscope.service.runtime import Runtime
+from attnscope.service.runtime import hooked as H
 from attnscope.service.runtime import interventions as I
 
 from conftest import assert_error
@@ -149,7 +150,7 @@ def test_attribution_equals_direct_autograd_and_ranks_like_exact(gpt2_runtime):
 
     # the endpoint starts the corrupted run from its embeddings (no recorded forward)
     assert torch.equal(I.embedding_output(rt, corrupted), fk.hidden_states[0])
-    m, grads = I.attribution_grads(rt, fk.hidden_states[0], lambda lg: raw(lg)[0], [pos])
+    m, grads = I.attribution_grads(rt, corrupted, H.LogitDiff(terms=[(0, pos, tgt, dis)]))
     z_c, z_k = I.head_z(fc.pattern, fc.v), I.head_z(fk.pattern, fk.v)
     att = A.attribution(torch.stack(grads), z_c, z_k)  # [layer, head]
 

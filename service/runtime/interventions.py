@@ -1,38 +1,38 @@
 """Intervention forwards of the resident causal LM: head ablation and activation patching.
 
-The runtime owns torch and the model; this module runs the model's own blocks (GPT-2 family:
-``transformer.h[i]``, then ``ln_f`` and the LM head) on a batch of residual streams, starting at
-any layer, with chosen heads' outputs edited. Analyses and serving never touch modules.
+The runtime owns torch and the model; every forward here is ONE hooked forward
+(service/runtime/hooked.py ``run``: the model's own parameter tensors, Hugging Face's eager
+operations in Hugging Face's order, TransformerLens 4.3 hook points), the path ``/v1/run``
+serves and ``/v1/verify`` checks through the LM head's logits. The edits are its declarative
+interventions: ``Zero`` / ``Mean`` / ``Set`` on ``blocks.{l}.attn.hook_z`` with a head
+selection (one forward) or a per-row ``mask`` (a batch of variants, row i editing its own
+head, or head and position), ``Set`` on ``blocks.{l}.hook_resid_pre`` for the residual grid;
+metrics read its logits; attribution is its ``GradRequest``. No module hook is registered,
+nothing outlives a call.
 
 Vocabulary (TransformerLens): a head's output **z** is its attention-weighted value vectors
 before the output projection, ``z[pos, head, :] = sum_k pattern[head, pos, k] * v[head, k, :]``
-(TransformerLens ``hook_z``, shape ``[batch, pos, head, d_head]``). In Hugging Face's GPT-2 it is
-the input of ``attn.c_proj`` with the heads merged (``[batch, pos, head * d_head]``), which is
-where the edit is applied. The **residual stream** entering layer ``l`` (TransformerLens
-``resid_pre``) is the recorded ``hidden_states[l]`` for ``l < n_layers`` (index 0 is the
+(``hook_z``, ``[batch, pos, head, d_head]``). The **residual stream** entering layer ``l``
+(``hook_resid_pre``) is the recorded ``hidden_states[l]`` for ``l < n_layers`` (index 0 is the
 embedding output).
 
-A run starts from a residual stream ``[batch, pos, d_model]`` at layer ``start`` (the cached
-``hidden_states[start]`` of the text, so the layers below are the text's own and are not run
-again) and applies, at each layer, ``z = where(mask, value, z)`` for the edits of that layer.
-The edits are arguments of one call: the forward pre-hooks that apply them are registered for
-that call only and removed before it returns (one call at a time on the device thread), never
-module state two requests could share. Logits come from the model's own ``ln_f`` and LM head
-applied to the final residual stream this module computes, so they do not depend on how the
-recorded forward lays out its last hidden state.
+A batch of variants starts at the layer its edit is in (``hooked.run(start=l,
+resid_pre=...)``) from the recorded residual stream entering it: the layers below are the
+text's own and are not run again.
 
 Causal LMs only (GPT-2 family): an encoder has no LM head to read a metric from.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import InvalidRequest
+from . import hooked
 
 
 class NoLanguageModelHead(InvalidRequest):
@@ -43,40 +43,23 @@ class NoLanguageModelHead(InvalidRequest):
 
 
 @dataclass
-class ZEdit:
-    """An edit of the head outputs z at one layer, for every row of a batch of variants.
-
-    ``mask``: bool, broadcastable to ``[batch, pos, head]``: True where z is replaced.
-    ``value``: broadcastable to ``[batch, pos, head, d_head]``: the replacement (0 for zero
-    ablation, a mean, another run's z, the clean run's z). Rows whose mask is all False are
-    left bit for bit as they were.
-    """
-
-    mask: torch.Tensor
-    value: torch.Tensor
-
-
-@dataclass
 class RunOutput:
-    """What one intervention run returns (tensors on the runtime's device or CPU, see caller).
+    """What one intervention run returns (tensors on the runtime's device).
 
-    ``logits``: ``[batch, len(positions), vocab]`` (all positions when ``positions`` is None),
-    or None when ``logits=False``. ``final``: the residual stream after the last block
-    ``[batch, pos, d_model]`` (before ``ln_f``). ``z``: per layer from ``start`` (index
-    ``layer - start``), the z the next projection received ``[batch, pos, head, d_head]`` when
-    ``capture_z`` (after the edit). ``patterns``: per layer from ``start``,
+    ``logits``: ``[batch, len(positions), vocab]`` (all positions when ``positions`` is None).
+    ``start``: the first layer that ran. ``patterns``: per layer from ``start``,
     ``[batch, head, query_pos, key_pos]`` when ``capture_patterns``.
     """
 
-    logits: torch.Tensor | None
-    final: torch.Tensor
+    logits: torch.Tensor
     start: int
-    z: list[torch.Tensor] = field(default_factory=list)
     patterns: list[torch.Tensor] = field(default_factory=list)
 
 
 def lm_parts(rt):
-    """``(blocks, ln_f, lm_head)`` of a causal LM, or raise :class:`NoLanguageModelHead`."""
+    """The hooked forward's :class:`hooked.GPT2Parts` of a causal LM (made once, kept in
+    ``rt.memo["hooked_parts"]``, shared with ``/v1/run``), or raise
+    :class:`NoLanguageModelHead`."""
     if not rt.adapter.causal:
         raise NoLanguageModelHead(
             f"{rt.info.get('id')} is an encoder ({rt.adapter.family}) without a language-model "
@@ -90,23 +73,59 @@ def lm_parts(rt):
             f"{rt.info.get('id')} was loaded without a language-model head (no next-token "
             "logits): predictions, ablation and patching are unavailable", "text",
         )
-    return base.h, base.ln_f, head
+    p = rt.memo.get("hooked_parts")
+    if p is None:
+        p = rt.memo["hooked_parts"] = hooked.gpt2_parts(rt.model)
+    return p
 
 
-def causal_mask(n_tokens: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive causal mask ``[1, 1, query_pos, key_pos]``: 0 where ``key_pos <= query_pos``,
-    the dtype's most negative finite value elsewhere (Hugging Face's eager mask)."""
-    allowed = torch.ones(n_tokens, n_tokens, dtype=torch.bool, device=device).tril()
-    mask = torch.zeros(n_tokens, n_tokens, dtype=dtype, device=device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+def _ids(ids, batch: int, device) -> torch.Tensor:
+    """``[batch, pos]`` token ids (the same row repeated: variants of one text)."""
+    t = torch.as_tensor(list(ids), dtype=torch.long, device=device)
+    return t[None].expand(batch, -1)
 
 
-def logits_of(rt, final: torch.Tensor, positions: Sequence[int] | None = None) -> torch.Tensor:
-    """Next-token logits ``[batch, P, vocab]`` from final residual streams ``[batch, pos,
-    d_model]`` through the model's own ``ln_f`` and LM head, at ``positions`` (all if None)."""
-    _, ln_f, head = lm_parts(rt)
-    x = final if positions is None else final[:, list(positions)]
-    return head(ln_f(x))
+def _z(layer: int) -> str:
+    return f"blocks.{layer}.attn.hook_z"
+
+
+def run_variants(rt, ids: Sequence[int], resid: torch.Tensor, start: int,
+                 interventions: Sequence = (), positions: Sequence[int] | None = None,
+                 cache: dict | None = None) -> hooked.RunResult:
+    """One hooked forward of a batch of variants of the text ``ids`` from layer ``start``:
+    ``resid`` ``[batch | 1, pos, d_model]`` enters block ``start`` (a recorded
+    ``hidden_states[start]``), ``interventions`` apply (hooked.py), logits at ``positions``.
+    Runs under ``torch.inference_mode`` (the hooked forward's own)."""
+    p = lm_parts(rt)
+    resid = resid.to(device=p.device)
+    B = resid.shape[0]
+    return hooked.run(p, _ids(ids, B, p.device), cache=cache, interventions=interventions,
+                 logit_positions=positions, start=start, resid_pre=resid)
+
+
+def recorded_logits(rt, ft, positions: Sequence[int] | None = None,
+                    ids: Sequence[int] | None = None) -> torch.Tensor:
+    """Next-token logits ``[P, vocab]`` of a recorded forward ``ft`` (ForwardTensors) at
+    ``positions`` (all if None): its last block re-run by the hooked forward from the cached
+    residual stream entering it, then ``ln_f`` and the LM head. Equal to Hugging Face's
+    ``GPT2LMHeadModel`` logits (bit for bit on the runtime's use_cache=False call).
+    ``ids``: the text's token ids (only a Loss metric reads them; zeros otherwise)."""
+    L = rt.adapter.n_layers
+    T = ft.hidden_states.shape[1]
+    ids = [0] * T if ids is None else ids
+    return run_variants(rt, ids, ft.hidden_states[L - 1][None], L - 1,
+                        positions=positions).logits[0]
+
+
+def embedding_output(rt, input_ids: Sequence[int]) -> torch.Tensor:
+    """The residual stream entering layer 0 ``[pos, d_model]`` (GPT-2: token plus position
+    embeddings, ``hidden_states[0]`` of a recorded forward): the hooked forward's first step
+    (``F.embedding`` of wte and wpe, added) without running any block."""
+    p = lm_parts(rt)
+    ids = _ids(input_ids, 1, p.device)
+    pos = torch.arange(ids.shape[1], device=p.device).unsqueeze(0)
+    with torch.inference_mode():
+        return (F.embedding(ids, p.wte) + F.embedding(pos, p.wpe))[0]
 
 
 def head_z(pattern: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -116,139 +135,28 @@ def head_z(pattern: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.matmul(pattern, v).transpose(1, 2)
 
 
-@contextmanager
-def _hooks(rt, start: int, z_edits: dict[int, ZEdit], capture_z: bool, capture_patterns: bool,
-           out: RunOutput) -> Iterator[None]:
-    """Register, for this call only, the pre-hooks on each layer's output projection that
-    apply ``z_edits`` and capture z, and the hooks on attention that capture patterns."""
-    a = rt.adapter
-    H, dh = a.n_heads, a.d_head
-    handles = []
-
-    def z_hook(layer: int):
-        edit = z_edits.get(layer)
-
-        def fn(module, args):
-            x = args[0]
-            z = x.view(*x.shape[:-1], H, dh)  # [batch, pos, head, d_head]
-            if edit is not None:
-                z = torch.where(edit.mask[..., None], edit.value.to(z.dtype), z)
-            if capture_z:
-                out.z.append(z)
-            return (z.reshape(x.shape),) + tuple(args[1:])
-        return fn
-
-    def pattern_hook(module, args, output):
-        out.patterns.append(output[1])
-
-    try:
-        for layer in range(start, a.n_layers):
-            h = rt._handles[layer]
-            if layer in z_edits or capture_z:
-                handles.append(h.out_proj.register_forward_pre_hook(z_hook(layer)))
-            if capture_patterns:
-                handles.append(h.attn.register_forward_hook(pattern_hook))
-        yield
-    finally:
-        for hd in handles:
-            hd.remove()
-
-
-def run_from_layer(
-    rt,
-    resid: torch.Tensor,
-    start: int,
-    z_edits: dict[int, ZEdit] | None = None,
-    positions: Sequence[int] | None = None,
-    *,
-    logits: bool = True,
-    capture_z: bool = False,
-    capture_patterns: bool = False,
-) -> RunOutput:
-    """Run blocks ``start .. n_layers-1`` of the model on residual streams ``resid``
-    ``[batch, pos, d_model]`` (what enters layer ``start``), with the edits ``z_edits``
-    (layer -> :class:`ZEdit`) applied to the head outputs z, then ``ln_f`` and the LM head.
-
-    No padding: every row has ``pos`` real tokens (variants of one text, or texts of equal
-    length). Runs under the caller's grad mode (``torch.inference_mode`` for exact patching,
-    ``torch.enable_grad`` for attribution). ``positions`` restricts the logits (the big
-    ``[batch, pos, vocab]`` tensor) to the positions a metric reads.
-
-    Raises:
-        NoLanguageModelHead: the model is an encoder or has no LM head.
-        InvalidRequest: ``start`` outside ``[0, n_layers]``.
-    """
-    blocks, _, _ = lm_parts(rt)
-    L = rt.adapter.n_layers
-    if not 0 <= start <= L:
-        raise InvalidRequest(f"start layer {start} outside 0..{L}", "layers")
-    z_edits = z_edits or {}
-    resid = resid.to(rt.device)
-    out = RunOutput(None, resid, start)
-    mask = causal_mask(resid.shape[1], resid.dtype, resid.device)
-    x = resid
-    with _hooks(rt, start, z_edits, capture_z, capture_patterns, out):
-        for layer in range(start, L):
-            x = blocks[layer](x, attention_mask=mask)
-            if isinstance(x, tuple):  # older transformers return (hidden_states, ...)
-                x = x[0]
-    out.final = x
-    if logits:
-        out.logits = logits_of(rt, x, positions)
-    return out
-
-
-def clean_final(rt, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The final residual stream ``[pos, d_model]`` (before ``ln_f``) of a recorded forward,
-    recomputed from its cached ``hidden_states[n_layers - 1]`` through the last block only."""
-    L = rt.adapter.n_layers
-    with torch.inference_mode():
-        return run_from_layer(rt, hidden_states[L - 1][None], L - 1, logits=False).final[0]
-
-
-def recorded_logits(rt, ft, positions: Sequence[int] | None = None) -> torch.Tensor:
-    """Next-token logits ``[P, vocab]`` of a recorded forward ``ft`` (ForwardTensors) at
-    ``positions`` (all if None): its last block re-run from the cached residual stream, then
-    ``ln_f`` and the LM head. Equal to Hugging Face's ``GPT2LMHeadModel`` logits to float
-    rounding."""
-    final = clean_final(rt, ft.hidden_states)
-    with torch.inference_mode():
-        return logits_of(rt, final[None], positions)[0]
-
-
-def embedding_output(rt, input_ids: Sequence[int]) -> torch.Tensor:
-    """The residual stream entering layer 0 ``[pos, d_model]`` (GPT-2: token plus position
-    embeddings, ``hidden_states[0]`` of a recorded forward) without running any block."""
-    base = rt.adapter.base()
-    ids = torch.tensor(list(input_ids), dtype=torch.long, device=rt.device)
-    with torch.inference_mode():
-        return base.wte(ids) + base.wpe(torch.arange(len(ids), device=rt.device))
-
-
-def attribution_grads(
-    rt, resid0: torch.Tensor, metric_fn, positions: Sequence[int] | None = None,
-    with_z: bool = False,
-):
-    """One forward and one backward of a text from its embedding output ``resid0`` ``[pos,
-    d_model]``: returns ``(metric, grads)``, the scalar ``metric_fn(logits)`` (logits ``[1, P,
-    vocab]`` at ``positions``) and its gradient with respect to every layer's z, each
-    ``[pos, head, d_head]`` (the total derivative: paths through all later layers included);
-    with ``with_z`` also the z themselves ``[layer, pos, head, d_head]`` (so the corrupted run
-    needs no recorded forward of its own).
+def attribution_grads(rt, input_ids: Sequence[int], metric, with_z: bool = False):
+    """One hooked forward and one backward of a text from its token ids: returns ``(metric,
+    grads)``, the scalar value of ``metric`` (a hooked metric, e.g. ``LogitDiff(terms=[(0,
+    pos, target, distractor)])`` or ``Loss``) and its gradient with respect to every layer's
+    ``hook_z``, each ``[pos, head, d_head]`` (the total derivative: paths through all later
+    layers included; ``GradRequest``); with ``with_z`` also the z themselves ``[layer, pos,
+    head, d_head]`` (so the corrupted run needs no recorded forward of its own).
 
     Used by attribution patching (Nanda 2023; Kramár et al. 2024, AtP): the gradient on the
     corrupted run times the clean-minus-corrupted z is the first-order estimate of each
     patch's effect.
     """
-    with torch.inference_mode(False), torch.enable_grad():
-        x = resid0.detach().clone()[None].requires_grad_(True)  # a graph from the embeddings up
-        out = run_from_layer(rt, x, 0, positions=positions, capture_z=True)
-        metric = metric_fn(out.logits)
-        grads = torch.autograd.grad(metric, out.z)
-    grads = [g[0].detach() for g in grads]
+    p = lm_parts(rt)
+    L = p.n_layers
+    names = [_z(layer) for layer in range(L)]
+    res = hooked.run(p, _ids(input_ids, 1, p.device),
+                cache={"blocks.*.attn.hook_z": None} if with_z else None,
+                logit_positions=[-1], grad=hooked.GradRequest(metric=metric, hooks=names))
+    grads = [res.grads[n][0].detach() for n in names]
     if with_z:
-        return metric.detach(), grads, torch.stack([z[0].detach() for z in out.z])
-    return metric.detach(), grads
+        return res.grad_value, grads, torch.stack([res.cache[n][0] for n in names])
+    return res.grad_value, grads
 
 
 # ------------------------------------------------------------------ memory estimates
@@ -289,40 +197,45 @@ def head_patch_grid(rt, clean, corrupted, metric, positions: Sequence[int] | Non
     ``get_act_patch_attn_head_out_all_pos``, or ``..._by_pos`` with ``per_position``).
 
     ``clean``, ``corrupted``: recorded forwards (ForwardTensors) of two texts of equal length.
-    For each layer l, one batch of variants starts from the corrupted run's cached residual
-    stream entering l (layers below are the corrupted run's own) with one head's z (all
-    positions, or one position) replaced by the clean run's; ``metric(logits [batch, P,
-    vocab]) -> [batch]`` reads the logits at ``positions``. Returns the raw metric
-    ``[layer, head]`` or ``[layer, head, pos]`` (float32, CPU; layers not in ``layers`` NaN).
-    """
+    For each layer l, one hooked forward of a batch of variants starts from the corrupted
+    run's cached residual stream entering l (layers below are the corrupted run's own), with
+    ``Set`` on ``blocks.{l}.attn.hook_z`` from the clean run's z under a per-row mask (row h:
+    head h at all positions; per position, row ``h * T + p``: head h at position p);
+    ``metric(logits [batch, P, vocab]) -> [batch]`` reads the logits at ``positions``.
+    Returns the raw metric ``[layer, head]`` or ``[layer, head, pos]`` (float32, CPU; layers
+    not in ``layers`` NaN). The corrupted text's ids are not needed (no Loss metric here)."""
     a = rt.adapter
-    L, H, T = a.n_layers, a.n_heads, clean.hidden_states.shape[1]
-    z_clean = head_z(clean.pattern, clean.v).to(rt.device)  # [layer, pos, head, d_head]
-    mask = _one_hot_heads(H, T if per_position else None, rt.device)
-    out = torch.full((L, H * T) if per_position else (L, H), float("nan"))
-    with torch.inference_mode():
-        for layer in (range(L) if layers is None else layers):
-            B = mask.shape[0]
-            resid = corrupted.hidden_states[layer][None].expand(B, -1, -1)
-            run = run_from_layer(rt, resid, layer, {layer: ZEdit(mask, z_clean[layer][None])},
-                                 positions)
-            out[layer] = metric(run.logits).float().cpu()
-    return out.reshape(L, H, T) if per_position else out
+    L, Hn, T = a.n_layers, a.n_heads, clean.hidden_states.shape[1]
+    z_clean = head_z(clean.pattern, clean.v)  # [layer, pos, head, d_head]
+    dev = lm_parts(rt).device
+    mask = _one_hot_heads(Hn, T if per_position else None, dev)
+    out = torch.full((L, Hn * T) if per_position else (L, Hn), float("nan"))
+    ids = [0] * T
+    for layer in (range(L) if layers is None else layers):
+        edit = hooked.Set(hook=_z(layer), value=z_clean[layer], mask=mask)
+        run = run_variants(rt, ids, corrupted.hidden_states[layer][None].expand(
+            mask.shape[0], -1, -1), layer, [edit], positions)
+        out[layer] = metric(run.logits).float().cpu()
+    return out.reshape(L, Hn, T) if per_position else out
 
 
 def resid_patch_grid(rt, clean, corrupted, metric, positions: Sequence[int] | None) -> torch.Tensor:
     """Activation patching of the residual stream entering each layer at each position
-    (TransformerLens ``get_act_patch_resid_pre``): for layer l, a batch of T variants of the
-    corrupted run's cached ``hidden_states[l]``, row p with position p taken from the clean
-    run, run from layer l. Returns the raw metric ``[layer, pos]`` (float32, CPU)."""
+    (TransformerLens ``get_act_patch_resid_pre``): for layer l, one hooked forward of T
+    variants of the corrupted run's cached ``hidden_states[l]`` from layer l, with ``Set`` on
+    ``blocks.{l}.hook_resid_pre`` under the mask ``eye(T)`` (row p: position p from the
+    clean run). Returns the raw metric ``[layer, pos]`` (float32, CPU)."""
     L, T = rt.adapter.n_layers, clean.hidden_states.shape[1]
+    dev = lm_parts(rt).device
     out = torch.empty(L, T)
-    idx = torch.arange(T)
-    with torch.inference_mode():
-        for layer in range(L):
-            resid = corrupted.hidden_states[layer][None].repeat(T, 1, 1)
-            resid[idx, idx] = clean.hidden_states[layer][idx]
-            out[layer] = metric(run_from_layer(rt, resid, layer, None, positions).logits).float().cpu()
+    mask = torch.eye(T, dtype=torch.bool, device=dev)  # [batch = patched position, pos]
+    ids = [0] * T
+    for layer in range(L):
+        edit = hooked.Set(hook=f"blocks.{layer}.hook_resid_pre",
+                          value=clean.hidden_states[layer], mask=mask)
+        run = run_variants(rt, ids, corrupted.hidden_states[layer][None].expand(T, -1, -1),
+                           layer, [edit], positions)
+        out[layer] = metric(run.logits).float().cpu()
     return out
 
 
@@ -333,52 +246,89 @@ def mean_z(fts: Sequence) -> torch.Tensor:
     return torch.cat(zs, dim=1).mean(dim=1)
 
 
-def ablation_value(method: str, ft, references: Sequence = (), resample=None) -> torch.Tensor:
-    """The replacement z of an ablation, broadcastable to ``[layer, pos, head, d_head]``:
-    ``zero`` -> 0; ``mean`` -> the mean z over the text's own positions (or over the
-    ``references``' positions) ``[layer, 1, head, d_head]``; ``resample`` -> the z of the
-    other text ``resample`` (same length) ``[layer, pos, head, d_head]``."""
+@dataclass
+class AblationValue:
+    """What an ablation writes into z: ``method`` (zero / mean / resample) and, per layer,
+    ``tensor``: the mean z ``[layer, head, d_head]`` (mean; for ``hooked.Mean(reference=)``),
+    the other text's z ``[layer, pos, head, d_head]`` (resample; for ``hooked.Set``), or
+    None (zero)."""
+
+    method: str
+    tensor: torch.Tensor | None
+
+    def edit(self, layer: int, heads: Sequence[int] | None = None,
+             mask: torch.Tensor | None = None):
+        """The hooked intervention on ``blocks.{layer}.attn.hook_z`` (``heads`` selected, or
+        ``mask``)."""
+        kw = dict(hook=_z(layer), heads=None if heads is None else list(heads), mask=mask)
+        if self.method == "zero":
+            return hooked.Zero(**kw)
+        if self.method == "mean":
+            return hooked.Mean(reference=self.tensor[layer], **kw)
+        value = self.tensor[layer]
+        if heads is not None:
+            value = value[:, list(heads)]
+        return hooked.Set(value=value, **kw)
+
+
+def ablation_value(method: str, ft, references: Sequence = (), resample=None) -> AblationValue:
+    """The replacement of an ablation (:class:`AblationValue`): ``zero`` -> 0; ``mean`` -> the
+    mean z over the text's own positions (or over the ``references``' positions); ``resample``
+    -> the z of the other text ``resample`` (same length)."""
     if method == "zero":
-        L, H, _, dh = ft.v.shape
-        return torch.zeros(L, 1, H, dh, dtype=ft.v.dtype)
+        return AblationValue("zero", None)
     if method == "mean":
-        return mean_z(list(references) or [ft])[:, None]
+        return AblationValue("mean", mean_z(list(references) or [ft]))
     if method == "resample":
-        return head_z(resample.pattern, resample.v)
+        return AblationValue("resample", head_z(resample.pattern, resample.v))
     raise InvalidRequest(f"unknown ablation method {method!r}", "method")
 
 
-def ablate(rt, ft, heads: Sequence[tuple[int, int]], value: torch.Tensor,
+def ablate(rt, ft, heads: Sequence[tuple[int, int]], value: AblationValue,
            positions: Sequence[int] | None = None, capture_patterns: bool = False) -> RunOutput:
-    """One text's forward with the ``heads`` ``[(layer, head), ...]`` ablated: their z set to
-    ``value`` (see :func:`ablation_value`) at every position, from the cached residual stream
-    entering the lowest ablated layer. ``RunOutput.logits`` ``[1, P, vocab]``; with
-    ``capture_patterns`` the patterns of the layers from ``RunOutput.start`` up."""
-    H = rt.adapter.n_heads
+    """One text's hooked forward with the ``heads`` ``[(layer, head), ...]`` ablated (one
+    intervention per layer on its ``hook_z``, those heads selected, every position), from the
+    cached residual stream entering the lowest ablated layer. ``RunOutput.logits`` ``[1, P,
+    vocab]``; with ``capture_patterns`` the patterns (``hook_pattern``) of the layers from
+    ``RunOutput.start`` up."""
+    L = rt.adapter.n_layers
     start = min(layer for layer, _ in heads)
-    edits: dict[int, ZEdit] = {}
-    for layer in sorted({layer for layer, _ in heads}):
-        m = torch.zeros(1, 1, H, dtype=torch.bool, device=rt.device)
-        for lyr, h in heads:
-            if lyr == layer:
-                m[0, 0, h] = True
-        edits[layer] = ZEdit(m, value[layer][None].to(rt.device))
-    with torch.inference_mode():
-        return run_from_layer(rt, ft.hidden_states[start][None], start, edits, positions,
-                              capture_patterns=capture_patterns)
+    edits = [value.edit(layer, sorted(h for lyr, h in heads if lyr == layer))
+             for layer in sorted({layer for layer, _ in heads})]
+    T = ft.hidden_states.shape[1]
+    cache = ({f"blocks.{layer}.attn.hook_pattern": None for layer in range(start, L)}
+             if capture_patterns else None)
+    run = run_variants(rt, [0] * T, ft.hidden_states[start][None], start, edits, positions,
+                       cache)
+    patterns = [run.cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(start, L)] \
+        if capture_patterns else []
+    return RunOutput(run.logits, start, patterns)
 
 
-def ablation_scan(rt, ft, value: torch.Tensor, metric, positions: Sequence[int] | None) -> torch.Tensor:
-    """Every head ablated alone: for each layer a batch of ``n_heads`` variants from the cached
-    residual stream entering it, variant h with head h's z set to ``value[layer]``. Returns
-    ``metric(logits [batch, P, vocab]) -> [batch]`` as ``[layer, head]`` (float32, CPU)."""
+def ablation_scan(rt, ft, value: AblationValue, metric,
+                  positions: Sequence[int] | None) -> torch.Tensor:
+    """Every head ablated alone: for each layer one hooked forward of ``n_heads`` variants
+    from the cached residual stream entering it, variant h with head h's z ablated (the
+    intervention of ``value`` under a one-hot head mask). Returns ``metric(logits [batch, P,
+    vocab]) -> [batch]`` as ``[layer, head]`` (float32, CPU)."""
     a = rt.adapter
-    mask = _one_hot_heads(a.n_heads, None, rt.device)
+    mask = _one_hot_heads(a.n_heads, None, lm_parts(rt).device)
     out = torch.empty(a.n_layers, a.n_heads)
-    with torch.inference_mode():
-        for layer in range(a.n_layers):
-            resid = ft.hidden_states[layer][None].expand(a.n_heads, -1, -1)
-            run = run_from_layer(rt, resid, layer,
-                                 {layer: ZEdit(mask, value[layer][None].to(rt.device))}, positions)
-            out[layer] = metric(run.logits).float().cpu()
+    T = ft.hidden_states.shape[1]
+    for layer in range(a.n_layers):
+        run = run_variants(rt, [0] * T, ft.hidden_states[layer][None].expand(a.n_heads, -1, -1),
+                           layer, [value.edit(layer, mask=mask)], positions)
+        out[layer] = metric(run.logits).float().cpu()
     return out
+
+
+def served_logits(rt, input_ids: Sequence[int]) -> torch.Tensor | None:
+    """The next-token logits ``[pos, vocab]`` the hooked forward serves for ``input_ids``
+    (embeddings to the LM head, nothing edited: ``/v1/run``'s forward, the blocks every
+    intervention runs), for ``/v1/verify`` to compare with its float64 recomputation; None
+    for a model the hooked forward does not run (an encoder, an unsupported GPT-2 switch)."""
+    try:
+        p = lm_parts(rt)
+    except InvalidRequest:
+        return None
+    return hooked.run(p, _ids(input_ids, 1, p.device)).logits[0]

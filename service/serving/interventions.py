@@ -24,6 +24,7 @@ from attnscope.schemas.interventions import AblateRequest, PatchRequest, Predict
 from ..analysis import interventions as A
 from ..encoding import encode_tensor, estimate_encoded_bytes
 from ..errors import BatchTooLarge, InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
+from ..runtime import hooked
 from ..runtime import interventions as I
 from .core.engine import Plan
 from .core.table import Endpoint
@@ -396,8 +397,9 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
         if attribution:
             # the corrupted run is the attribution forward itself (metric, z, gradients): one
             # recorded forward (clean), one forward and one backward (corrupted)
-            m, grads, zk = I.attribution_grads(
-                rt, I.embedding_output(rt, corr_t.input_ids), lambda lg: raw(lg)[0], P, with_z=True)
+            metric = (hooked.LogitDiff(terms=[(0, ld[2], ld[0], ld[1])]) if ld is not None
+                      else hooked.Loss(terms=[(0, p) for p in P]))
+            m, grads, zk = I.attribution_grads(rt, corr_t.input_ids, metric, with_z=True)
             k_val = _finite(float(m), "the corrupted run's metric is")
         else:
             fk = forwards[1].tensors
