@@ -254,7 +254,8 @@ def test_endpoint_equals_the_reference_in_every_encoding(client, gpt2_runtime):
     wire = _wire()
     rt = gpt2_runtime
     H = rt.adapter.n_heads
-    tt = rt.tokenize(SENTENCE)
+    # the reference on the tokens the response reports (add_bos null: BOS first for GPT-2)
+    tt = rt.tokenize(SENTENCE, add_bos=True)
     ref = hf_layers(rt.model, "gpt2", list(tt.input_ids))
     want_head = np.stack([np.linalg.norm(ref_vectors(lay, H), axis=-1) for lay in ref])
     want_sum = np.stack([np.linalg.norm(ref_vectors(lay, H).sum(0), axis=-1) for lay in ref])
@@ -312,7 +313,10 @@ def test_endpoint_options_and_batches(client, gpt2_runtime):
     for text, res in zip(TEXTS, body["results"]):
         assert res["norms"] is None and res["value_norms"] is None
         assert res["layers"] == [1] and res["heads"] == [3, 1]
-        ref = hf_layers(rt.model, "gpt2", list(rt.tokenize(text).input_ids))
+        # the reference on the tokens the response reports (BOS first by default)
+        ids = list(rt.tokenize(text, add_bos=True).input_ids)
+        assert [t["id"] for t in res["tokens"]] == ids
+        ref = hf_layers(rt.model, "gpt2", ids)
         vec = ref_vectors(ref[1], H, value_bias=False, distribute=True)[[3, 1]]
         np.testing.assert_allclose(wire.decode_tensor(res["summed"])[0],
                                    np.linalg.norm(vec.sum(0), axis=-1), atol=1e-5)
@@ -383,12 +387,14 @@ def test_memory_estimate_covers_the_norms_before_any_forward(make_client, gpt2_r
 def test_links_by_norm_rank_by_the_reference_norm(client, gpt2_runtime):
     rt = gpt2_runtime
     H = rt.adapter.n_heads
-    tt = rt.tokenize(SENTENCE)
+    # the reference on the tokens the response reports (add_bos null: BOS first for GPT-2)
+    tt = rt.tokenize(SENTENCE, add_bos=True)
     ref = hf_layers(rt.model, "gpt2", list(tt.input_ids))
     for head in (None, 2):
         r = client.post("/v1/links", json={"text": SENTENCE, "layer": 1, "head": head, "by": "norm",
                                            "top_k": 2})
         assert r.status_code == 200, r.text
+        assert [t["id"] for t in r.json()["links"]["tokens"]] == list(tt.input_ids)
         assert r.json()["by"] == "norm"
         vec = ref_vectors(ref[1], H)
         n = np.linalg.norm(vec.sum(0) if head is None else vec[head], axis=-1)
