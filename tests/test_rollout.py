@@ -16,9 +16,10 @@ from conftest import SENTENCE
 SHORT = ["The cat sat on the mat.", "Alice gave Bob a book.", "It rains."]
 
 
-def hf_attentions(rt, text: str) -> np.ndarray:
-    """Hugging Face's eager ``output_attentions`` of one text, float64 ``[layer, head, q, k]``."""
-    tt = rt.tokenize(text)
+def hf_attentions(rt, text: str, add_bos: bool = False) -> np.ndarray:
+    """Hugging Face's eager ``output_attentions`` of one text, float64 ``[layer, head, q, k]``
+    (``add_bos``: BOS first, as the endpoint's default for GPT-2)."""
+    tt = rt.tokenize(text, add_bos=add_bos)
     ids = torch.tensor([list(tt.input_ids)])
     kw = {"token_type_ids": torch.zeros_like(ids)} if rt.adapter.family == "bert" else {}
     base = getattr(rt.model, "transformer", None) or getattr(rt.model, "bert", rt.model)
@@ -177,11 +178,14 @@ def test_endpoint_equals_the_authors_formula_and_networkx(client, gpt2_runtime):
 
     rt = gpt2_runtime
     text = SHORT[0]
-    att = hf_attentions(rt, text)
+    # the reference on the tokens the response reports (add_bos null: BOS first for GPT-2)
+    att = hf_attentions(rt, text, add_bos=True)
     ref = authors_joint_attention(att.mean(1))
     r = client.post("/v1/rollout", json={"text": text, "flow": True})
     assert r.status_code == 200, r.text
     body = RolloutResponse.model_validate(r.json())
+    assert body.add_bos is True
+    assert [t.id for t in body.rollout.tokens] == list(rt.tokenize(text, add_bos=True).input_ids)
     assert body.flow_max_tokens == RO.FLOW_MAX_TOKENS and body.fusion == "mean"
     res = body.rollout
     np.testing.assert_allclose(wire.decode_tensor(res.rollout), ref, atol=1e-6)
@@ -215,7 +219,10 @@ def test_endpoint_options_batches_and_encoder(client, bert_client, gpt2_runtime,
     body = r.json()
     assert {k: body[k] for k in opts} == opts
     for text, res in zip(SHORT, body["results"]):
-        want = np_rollout(np_augmented(hf_attentions(gpt2_runtime, text), True, "max", 0.3, 0.5, "drop"))
+        # the reference on the tokens the response reports (BOS first by default)
+        assert [t["id"] for t in res["tokens"]] == list(gpt2_runtime.tokenize(text, True).input_ids)
+        want = np_rollout(np_augmented(hf_attentions(gpt2_runtime, text, add_bos=True), True, "max",
+                                       0.3, 0.5, "drop"))
         assert res["layers"] == [1, 0] and res["flow"] is None
         np.testing.assert_allclose(wire.decode_tensor(res["rollout"]), want[[1, 0]], atol=1e-6)
     text = SHORT[1]
@@ -236,7 +243,7 @@ def test_bad_input_gets_a_named_4xx(client, bert_client, gpt2_runtime):
 
     post = lambda **kw: client.post("/v1/rollout", json={"text": SENTENCE, **kw})  # noqa: E731
     long_text = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
-    n = len(gpt2_runtime.tokenize(long_text))
+    n = len(gpt2_runtime.tokenize(long_text, add_bos=True))  # as analysed: BOS first by default
     assert n > RO.FLOW_MAX_TOKENS
     before = gpt2_runtime.forward_count
     e = assert_error(client.post("/v1/rollout", json={"text": long_text, "flow": True}),
