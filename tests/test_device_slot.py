@@ -270,7 +270,9 @@ def test_links_do_not_block_the_event_loop(client):
     assert r.status_code == 200
     first = r.json()["results"][0]
     assert len(first["links"][-1]["links"]) == len(first["tokens"]) - 1
-    assert_responsive(idle, busy, "/v1/links")
+    # blocked, the loop waited behind the whole ranking: a busy machine slows both alike, so
+    # the bound also allows half of the request's span (as the /healthz bound did)
+    assert_responsive(idle, busy, "/v1/links", share=0.5)
 
 
 # ------------------------------------------------------------------ recorded tensors, concurrency

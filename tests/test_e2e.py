@@ -76,7 +76,9 @@ def test_healthz_answers_during_long_forward(live_server):
                 done.wait(0.05)
         th.join()
     assert got["r"].status_code == 200 and answered >= 1
-    assert_responsive(idle, busy, "/v1/attention, 32 texts")
+    # a blocked loop waits for the whole forward; a busy machine slows both alike, so the
+    # bound also allows half of the forward's span (as the /healthz bound did)
+    assert_responsive(idle, busy, "/v1/attention, 32 texts", share=0.5)
 
 
 def test_overload_gets_429_then_recovers(tmp_path):

@@ -240,7 +240,9 @@ def _tl_per_text(bridge, text):
     return scores, [cache["pattern", layer, "attn"] for layer in range(L)]
 
 
-@pytest.mark.parametrize("which", ["bundled", "minilm", "gpt2_small_random"])
+@pytest.mark.parametrize("which", ["bundled", "minilm",
+                                   # 13 s alone, the slowest of the fast tier: the full run only
+                                   pytest.param("gpt2_small_random", marks=pytest.mark.slow)])
 def test_default_heads_equal_transformerlens_and_s004_on_seed_sentences(
         which, request, tl_bridge, make_client):
     """Default /v1/heads (no add_bos given) over >= 50 sentences of the source documents
