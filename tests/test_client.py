@@ -48,12 +48,18 @@ def test_model_and_tokenize_return_schema_models(api, gpt2_runtime):
     from attnscope.schemas import ModelInfo, TokenizeResponse
 
     assert isinstance(info, ModelInfo) and info.n_layers == 2 and info.n_heads == 4
-    tok = api.tokenize(SENTENCE)
-    assert isinstance(tok, TokenizeResponse)
+    # the text's own tokens (add_bos false) spell the text
+    tok = api.tokenize(SENTENCE, add_bos=False)
+    assert isinstance(tok, TokenizeResponse) and tok.add_bos is False
     assert "".join(t.label for t in tok.tokens.tokens) == SENTENCE
+    # the default: the model's convention, BOS first for GPT-2, then the same tokens
+    dflt = api.tokenize(SENTENCE)
+    assert dflt.add_bos is True and dflt.tokens.tokens[0].special
+    assert dflt.tokens.tokens[1:] == [t.model_copy(update={"position": t.position + 1})
+                                      for t in tok.tokens.tokens]
     many = api.tokenize(["a b", "c"])
     assert [r.n_tokens for r in many.results] == [
-        len(gpt2_runtime.tokenize("a b", False, "t")), len(gpt2_runtime.tokenize("c", False, "t"))]
+        len(gpt2_runtime.tokenize("a b", True, "t")), len(gpt2_runtime.tokenize("c", True, "t"))]
 
 
 def test_attention_numpy_matches_hugging_face(api, gpt2_runtime):
@@ -535,15 +541,17 @@ def test_client_decodes_base64_batches_exactly(client, gpt2_runtime):
     api = Client("http://testserver", http_client=client, max_retries=0)
     texts = [SENTENCE, LONG, "x y"]
     res = api.attention(texts, encoding="base64", layout="tril", include_scores=True)
+    assert res.add_bos is True  # the reference on the tokens the response reports: BOS first
     for text, r in zip(texts, res.results):
-        fw = _fw(gpt2_runtime, text)
+        fw = _fw(gpt2_runtime, text, True)
+        assert [t.id for t in r.tokens] == list(fw.tokens.input_ids)
         assert np.array_equal(r.pattern.numpy(), fw.pattern.numpy())
         s, sw = r.scores.numpy(), fw.scores().numpy()
         assert np.array_equal(np.isneginf(s), np.isneginf(sw))
         assert np.array_equal(s[np.isfinite(sw)], sw[np.isfinite(sw)])
     sp = api.attention(texts, encoding="base64", sparse={"top_k": 2, "threshold": 0.05})
     for text, r in zip(texts, sp.results):
-        p = _fw(gpt2_runtime, text).pattern.numpy()
+        p = _fw(gpt2_runtime, text, True).pattern.numpy()
         assert np.array_equal(r.pattern.numpy(), _expect_sparse(p, 2, 0.05))
 
 
