@@ -28,7 +28,6 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 TIERS = ("unit", "model", "server", "browser", "cluster")
-FAST = "not (server or browser or cluster or slow)"
 
 FIXTURES = {
     "model": {"gpt2_runtime", "bert_runtime", "client", "bert_client", "bundled_dir",
