@@ -31,8 +31,10 @@ def test_client_methods(api):
     assert p.predictions.positions[0].top[0].prob > 0
     many = api.predictions([SENTENCE, "a b"], positions=[0])
     assert len(many.results) == 2
-    a = api.ablate(SENTENCE, heads=[(0, 1), (1, 0)], include_patterns=True, encoding="base64")
-    assert a.patterns.numpy().shape[:2] == (2, 4)
+    # prose on its own tokens (add_bos=False): ablating the heads raises the loss
+    a = api.ablate(SENTENCE, heads=[(0, 1), (1, 0)], include_patterns=True, encoding="base64",
+                   add_bos=False)
+    assert a.add_bos is False and a.patterns.numpy().shape[:2] == (2, 4)
     assert a.mean_loss_ablated > a.mean_loss_clean
     s = api.ablate(SENTENCE, scan=True, scan_metric="kl")
     assert np.array(s.scan.grid).shape == (2, 4)
