@@ -133,7 +133,9 @@ def check_lens(client, ref: Ref, ids, ln="own", incl_mid=False, top_k=5, target=
             assert tgt["id"] == want
             worst["logprob"] = max(worst["logprob"], abs(float(lp[q, want]) - tgt["logprob"]))
             rank = int((lg[q] > lg[q, want]).sum())
-            worst["rank"] = max(worst["rank"], abs(rank - tgt["rank"]))
+            # near-ties within the float32 forwards' own discrepancy may order either way
+            ties = int(((lg[q] - lg[q, want]).abs() <= 2 * max(1e-5, tl_err)).sum()) - 1
+            worst["rank"] = max(worst["rank"], max(0, abs(rank - tgt["rank"]) - ties))
     assert worst["loss"] <= 1e-5 and worst["prob"] <= 1e-5, worst
     # a logit (or the log-prob of an improbable target, ~ -18 nats) carries the float32
     # forward's own error: TL's logits differ from Hugging Face's by tl_err (7.6e-6 here)
@@ -207,7 +209,7 @@ def test_a_wrong_ln_scale_fails_the_lens_comparison(client, bundled, monkeypatch
 @pytest.mark.parametrize("ln", ["own", "final"])
 def test_logit_lens_equals_transformerlens_gpt2_small(small, ln):
     ref, c = small
-    ids = torch.randint(0, 50257, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(0, 2048, (16,), generator=torch.Generator().manual_seed(1)).tolist()  # the tokenizer's ids
     check_lens(c, ref, ids, ln=ln, incl_mid=True)
 
 
@@ -304,7 +306,7 @@ def test_a_wrong_head_slice_or_scale_fails_the_dla_comparison(client, bundled, m
 @pytest.mark.slow
 def test_dla_equals_transformerlens_gpt2_small(small):
     ref, c = small
-    ids = torch.randint(0, 50257, (16,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.randint(0, 2048, (16,), generator=torch.Generator().manual_seed(2)).tolist()
     check_dla(c, ref, ids, [-1, 7], target=1000, distractor=2000)
 
 

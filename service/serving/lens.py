@@ -30,6 +30,17 @@ def _f(x) -> float:
     return float(str(np.float32(float(x))))
 
 
+def _refs(rt, ids: list[int]) -> list[dict]:
+    """``rt.token_refs`` of vocabulary ids, also for ids past the tokenizer's vocabulary (a
+    model whose embedding is padded beyond it, e.g. a vocab of 50304 for 50277 tokens): those
+    get the label ``<id N: not in the tokenizer>`` and no bytes."""
+    n = len(rt.tokenizer)
+    known = rt.token_refs([i for i in ids if i < n])
+    it = iter(known)
+    return [next(it) if i < n else {"id": i, "label": f"<id {i}: not in the tokenizer>",
+                                     "bytes": "", "partial": False} for i in ids]
+
+
 def check(rt, req) -> None:
     """A causal GPT-2 LM the hooked forward runs (422 ``unsupported_model`` /
     ``unsupported_model_config``)."""
@@ -132,9 +143,9 @@ def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
                                        req.ln, None if scale is None else scale[0])
                 st = A.lens_stats(logits, tid, pos, req.top_k, targets)
                 del logits
-                top_refs = rt.token_refs(st.top_ids.reshape(-1).tolist())
+                top_refs = _refs(rt, st.top_ids.reshape(-1).tolist())
                 k = st.top_ids.shape[1]
-                tgt_refs = rt.token_refs(targets.clamp(min=0).tolist())
+                tgt_refs = _refs(rt, targets.clamp(min=0).tolist())
                 rows = []
                 for j, q in enumerate(pos):
                     top = [dict(top_refs[j * k + c], prob=_f(st.top_probs[j, c]),
