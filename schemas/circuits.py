@@ -51,14 +51,17 @@ class HeadCircuit(LenientModel):
     qk_frobenius: float = Field(description="||W_QK||_F.")
 
 
+Grid4 = list[list[list[list[float]]]]
+
+
 class CompositionScores(LenientModel):
-    q: list = Field(description="[layer_a][head_a][layer_b][head_b]: Q-composition of head a "
+    q: Grid4 = Field(description="[layer_a][head_a][layer_b][head_b]: Q-composition of head a "
                     "(earlier) into head b's queries, ||W_OV^a W_QK^b||_F / (||W_OV^a||_F "
                     "||W_QK^b||_F); 0 unless layer_a < layer_b (TransformerLens "
                     "all_composition_scores('Q')).")
-    k: list = Field(description="K-composition: ||W_OV^a (W_QK^b)^T||_F / (...), "
+    k: Grid4 = Field(description="K-composition: ||W_OV^a (W_QK^b)^T||_F / (...), "
                     "all_composition_scores('K').")
-    v: list = Field(description="V-composition: ||W_OV^a W_OV^b||_F / (...), "
+    v: Grid4 = Field(description="V-composition: ||W_OV^a W_OV^b||_F / (...), "
                     "all_composition_scores('V').")
 
 

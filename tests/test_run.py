@@ -306,3 +306,14 @@ def test_a_run_over_the_memory_limit_is_refused_before_the_forward(make_client, 
 def test_hooks_on_an_encoder_is_unsupported(bert_client):
     assert_error(bert_client.get("/v1/hooks"), 422)
     assert_error(bert_client.post("/v1/run", json={"token_lists": [[101, 102]]}), 422)
+
+
+def test_token_refs_of_ids_past_the_tokenizer(gpt2_runtime):
+    """A model whose embedding is larger than its tokenizer (a padded vocabulary: the random
+    GPT-2-small-shaped model with the bundled tokenizer) can predict such ids: their refs are
+    labelled, never a crash (found by the logit-lens work)."""
+    n = len(gpt2_runtime.tokenizer)
+    refs = gpt2_runtime.token_refs([5, n, n + 7])
+    assert refs[0]["label"] and refs[0]["bytes"]
+    assert refs[1] == {"id": n, "label": f"<id {n}: not in the tokenizer>", "bytes": "",
+                       "partial": False}

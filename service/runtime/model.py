@@ -267,6 +267,10 @@ class Runtime:
             special = set(self.tokenizer.all_special_ids)
         out = []
         for i, p in zip(ids, pieces):
+            if p is None:  # an id of the model's (padded) vocabulary the tokenizer lacks
+                out.append({"id": i, "label": f"<id {i}: not in the tokenizer>", "bytes": "",
+                            "partial": False})
+                continue
             raw, partial = self._bytes(p, i in special)
             out.append({"id": i, "label": self._label(p, i in special), "bytes": raw.hex(),
                         "partial": partial})
