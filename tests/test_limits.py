@@ -116,8 +116,10 @@ def test_index_checks_read_at_most_limit_plus_one_entries(head):
 
 @pytest.mark.regression
 def test_ignore_out_of_range_names_first_offender(client):
+    # the texts' own tokens (add_bos false): "a" is one token
     e = _err(client.post("/v1/links", json={"texts": ["a b c d e f", "a"], "layer": 0,
-                                            "ignore": [0, 3, 5]}), type_="out_of_range")
+                                            "ignore": [0, 3, 5], "add_bos": False}),
+             type_="out_of_range")
     assert e["param"] == "ignore.1" and "texts.1 has 1 token (valid positions 0..0)" in e["message"]
 
 
@@ -263,7 +265,8 @@ BAD_BODIES = {
                                        "reference_texts": [1] * HUGE}, "reference_texts",
                         "at most 4096 items"),
     "unknown keys": ("/v1/attention", {"text": TEXT, **_keys(HUGE)}, "0k",
-                     f"the object has {HUGE + 1} keys, AttentionRequest has 12 fields"),
+                     # 14: the 12 before issue 25 item 1 and the token-id twins tokens, token_lists
+                     f"the object has {HUGE + 1} keys, AttentionRequest has 14 fields"),
     "unknown keys in thresholds": ("/v1/heads", {"text": TEXT, "thresholds": _keys(HUGE)},
                                    "thresholds.0k",
                                    f"the object has {HUGE} keys, HeadThresholds has 7 fields"),
