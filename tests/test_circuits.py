@@ -121,6 +121,7 @@ def check_circuits(client, ref: Ref, full_vocab_heads=(), heads=None) -> dict:
     return worst
 
 
+@pytest.mark.slow  # TransformerLens' own all_composition_scores takes ~40 s here
 def test_circuits_equal_transformerlens_and_numpy_bundled(client, bundled):
     """Measured: see the report printed by -s (the worst difference of each quantity)."""
     _fresh(client)
