@@ -45,6 +45,7 @@ from .verify import HeadDiff, LayerDiff, VerifyRequest, VerifyResponse, VerifyRe
 from .run import HooksResponse, RunRequest, RunResponse
 from .lens import LogitAttributionRequest, LogitAttributionResponse, LogitLensRequest, LogitLensResponse  # noqa: E501
 from .circuits import CircuitsRequest, CircuitsResponse
+from .path_patch import PathPatchRequest, PathPatchResponse
 
 __all__ = [
     "AblateRequest",
@@ -104,4 +105,6 @@ __all__ = [
     "LogitAttributionResponse",
     "CircuitsRequest",
     "CircuitsResponse",
+    "PathPatchRequest",
+    "PathPatchResponse",
 ]
