@@ -24,7 +24,8 @@ SAFETENSORS = "application/x-safetensors"
 
 @pytest.fixture(scope="module")
 def reference(gpt2_runtime):
-    tt = gpt2_runtime.tokenize(SENTENCE)
+    # on the tokens the responses report: add_bos null, BOS first for GPT-2
+    tt = gpt2_runtime.tokenize(SENTENCE, add_bos=True)
     fw = gpt2_runtime.forward_many([tt])[0]
     return fw.pattern.numpy(), fw.scores().numpy()
 
@@ -221,7 +222,9 @@ def test_base64_attention_round_trip_exact(client, gpt2_runtime, body):
     r = client.post("/v1/attention", json={"texts": texts, "encoding": "base64", **body})
     assert r.status_code == 200, r.text
     for text, res in zip(texts, r.json()["results"]):
-        fw = _fw(gpt2_runtime, text)
+        # the reference on the tokens the response reports (BOS first by default)
+        fw = _fw(gpt2_runtime, text, True)
+        assert [t["id"] for t in res["tokens"]] == list(fw.tokens.input_ids)
         p = fw.pattern
         if "layers" in body:
             p = p[body["layers"]][:, body["heads"]]
@@ -245,13 +248,14 @@ LONG = "The" + " cat sat on the mat." * 31  # 249 tokens: > 4 MB of base64 with 
 
 @pytest.mark.regression
 def test_base64_streamed_body_round_trips_exactly(client, gpt2_runtime):
-    fw = _fw(gpt2_runtime, LONG)
+    fw = _fw(gpt2_runtime, LONG, True)  # the tokens the response reports: BOS first
     r = client.post("/v1/attention", json={"text": LONG, "encoding": "base64",
                                            "include_scores": True})
     assert r.status_code == 200, r.text
     assert "content-length" not in r.headers or int(r.headers["content-length"]) > 4 << 20
     assert len(r.content) > 4 << 20
     att = orjson.loads(r.content)["attention"]
+    assert [t["id"] for t in att["tokens"]] == list(fw.tokens.input_ids)
     assert np.array_equal(wire.decode_tensor(att["pattern"]), fw.pattern.numpy())
     s, sw = wire.decode_tensor(att["scores"]), fw.scores().numpy()
     assert np.array_equal(np.isneginf(s), np.isneginf(sw))
@@ -264,7 +268,7 @@ def test_nan_from_the_model_is_refused_in_every_form(client, gpt2_runtime, monke
     from attnscope.service.runtime.results import ForwardTensors
 
     text = "nan pattern row check"
-    fw = _fw(gpt2_runtime, text)
+    fw = _fw(gpt2_runtime, text, True)  # the forward the requests run: BOS first by default
     orig = ForwardTensors.__init__
     pat = fw.pattern.clone()
     pat[1, 2, -1, 0] = float("nan")  # last row, first key: small, never in the top-1 otherwise
