@@ -144,8 +144,10 @@ def test_tril_on_encoder_is_422(bert_client, extra):
 LONG = "The" + " cat sat on the mat." * 31  # 249 tokens: > 4 MB of base64 with scores
 
 
-def _fw(rt, text, add_bos=False):
-    return rt.forward_many([rt.tokenize(text, add_bos)])[0]
+def _fw(rt, text, add_bos=None):
+    """The runtime's forward on the tokens the response reports: ``add_bos`` None is the
+    request default, the model's convention (GPT-2: BOS first; encoders: their framing)."""
+    return rt.forward_many([rt.tokenize(text, rt.default_add_bos if add_bos is None else add_bos)])[0]
 
 
 @pytest.mark.regression
@@ -155,7 +157,9 @@ def test_base64_streamed_batch_and_sparse(client, gpt2_runtime):
                                            "sparse": {"top_k": 7, "format": "coo"}})
     assert r.status_code == 200, r.text
     for text, res in zip(texts, r.json()["results"]):
-        p = _fw(gpt2_runtime, text).pattern.numpy()
+        fw = _fw(gpt2_runtime, text)
+        assert [t["id"] for t in res["tokens"]] == list(fw.tokens.input_ids)
+        p = fw.pattern.numpy()
         dense = wire.sparse_to_dense(res["pattern"])
         order = np.argsort(-p, axis=-1, kind="stable")[..., :7]
         expect = np.zeros_like(p)
@@ -274,7 +278,9 @@ def test_sparse_selections_both_models(client, bert_client, gpt2_runtime, bert_r
             return
     assert r.status_code == 200, r.text
     for text, res in zip(texts, r.json()["results"]):
-        p = _fw(rt, text).pattern
+        fw = _fw(rt, text)
+        assert [t["id"] for t in res["tokens"]] == list(fw.tokens.input_ids)
+        p = fw.pattern
         if "layers" in sel:
             p = p[sel["layers"]]
         if "heads" in sel:
