@@ -87,6 +87,18 @@ class StateDiff(LenientModel):
     passed: bool = Field(description="Within the state tolerance.")
 
 
+class LogitsDiff(LenientModel):
+    max_abs_diff: float | None = Field(
+        description="max |served logit - recomputed logit| over [pos, vocab], logit units; "
+        "null = NaN (or a logits tensor of another shape).")
+    scale: float | None = Field(
+        description="max |recomputed logit|: the logits pass when max_abs_diff <= tolerance * "
+        "max(1, scale); null = NaN.")
+    tolerance: float = Field(description="The relative tolerance of the logits used (the "
+                             "served dtype's, or the request's tolerance).")
+    passed: bool = Field(description="Within the logits tolerance (a NaN fails).")
+
+
 class LayerDiff(LenientModel):
     layer: int = Field(description="Layer index.")
     scale: float | None = Field(
@@ -133,20 +145,26 @@ class VerifyResult(LenientModel):
         "model's for recorded_qkv.")
     max_rel_diff: float | None = Field(
         None, description="from_scratch: the largest state difference divided by max(1, scale) "
-        "over the embeddings, q/k/v, attention outputs, hidden states and final state; null = "
-        "NaN somewhere or recorded_qkv.")
+        "over the embeddings, q/k/v, attention outputs, hidden states, final state and "
+        "logits; null = NaN somewhere or recorded_qkv.")
     state_tolerance: float | None = Field(
         None, description="from_scratch: the relative tolerance of the states used.")
     failing_layer: int | None = Field(
         None, description="The first layer (in forward order) where a difference exceeds its "
         "tolerance (0 when the embeddings differ); null when passed, or when only the final "
-        "LayerNorm's output differs.")
+        "LayerNorm's output or the logits differ.")
     embeddings: StateDiff | None = Field(
         None, description="from_scratch: hidden state 0 (the embeddings, with positions; BERT: "
         "after the embedding LayerNorm).")
     final: StateDiff | None = Field(
         None, description="from_scratch: the final LayerNorm's output (GPT-2 ln_f, = Hugging "
         "Face's last hidden_states entry); null for models without one (BERT).")
+    logits: LogitsDiff | None = Field(
+        None, description="from_scratch, causal LMs: the served next-token logits [pos, vocab] "
+        "(the hooked forward's, from the token ids through every block, ln_f and the LM head: "
+        "the path /v1/predictions, /v1/ablate, /v1/patch and /v1/run compute with) against "
+        "W_U (lm_head.weight) applied to the recomputed ln_f output, in float64, relative to "
+        "max(1, max |logit|); in 'passed'. null for encoders and in mode recorded_qkv.")
     passed: bool = Field(
         description="True when every checked difference is finite and <= tolerance. A NaN "
         "anywhere fails the check."

@@ -627,3 +627,125 @@ def test_verify_projections_sees_a_qkv_weight_change(gpt2_runtime, make_client):
     assert r1["passed"]  # documented: recorded q/k/v
     assert not r2["passed"] and r2["failed_layers"] == [0]
     assert not r3["passed"] and r3["failing_layer"] == 0  # from scratch: seen by default
+
+
+# ------------------------------------------------ from scratch: the served logits (LM head)
+def _scaled_attention(monkeypatch, rt, factor=1.10):
+    """Plant a fault in the attention function the recorded forward calls through transformers'
+    AttentionInterface (the model's registered implementation): scores scaled by ``factor``."""
+    from transformers import AttentionInterface
+
+    name = rt.model.config._attn_implementation
+    orig = AttentionInterface._global_mapping[name]
+
+    def faulty(module, q, k, v, mask, scaling=None, **kw):
+        return orig(module, q, k, v, mask, scaling=scaling * factor, **kw)
+    monkeypatch.setitem(AttentionInterface._global_mapping, name, faulty)
+
+
+def _hooked_fault(monkeypatch, rt, *, attention=1.0, logits=1.0):
+    """Plant a fault in the hooked forward only (the served logits' path): its parts' per-block
+    q.k scaling times ``attention``, its unembedding a copy times ``logits``; the model's
+    weights (what verify reads) untouched."""
+    from attnscope.service.runtime import interventions as I
+
+    p = I.lm_parts(rt)
+    bad = dataclasses.replace(p, unembed=p.unembed * logits, blocks=tuple(
+        dataclasses.replace(b, scaling=b.scaling * attention) for b in p.blocks))
+    monkeypatch.setitem(rt.memo, "hooked_parts", bad)
+
+
+def test_served_logits_are_checked_and_pass(client, gpt2_runtime):
+    v = client.post(URL, json={"text": SENTENCE}).json()["verification"]
+    assert v["passed"], v["message"]
+    lg = v["logits"]
+    assert lg["passed"] and 0 < lg["max_abs_diff"] <= lg["tolerance"] * max(1, lg["scale"])
+    assert lg["tolerance"] == TOLERANCES["float32"][2] and lg["scale"] > 1
+    assert "LM head logits" in v["message"]
+    # encoders have no LM head; recorded_qkv does not recompute it
+    assert client.post(URL, json={"text": SENTENCE, **RQ}).json()["verification"].get("logits") is None
+
+
+def test_bert_has_no_logits_check(bert_client):
+    v = bert_client.post(URL, json={"text": SENTENCE}).json()["verification"]
+    assert v["passed"] and v["logits"] is None
+
+
+def test_attention_fault_in_transformers_fails_and_the_hooked_logits_stay(monkeypatch, make_client):
+    """Planted fault (a), transformers' attention: the recorded forward calls it (patterns,
+    states fail at layer 0), the hooked forward does not (its logits, the interventions'
+    blocks, are unchanged and pass)."""
+    rt = Runtime.load(Settings(model="bundled"))
+    c = make_client(rt)
+    honest = c.post("/v1/run", json={"text": SENTENCE}).json()
+    _scaled_attention(monkeypatch, rt)
+    rt.cache.clear()
+    v = c.post(URL, json={"text": SENTENCE}).json()["verification"]
+    assert not v["passed"] and v["failing_layer"] == 0 and "pattern" in v["message"]
+    assert v["logits"]["passed"], v["logits"]  # the hooked forward never called it
+    assert c.post("/v1/run", json={"text": SENTENCE}).json() == honest
+
+
+@pytest.mark.parametrize("fault", [{"attention": 1.10}, {"logits": 1.05}])
+def test_fault_in_the_hooked_forward_fails_at_the_lm_head(monkeypatch, make_client, fault):
+    """Planted faults (a) in the hooked forward's attention (scores x1.10) and (b) in its
+    logits (x1.05): the predictions move, every recorded layer still passes, the logits check
+    fails and with it ``passed``."""
+    rt = Runtime.load(Settings(model="bundled"))
+    c = make_client(rt)
+    body = {"text": SENTENCE, "top_k": 1}
+    before = c.post("/v1/predictions", json=body).json()["predictions"]["positions"]
+    _hooked_fault(monkeypatch, rt, **fault)
+    rt.cache.clear()
+    after = c.post("/v1/predictions", json=body).json()["predictions"]["positions"]
+    moved = max(abs(a["top"][0]["logit"] - b["top"][0]["logit"]) for a, b in zip(after, before))
+    assert moved > 0.1
+    v = c.post(URL, json={"text": SENTENCE}).json()["verification"]
+    assert not v["passed"] and not v["logits"]["passed"]
+    assert all(layer["passed"] for layer in v["layers"]) and v["final"]["passed"]
+    assert v["failing_layer"] is None and v["failed_layers"] == []
+    assert v["message"].startswith("failed: first at LM head: LM head logits differ")
+    lg = v["logits"]
+    assert lg["max_abs_diff"] / max(1, lg["scale"]) > 3 * lg["tolerance"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_passes_and_fails_an_attention_fault(monkeypatch, dtype):
+    """The half-precision tolerances come from measured drift (bench/precision_faults.py):
+    honest passes; the 1.10x attention-scale fault fails, planted in transformers' attention
+    (the recorded forward) and in the hooked forward (the logits)."""
+    from attnscope.service.runtime import interventions as I
+
+    rt = Runtime.load(Settings(model="bundled", dtype=dtype))
+    tt = rt.tokenize(SENTENCE, add_bos=True)
+
+    def check():
+        rt.cache.clear()
+        fw = rt.forward_many([tt])[0]
+        return scratch(rt, fw, logits=I.served_logits(rt, tt.input_ids))
+    v = check()
+    assert v["passed"], v["message"]
+    assert v["logits"]["tolerance"] == TOLERANCES[dtype][2]
+    with monkeypatch.context() as mp:
+        _scaled_attention(mp, rt)
+        v = check()
+        # float16 sees it in layer 0's pattern already; bfloat16 in layer 1's hidden state
+        # (6.4e-2 relative > 5e-2; its pattern moves by 7.6e-2, under MiniLM's noise of 8.0e-2)
+        assert not v["passed"] and v["failing_layer"] in (0, 1), v["message"]
+    with monkeypatch.context() as mp:
+        _hooked_fault(mp, rt, attention=1.10)
+        v = check()
+        assert not v["passed"] and not v["logits"]["passed"], v["message"]
+
+
+def test_logits_of_another_shape_or_nan_fail(gpt2_runtime):
+    from attnscope.service.runtime import interventions as I
+
+    rt = gpt2_runtime
+    tt = rt.tokenize(SENTENCE)
+    fw = rt.forward_many([tt])[0]
+    lg = I.served_logits(rt, tt.input_ids)
+    assert scratch(rt, fw, logits=lg)["passed"]
+    for bad in (lg[:-1], lg[:, :-1], lg.clone().index_fill_(1, torch.tensor([5]), float("nan"))):
+        v = scratch(rt, fw, logits=bad)
+        assert not v["passed"] and not v["logits"]["passed"] and v["logits"]["max_abs_diff"] is None

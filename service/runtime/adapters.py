@@ -81,9 +81,13 @@ class Adapter:
 
     def scratch_weights(self) -> dict:
         """The base model's weights (detached views of the CURRENT parameters, by their
-        state-dict names) and config values, for the from-scratch verification: the fields of
+        state-dict names; a causal LM's unembedding as ``lm_head.weight``) and config values, for the from-scratch verification: the fields of
         ``analysis.verify.ScratchModel`` (built from this by ``ScratchModel.of``)."""
         weights = {n: p.detach() for n, p in self.base().named_parameters()}
+        head = self.model.get_output_embeddings() if self.causal and hasattr(
+            self.model, "get_output_embeddings") else None
+        if head is not None:  # the LM head's W_U [vocab, d_model] (GPT-2: tied to wte)
+            weights["lm_head.weight"] = head.weight.detach()
         return dict(family=self.family, config=self.config.to_dict(), weights=weights,
                     n_layers=self.n_layers, n_heads=self.n_heads)
 

@@ -7,6 +7,7 @@ from ..analysis.verify import check_supported, verify_from_scratch
 from ..analysis.verify_recorded import verify as verify_recorded_qkv
 from ..analysis.verify import ScratchModel
 from ..analysis.verify_recorded import AttentionParams
+from ..runtime import interventions as I
 from .core.estimates import verify_bytes
 from .core.engine import Plan
 from .core.table import Endpoint
@@ -29,12 +30,20 @@ def plan(rt, req: VerifyRequest, items) -> Plan:
     layers = req.layers if req.layers is not None else list(range(rt.adapter.n_layers))
     a = rt.adapter
     est = max((8 * (a.n_heads * len(it) ** 2 + 12 * len(it) * a.d_model) for it in items), default=0)
+    if req.mode == "from_scratch" and a.causal:  # the served logits, then 8192 float64 columns
+        V = int(rt.info.get("vocab_size") or 0)
+        es = next(rt.model.parameters()).element_size()
+        est += max((es * len(it) * V + 8 * 8192 * (a.d_model + 2 * len(it)) for it in items),
+                   default=0)
 
     def job(forwards) -> dict:
         if req.mode == "from_scratch":
             scratch = ScratchModel.of(rt.adapter)
+            # the served logits: the hooked forward's (every intervention endpoint's blocks,
+            # ln_f and LM head), one text at a time
             results = [verify_from_scratch(fw.tensors, scratch, fw.tokens.input_ids,
-                                           rt.info["dtype"], layers, req.tolerance)
+                                           rt.info["dtype"], layers, req.tolerance,
+                                           logits=I.served_logits(rt, fw.tokens.input_ids))
                        for fw in forwards]
         else:
             params = {layer: AttentionParams.of(rt.adapter, layer) for layer in layers}
@@ -71,7 +80,11 @@ BERT embeddings, LayerNorm with the config's eps, q/k/v projections (GPT-2's Con
 transposed vs Linear), the per-layer scale the config implies, the causal or
 bidirectional mask, softmax, output projection, MLP with the config's activation,
 residuals, ln_f), compared layer by layer with the SERVED pattern (per head, absolute),
-q/k/v, attention output and hidden states (relative to their scale). Reports per layer the
+q/k/v, attention output and hidden states (relative to their scale); then, for a causal LM,
+the served next-token logits (the hooked forward's, the blocks, ln_f and LM head that
+/v1/predictions, /v1/ablate, /v1/patch and /v1/run compute with) against the LM head's W_U
+applied to the recomputed ln_f output in float64 (``logits``, relative to max(1, max
+|logit|)). Reports per layer the
 scale used, the mask kind, the true maxima, the tolerance of the served dtype and the first
 failing layer. A config switch the recomputation does not implement: 422
 ``unsupported_model_config`` naming it. Cost: about 4-10 forwards' time (float64).
