@@ -58,8 +58,9 @@ class HeadReceiver(StrictModel):
 
 
 class MLPReceiver(StrictModel):
-    """An MLP's input as a receiver: the residual stream entering ``blocks.{layer}.ln2`` (TL
-    4.3: ``blocks.{layer}.ln2.hook_in``), changed for the MLP only."""
+    """An MLP's input as a receiver: the residual stream entering ``blocks.{layer}.ln2``,
+    changed for the MLP only (TransformerLens 4.3's bridge: ``blocks.{layer}.mlp.hook_in``, ln2's
+    output, is what the MLP alone reads)."""
 
     kind: Literal["mlp"] = Field(description="'mlp'.")
     layer: Layer = Field(..., description="The MLP's layer (0-based).")

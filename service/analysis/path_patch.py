@@ -46,7 +46,7 @@ def reduce_terms(values: torch.Tensor, rows: Sequence[int], n_rows: int,
     s = np.bincount(r, weights=v, minlength=n_rows)
     if reduce == "sum":
         return s
-    return s / np.bincount(r, minlength=n_rows)
+    return s / np.maximum(np.bincount(r, minlength=n_rows), 1)  # rows without terms: 0
 
 
 def normalized(patched: float, base: float, other: float) -> float | None:

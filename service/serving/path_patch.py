@@ -268,7 +268,9 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
         res_layers = sorted({s.layer for s in req.senders if s.kind == "head"})
         mlp_layers = sorted({s.layer for s in req.senders if s.kind == "mlp"})
         heads_r = [r for r in req.receivers if r.kind == "head"]
-        pre_layers = sorted({r.layer for r in heads_r})
+        # the head receivers' layers, and the layer the patched forward starts at
+        pre_layers = sorted({r.layer for r in heads_r} | {min(
+            (r.layer for r in req.receivers if r.kind != "logits"), default=L)} - {L})
         mid_layers = sorted({r.layer for r in req.receivers if r.kind == "mlp"})
         final = any(r.kind == "logits" for r in req.receivers)
         n_split = len({(r.layer, r.input) for r in heads_r})

@@ -69,6 +69,7 @@ from attnscope.schemas.interventions import (
     PredictionsResponse,
 )
 from attnscope.schemas.links import LinksRequest, LinksResponse
+from attnscope.schemas.path_patch import PathPatchRequest, PathPatchResponse
 from attnscope.schemas.scratch import ScratchAttentionRequest, ScratchAttentionResponse
 from attnscope.schemas.trajectories import TrajectoriesRequest, TrajectoriesResponse
 from attnscope.schemas.verify import VerifyRequest, VerifyResponse
@@ -484,6 +485,72 @@ class _Endpoints:
         req = _validated(PatchRequest, "/v1/patch", **texts, **options)
         return self._call("POST", "/v1/patch", req.model_dump(mode="json", exclude_unset=True),
                           PatchResponse)
+
+    def path_patch(self, pairs: Sequence[Any] | None = None, *, clean: Any = None,
+                   corrupted: Any = None, senders: Sequence[Any] | None = None,
+                   receivers: Sequence[Any] | None = None, metric: Mapping[str, Any] | None = None,
+                   **options) -> PathPatchResponse:
+        """``POST /v1/path-patch``: path patching (Wang et al. 2022): the ``senders``' outputs
+        from the other run reach the ``receivers`` only along the direct path, everything else
+        frozen at the base run (``direction`` 'corrupted_to_clean', the default: base = clean).
+        ``pairs``: dicts of the schema, or ``(clean, corrupted)`` tuples of texts or token id
+        lists (or one pair as ``clean=``/``corrupted=``). ``senders``: ``(layer, head)`` for a
+        head, an int for an MLP, or dicts; ``receivers``: ``(layer, "q"|"k"|"v")`` for every
+        head of a layer, ``(layer, head, "k")`` for one, an int for an MLP's input, ``"logits"``,
+        or dicts. ``metric``: a /v1/run metric (``attnscope.client.run`` builders' dicts, every
+        term's prompt null). ``grid=True`` (no senders/receivers): every sender head x receiver
+        head input -> ``.grid.raw`` ``[sender_layer][sender_head][receiver_layer]
+        [receiver_head][input]``. Raw statistics in ``.base``/``.other``/``.patched`` (mean,
+        std, n), ``.normalized`` = (patched - base) / (other - base)."""
+        fields: dict[str, Any] = dict(options)
+
+        def side(name, v):
+            if isinstance(v, str):
+                return {f"{name}_text": v}
+            return {f"{name}_tokens": [int(t) for t in v]}
+
+        def pair(x):
+            if isinstance(x, Mapping):
+                return dict(x)
+            c, k = x
+            return {**side("clean", c), **side("corrupted", k)}
+
+        if clean is not None or corrupted is not None:
+            if pairs is not None or clean is None or corrupted is None:
+                raise RequestValidationError("give pairs, or clean and corrupted (one pair)",
+                                             "pairs")
+            pairs = [(clean, corrupted)]
+        if pairs is not None:
+            fields["pairs"] = [pair(x) for x in pairs]
+
+        def sender(x):
+            if isinstance(x, Mapping):
+                return dict(x)
+            if isinstance(x, int):
+                return {"kind": "mlp", "layer": x}
+            layer, head = x
+            return {"kind": "head", "layer": int(layer), "head": int(head)}
+
+        def receiver(x):
+            if isinstance(x, Mapping):
+                return dict(x)
+            if x == "logits":
+                return {"kind": "logits"}
+            if isinstance(x, int):
+                return {"kind": "mlp", "layer": x}
+            if len(x) == 2:
+                return {"kind": "head", "layer": int(x[0]), "input": x[1]}
+            return {"kind": "head", "layer": int(x[0]), "heads": [int(x[1])], "input": x[2]}
+
+        if senders is not None:
+            fields["senders"] = [sender(x) for x in senders]
+        if receivers is not None:
+            fields["receivers"] = [receiver(x) for x in receivers]
+        if metric is not None:
+            fields["metric"] = dict(metric)
+        req = _validated(PathPatchRequest, "/v1/path-patch", **fields)
+        return self._call("POST", "/v1/path-patch",
+                          req.model_dump(mode="json", exclude_unset=True), PathPatchResponse)
 
     def hooks(self) -> HooksResponse:
         """``GET /v1/hooks``: every hook point of the resident model (TransformerLens 4.x
