@@ -148,7 +148,8 @@ def _emb(rt) -> np.ndarray:
 
 
 def test_text_self_and_causal_from_embeddings(client, gpt2_runtime):
-    ids = list(gpt2_runtime.tokenize(SENTENCE).input_ids)
+    # the reference on the tokens the response reports (add_bos null: BOS first for GPT-2)
+    ids = list(gpt2_runtime.tokenize(SENTENCE, add_bos=True).input_ids)
     E = _emb(gpt2_runtime)[ids]
     for variant, mask in (("self", None), ("causal", np.tril(np.ones((len(ids), len(ids)), bool)))):
         r = client.post(URL, json={"text": SENTENCE, "variant": variant})
@@ -165,13 +166,15 @@ def test_text_projected_matches_sklearn(client, gpt2_runtime):
     from sklearn.decomposition import PCA
 
     emb = _emb(gpt2_runtime)
-    ids = list(gpt2_runtime.tokenize(SENTENCE).input_ids)
+    # the reference on the tokens the response reports (add_bos null: BOS first for GPT-2)
+    ids = list(gpt2_runtime.tokenize(SENTENCE, add_bos=True).input_ids)
     pca = PCA(n_components=16, whiten=True, svd_solver="randomized", random_state=0).fit(emb)
     P = pca.transform(emb[ids])
     out, W = np_attention(P, P, emb[ids], mask=np.tril(np.ones((len(ids), len(ids)), bool)))
     r = client.post(URL, json={"text": SENTENCE, "project": 16, "variant": "causal"})
     assert r.status_code == 200, r.text
     b = r.json()
+    assert [t["id"] for t in b["tokens"]] == ids
     assert b["d_k"] == 16 and b["d_v"] == emb.shape[1]
     assert np.abs(arr(b["weights"])[0] - W).max() < 1e-8
     assert np.abs(arr(b["output"]) - out).max() < 1e-8
@@ -179,15 +182,16 @@ def test_text_projected_matches_sklearn(client, gpt2_runtime):
 
 def test_cross_from_query_text_and_random(client, gpt2_runtime):
     emb = _emb(gpt2_runtime)
-    kid = list(gpt2_runtime.tokenize(SENTENCE).input_ids)
-    qid = list(gpt2_runtime.tokenize("And God said").input_ids)
+    # the references on the tokens the response reports: BOS first on both texts by default
+    kid = list(gpt2_runtime.tokenize(SENTENCE, add_bos=True).input_ids)
+    qid = list(gpt2_runtime.tokenize("And God said", add_bos=True).input_ids)
     r = client.post(URL, json={"text": SENTENCE, "query_text": "And God said", "variant": "cross"})
     assert r.status_code == 200, r.text
     b = r.json()
     out, W = np_attention(emb[qid], emb[kid], emb[kid])
     assert arr(b["weights"]).shape == (1, len(qid), len(kid))
     assert np.abs(arr(b["weights"])[0] - W).max() < 1e-10
-    assert [t["id"] for t in b["query_tokens"]] == qid
+    assert [t["id"] for t in b["query_tokens"]] == qid and [t["id"] for t in b["tokens"]] == kid
     # seeded random queries: reproducible, seed-dependent, rows still sum to 1
     r1 = client.post(URL, json={"text": SENTENCE, "variant": "cross", "seed": 7}).json()
     r2 = client.post(URL, json={"text": SENTENCE, "variant": "cross", "seed": 7}).json()
@@ -215,7 +219,7 @@ def test_one_token(client):
     r = client.post(URL, json={"q": [[2.0]], "k": [[3.0]], "v": [[5.0]], "variant": "causal"})
     assert r.status_code == 200 and arr(r.json()["weights"]).tolist() == [[[1.0]]]
     assert arr(r.json()["output"]).tolist() == [[5.0]]
-    r = client.post(URL, json={"text": "And", "variant": "causal"})
+    r = client.post(URL, json={"text": "And", "variant": "causal", "add_bos": False})  # one token
     assert r.status_code == 200 and arr(r.json()["weights"]).tolist() == [[[1.0]]]
 
 
