@@ -30,6 +30,8 @@ export interface AttnscopeClient {
   ablate(body: S["AblateRequest"], opts?: CallOptions): Promise<S["AblateResponse"]>;
   /** POST /v1/patch: Activation patching clean -> corrupted */
   patch(body: S["PatchRequest"]): Promise<S["PatchResponse"]>;
+  /** POST /v1/path-patch: Path patching: senders' change carried only along the direct path to receivers (Wang et al. 2022) */
+  path_patch(body: S["PathPatchRequest"]): Promise<S["PathPatchResponse"]>;
   /** POST /v1/attention-norms: Value-weighted contribution norms ||alpha f(x)|| per layer and head (Kobayashi et al. 2020) */
   attention_norms(body: S["NormsRequest"], opts?: CallOptions): Promise<S["NormsResponse"]>;
   /** POST /v1/rollout: Attention rollout per layer and attention flow (Abnar & Zuidema 2020) */

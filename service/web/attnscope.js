@@ -372,6 +372,7 @@ export const ENDPOINTS = [
   {"name": "predictions", "method": "POST", "path": "/v1/predictions", "binary": false},
   {"name": "ablate", "method": "POST", "path": "/v1/ablate", "binary": true},
   {"name": "patch", "method": "POST", "path": "/v1/patch", "binary": false},
+  {"name": "path_patch", "method": "POST", "path": "/v1/path-patch", "binary": false},
   {"name": "attention_norms", "method": "POST", "path": "/v1/attention-norms", "binary": true},
   {"name": "rollout", "method": "POST", "path": "/v1/rollout", "binary": true},
   {"name": "hooks", "method": "GET", "path": "/v1/hooks", "binary": false},
