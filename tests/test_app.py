@@ -35,7 +35,9 @@ def test_app_loaded_shut_down_and_created_again_in_one_process(gpt2_runtime):
     from attnscope.service.app import create_app
 
     text = f"Lifecycle {uuid.uuid4().hex[:6]} the cat sat."
-    hf = hf_reference(gpt2_runtime, list(gpt2_runtime.tokenize(text).input_ids))
+    # the reference on the tokens the response reports (add_bos null: BOS first for GPT-2)
+    ids = list(gpt2_runtime.tokenize(text, add_bos=True).input_ids)
+    hf = hf_reference(gpt2_runtime, ids)
     before = gc.get_freeze_count()
     threads = []
     for round_ in range(2):
@@ -45,6 +47,7 @@ def test_app_loaded_shut_down_and_created_again_in_one_process(gpt2_runtime):
             assert gc.get_freeze_count() > before  # the start-up objects were frozen
             r = c.post("/v1/attention", json={"text": text, "encoding": "base64"})
             assert r.status_code == 200, r.text
+            assert [t["id"] for t in r.json()["attention"]["tokens"]] == ids
             assert np.array_equal(decode(r.json()["attention"]["pattern"]), hf["pattern"].numpy())
             slot_thread = c.portal.call(app.state.slot.run, threading.current_thread)
             assert slot_thread.name.startswith("attnscope-device")
@@ -63,7 +66,9 @@ def test_one_app_object_entered_twice_gets_a_fresh_slot_thread(gpt2_runtime):
 
     app = create_app(Settings(model="bundled", max_queue=0), runtime=gpt2_runtime)
     text = f"Twice {uuid.uuid4().hex[:6]} a b c"
-    hf = hf_reference(gpt2_runtime, list(gpt2_runtime.tokenize(text).input_ids))
+    # the reference on the tokens the response reports (add_bos null: BOS first for GPT-2)
+    ids = list(gpt2_runtime.tokenize(text, add_bos=True).input_ids)
+    hf = hf_reference(gpt2_runtime, ids)
     frozen = gc.get_freeze_count()
     seen = []
     for _ in range(2):
@@ -72,6 +77,7 @@ def test_one_app_object_entered_twice_gets_a_fresh_slot_thread(gpt2_runtime):
                 r = c.post(p, json={"text": text, **({"encoding": "base64"} if p == "/v1/attention" else {})})
                 assert r.status_code == 200, (p, r.text[:300])
                 if p == "/v1/attention":
+                    assert [t["id"] for t in r.json()["attention"]["tokens"]] == ids
                     assert np.array_equal(decode(r.json()["attention"]["pattern"]), hf["pattern"].numpy())
             seen.append(c.portal.call(app.state.slot.run, threading.current_thread))
             assert app.state.slot.depth == 0
