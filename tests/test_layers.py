@@ -203,6 +203,20 @@ def absolute_inner_imports(dirs: dict[str, Path]) -> list[str]:
     return out
 
 
+def missing_packages(pyproject: Path) -> list[str]:
+    """Packages ``[tool.setuptools] packages`` lists that no folder holds (pip refuses to
+    install such a project: a moved or deleted package left in the list)."""
+    conf = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]
+    dirs = {pkg: pyproject.parent / d for pkg, d in conf["package-dir"].items()}
+    out = []
+    for pkg in conf.get("packages", []):
+        top = next((p for p in dirs if _under(pkg, p)), None)
+        rel = pkg[len(top):].lstrip(".").split(".") if top else []
+        if top is None or not (dirs[top].joinpath(*[r for r in rel if r])).is_dir():
+            out.append(pkg)
+    return out
+
+
 def unlisted_packages(pyproject: Path) -> list[str]:
     """Packages (folders with an ``__init__.py``) under the mapped directories that
     ``[tool.setuptools] packages`` does not list: a wheel or a non-editable install would ship
@@ -229,6 +243,7 @@ def test_the_walk_sees_every_layer():
 
 def test_every_package_is_listed_for_setuptools(tmp_path):
     assert unlisted_packages(ROOT / "pyproject.toml") == []
+    assert missing_packages(ROOT / "pyproject.toml") == []
     # planted: a new subpackage that pyproject.toml does not list
     (tmp_path / "service" / "ops").mkdir(parents=True)
     for d in ("service", "service/ops"):
@@ -237,6 +252,11 @@ def test_every_package_is_listed_for_setuptools(tmp_path):
         '[tool.setuptools]\npackage-dir = { "attnscope.service" = "service" }\n'
         'packages = ["attnscope.service"]\n')
     assert unlisted_packages(tmp_path / "pyproject.toml") == [f"{SVC}.ops"]
+    # planted: a listed package whose folder is gone (service/api after the endpoint table)
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackage-dir = { "attnscope.service" = "service" }\n'
+        'packages = ["attnscope.service", "attnscope.service.ops", "attnscope.service.api"]\n')
+    assert missing_packages(tmp_path / "pyproject.toml") == [f"{SVC}.api"]
 
 
 def test_the_layer_rule_holds():
