@@ -13,7 +13,8 @@
 // layer or head changes.
 
 import { Client, ApiError, decodeTensor } from "./attnscope.js";
-import { colourBar, headColour, headGrid, heatmap, lineView, showLabel, trajectoryPlot, fmt } from "./views.js";
+import { colourBar, headColour, headGrid, heatmap, lineView, showLabel, trajectoryPlot, fmt, fmtNum, lensGrid,
+  attributionBars, divergingGrid, compositionGraph, defaultThreshold, patchView } from "./views.js";
 
 const $ = (s) => document.querySelector(s);
 const client = new Client("");
@@ -206,8 +207,10 @@ async function renderAttention() {
       where = `rollout to layer ${state.layer} (heads fused by their mean)`;
     }
   }
+  const valueName = { weight: "weight", norm: "norm", rollout: "rollout share" }[state.view];
+  $("#attn-hint").textContent = `hover a cell (or focus the map and use the arrow keys) for its ${valueName}`;
   heatmap($("#heatmap"), m, {
-    labels, n, masked: maskedFn(), vmax,
+    labels, n, masked: maskedFn(), vmax, valueName,
     title: `${model.id} \u00b7 ${where} \u00b7 \u201c${shortText(state.text)}\u201d`,
   });
   colourBar($("#cbar"), { masked: model.causal, title: what, vmax });
@@ -339,7 +342,7 @@ async function renderVerify() {
     const tr = document.createElement("tr");
     for (const x of [l.layer, l.pattern_max_abs_diff === null ? "NaN" : l.pattern_max_abs_diff.toExponential(2),
       l.output_max_abs_diff === null ? "NaN" : l.output_max_abs_diff.toExponential(2), l.passed ? "yes" : "NO"]) {
-      const td = document.createElement("td"); td.textContent = String(x); tr.append(td);
+      const td = document.createElement("td"); td.textContent = String(x); td.className = "num"; tr.append(td);
     }
     tb.append(tr);
   }
@@ -352,6 +355,125 @@ async function renderVerify() {
     : `attention step re-run from the recorded q/k/v in ${v.dtype}; tolerance ${v.tolerance}`;
   box.replaceChildren(head, tb, note);
   ready("verify");
+}
+
+// ---- logit lens, direct logit attribution, interventions, composition (causal LMs) ----------
+
+let lens = null;       // this text's /v1/logit-lens promise (per options)
+let circuits = null;   // the model's /v1/circuits (weights only: once per page)
+const causalOnly = (box) => { $(box).replaceChildren(Object.assign(document.createElement("p"), { className: "note", textContent: "causal language models only" })); };
+
+function lensResult() {
+  const ln = $("#lens-ln").value, mid = $("#lens-mid").checked;
+  const key = `${runId}|${ln}|${mid}`;
+  if (!lens || lens.key !== key) {
+    lens = { key, p: client.logit_lens({ text: state.text, add_bos: state.addBos, top_k: 5, ln, incl_mid: mid }) };
+  }
+  return lens.p;
+}
+
+async function renderLens() {
+  ready("lens", false);
+  if (!model.causal) { causalOnly("#lens"); ready("lens"); return; }
+  const my = runId;
+  const r = await lensResult();
+  if (my !== runId) return;
+  const p = r.prompts[0];
+  lensGrid($("#lens"), p, { title: `${model.id} \u00b7 logit lens (ln ${r.ln}) \u00b7 \u201c${shortText(state.text)}\u201d` });
+  $("#lens-note").textContent = `${p.states.length} residual states x ${p.n_tokens} positions; colour = probability of the ` +
+    `state's top token (0..1); hover a cell for the top 5 and the actual next token's rank (0 = top). ${r.ln_description}`;
+  ready("lens");
+}
+
+async function renderDla() {
+  ready("dla", false);
+  if (!model.causal) { causalOnly("#dla"); ready("dla"); return; }
+  const my = runId;
+  let target = $("#dla-target").value, distractor = $("#dla-distractor").value;
+  let named = "", tLabel = target, dLabel = distractor;
+  if (!target) {  // the model's own top two at the last position (the lens's final state)
+    const r = await lensResult();
+    if (my !== runId) return;
+    const st = r.prompts[0].states[r.prompts[0].states.length - 1];
+    const top = st.positions[st.positions.length - 1].top;
+    target = top[0].id; tLabel = top[0].label;
+    if (!distractor && top.length > 1) { distractor = top[1].id; dLabel = top[1].label; }
+    named = `target = the top prediction ${JSON.stringify(top[0].label)}` +
+      (top.length > 1 && !$("#dla-distractor").value ? `, distractor = the second ${JSON.stringify(top[1].label)}` : "");
+  }
+  const body = { text: state.text, add_bos: state.addBos, target };
+  if (distractor !== "" && distractor !== undefined) body.distractor = distractor;
+  const r = await client.logit_attribution(body);
+  if (my !== runId) return;
+  const p = r.prompts[0], d = p.positions[0];
+  const tl = tLabel, dl = d.distractor === null ? null : dLabel;
+  const dir = dl === null ? `logit(${JSON.stringify(tl)})` : `logit(${JSON.stringify(tl)}) \u2212 logit(${JSON.stringify(dl)})`;
+  attributionBars($("#dla"), d, { order: $("#dla-order").value, direction: dir,
+    title: `${model.id} \u00b7 ${dir} at position ${d.position} \u00b7 \u201c${shortText(state.text)}\u201d` });
+  $("#dla-note").textContent = (named ? `${named}; ` : "") + `${d.heads.length} layers x ${d.heads[0].length} heads; ${r.method}`;
+  ready("dla");
+}
+
+function drawComposition() {
+  const kind = $("#comp-kind").value;
+  const kinds = kind === "qkv" ? ["q", "k", "v"] : [kind];
+  let thr = parseFloat($("#comp-thr").value);
+  if (!Number.isFinite(thr)) { thr = defaultThreshold(circuits.composition, kinds); $("#comp-thr").value = String(thr); }
+  compositionGraph($("#composition"), circuits, { kinds, threshold: thr,
+    title: `${model.id} \u00b7 composition scores \u2265 ${fmtNum(thr)} (weights only; the default threshold is the mean + 2 sd)` });
+}
+
+async function renderComposition() {
+  ready("composition", false);
+  if (!model.causal) { causalOnly("#composition"); ready("composition"); return; }
+  const my = runId;
+  if (!circuits) {
+    const r = await client.circuits({ composition: true, top_k: 1 });
+    if (my !== runId) return;
+    circuits = r;
+  }
+  drawComposition();
+  ready("composition");
+}
+
+async function runScan() {
+  ready("interventions", false);
+  const my = runId;
+  const metric = $("#scan-metric").value, method = $("#scan-method").value;
+  $("#scan").textContent = "scanning every head\u2026";
+  const r = await client.ablate({ text: state.text, add_bos: state.addBos, scan: true, scan_metric: metric, method });
+  if (my !== runId) return;
+  const label = metric === "loss" ? "change of the mean loss (nats) with the head ablated" : "KL(clean \u2016 ablated), nats";
+  divergingGrid($("#scan"), r.scan.effect, { rowTitle: "layer", colTitle: "head", label,
+    title: `${model.id} \u00b7 ${method}-ablating each head alone \u00b7 \u201c${shortText(state.text)}\u201d` });
+  ready("interventions");
+}
+
+async function runPatch() {
+  ready("interventions", false);
+  const my = runId;
+  const corrupted = $("#patch-corrupted").value;
+  if (!corrupted.trim()) { $("#patch").textContent = "type a corrupted text (the same number of tokens as the text)"; ready("interventions"); return; }
+  const target = $("#patch-target").value, distractor = $("#patch-distractor").value;
+  const body = { clean_text: state.text, corrupted_text: corrupted, add_bos: state.addBos,
+    per_position: $("#patch-pos").checked, residual: $("#patch-resid").checked };
+  if (target) { body.metric = "logit_diff"; body.logit_diff = { target, distractor }; } else body.metric = "loss";
+  $("#patch").textContent = "patching\u2026";
+  let r;
+  try {
+    r = await client.patch(body);
+  } catch (e) {
+    if (!(e instanceof ApiError) || e.status === 401) throw e;
+    const p = document.createElement("p"); p.className = "fail panel-error"; p.textContent = describeError(e);
+    $("#patch").replaceChildren(p); ready("interventions"); return;
+  }
+  if (my !== runId) return;
+  drawPatch(r);
+  ready("interventions");
+}
+
+function drawPatch(r) {
+  patchView($("#patch"), r, { model: model.id });
 }
 
 /** Run one panel's render; on an API error write it into the panel (`box`) and resolve with
@@ -420,6 +542,8 @@ async function analyse() {
       guarded("attention", "#heatmap", renderAttention), guarded("lines", "#lineview", renderLines),
       guarded("heads", "#headgrid", renderHeads), guarded("links", "#links", renderLinks),
       guarded("trajectories", "#trajectories", renderTrajectories), guarded("verify", "#verify", renderVerify),
+      guarded("lens", "#lens", renderLens), guarded("dla", "#dla", renderDla),
+      guarded("composition", "#composition", renderComposition),
       ...panels.map(renderPanel)])).filter(Boolean);
     if (my !== runId) return;
     const notes = clamped.concat(failed);
@@ -436,41 +560,60 @@ function clearResults() {
   tokens = [];
   cache = new Map();
   heads = null;
-  for (const id of ["tokens", "heatmap", "cbar", "line-heads", "lineview", "headgrid", "links", "trajectories", "verify"]) {
+  lens = null;
+  for (const id of ["tokens", "heatmap", "cbar", "line-heads", "lineview", "headgrid", "links", "trajectories", "verify",
+    "lens", "dla", "scan", "patch", "composition"]) {
     const box = $(`#${id}`);
     box.replaceChildren();
     delete box.dataset.key;
   }
-  for (const id of ["token-count", "heads-note", "links-note", "traj-note"]) $(`#${id}`).textContent = "";
+  for (const id of ["token-count", "heads-note", "links-note", "traj-note", "lens-note", "dla-note"]) $(`#${id}`).textContent = "";
   for (const p of panels) p.body.replaceChildren();
   for (const s of document.querySelectorAll("section.panel[data-ready]")) {
     if (s.id !== "panel-model") s.dataset.ready = "0";
   }
 }
 
-async function main() {
-  readUrl();
-  // with the service's api_keys set: a key typed once, kept for this tab only
-  client.apiKey = sessionStorage.getItem("attnscope-api-key");
-  $("#api-key").addEventListener("change", () => {
-    sessionStorage.setItem("attnscope-api-key", $("#api-key").value.trim());
-    location.reload();
-  });
+/** /v1/model once (again after a key is typed); false (and the error said) when it fails. */
+async function ensureModel() {
+  if (model) return true;
   try {
     model = await client.model();
   } catch (e) {
     fail(e);
-    return;
+    return false;
   }
   renderModel();
+  $("#key-row").hidden = true;
   if (state.addBos === null) state.addBos = !!model.add_bos_default;
-  $("#text").value = state.text;
   $("#add-bos").checked = state.addBos;
-  $("#form").addEventListener("submit", (ev) => {
+  $("#view").value = state.view;
+  return true;
+}
+
+async function main() {
+  readUrl();
+  // the form works before the model answers: with api_keys set, /v1/model is a 401 until a
+  // key is typed, and typing it then pressing Analyse must keep the text and the URL
+  $("#text").value = state.text;
+  // with the service's api_keys set: a key typed once, kept for this tab only
+  client.apiKey = sessionStorage.getItem("attnscope-api-key");
+  const takeKey = () => {
+    const k = $("#api-key").value.trim();
+    sessionStorage.setItem("attnscope-api-key", k);
+    client.apiKey = k || null;
+  };
+  $("#api-key").addEventListener("change", takeKey);
+  $("#api-key").addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter") { ev.preventDefault(); takeKey(); $("#form").requestSubmit(); }
+  });
+  $("#form").addEventListener("submit", async (ev) => {
     ev.preventDefault();
     state.text = $("#text").value;
-    state.addBos = $("#add-bos").checked;
-    if (!state.text.trim()) { setStatus("type a text first", "error"); return; }
+    if (model) state.addBos = $("#add-bos").checked;
+    if (!state.text.trim()) { setStatus("type a text first", "error"); writeUrl(); return; }
+    writeUrl();
+    if (!await ensureModel()) return;
     analyse();
   });
   $("#text").addEventListener("keydown", (ev) => {
@@ -488,8 +631,18 @@ async function main() {
     writeUrl();
     if (tokens.length) renderAttention().catch(fail);
   });
+  const rerun = (id, box, fn) => () => { if (tokens.length) guarded(id, box, fn).catch(fail); };
+  $("#lens-ln").addEventListener("change", rerun("lens", "#lens", renderLens));
+  $("#lens-mid").addEventListener("change", rerun("lens", "#lens", renderLens));
+  $("#dla-run").addEventListener("click", rerun("dla", "#dla", renderDla));
+  $("#dla-order").addEventListener("change", rerun("dla", "#dla", renderDla));
+  $("#scan-run").addEventListener("click", rerun("interventions", "#scan", runScan));
+  $("#patch-run").addEventListener("click", rerun("interventions", "#patch", runPatch));
+  $("#comp-kind").addEventListener("change", () => { $("#comp-thr").value = ""; if (circuits) drawComposition(); });
+  $("#comp-thr").addEventListener("change", () => { if (circuits) drawComposition(); });
   $("#layer").addEventListener("change", onPick);
   $("#head").addEventListener("change", onPick);
+  if (!await ensureModel()) return;
   if (state.text.trim()) analyse();
   else { setStatus("type or paste a text and press Analyse (Ctrl+Enter)"); document.body.dataset.state = "idle"; }
 }

@@ -2,18 +2,35 @@
 // the notebook views (attnscope.client.notebook) draw the same thing:
 //   heatmap()     one attention matrix [query_pos, key_pos] on a canvas, colour scale 0..1,
 //                 masked cells (future keys of a causal model) hatched grey, value on hover
-//                 and keyboard focus (arrow keys)
+//                 and keyboard focus (arrow keys; the cell under the keyboard outlined),
+//                 "query" / "key" axis titles
 //   lineView()    bertviz-style lines query token -> key tokens, line weight = attention
 //   headGrid()    layer x head buttons coloured by label, every score in the tooltip
 //   trajectoryPlot()  per-token PCA paths with arrows, explained variance on the axes
 //   colourBar()   the labelled 0..1 scale
+//   lensGrid()    logit lens: residual state x position, the top token in each cell coloured
+//                 by its probability, top-k and the next token's rank in the tooltip
+//   attributionBars()  direct logit attribution: a bar per head, MLP, embedding and bias
+//   divergingGrid()    an effect grid (ablation scan, patching: [layer][head], [layer][pos],
+//                 [head][pos]) on a diverging scale centred on 0, labelled, n/a hatched
+//   compositionGraph() heads by layer, edges weighted by Q/K/V composition above a threshold
 
 export const LABEL_COLOURS = {
   induction: "#d62728", previous_token: "#1f77b4", duplicate_token: "#9467bd",
   next_token: "#17becf", self: "#2ca02c", sink: "#ff7f0e", broad: "#bcbd22", none: "#d9d9d9",
 };
+// tab10 then tab20's light tones: 20 distinct colours, so a legend of 12 heads or 20 tokens
+// never gives two series one colour; past 20, hues by the golden angle (seriesColour)
 const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-  "#7f7f7f", "#bcbd22", "#17becf"];
+  "#7f7f7f", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5",
+  "#c49c94", "#f7b6d2", "#393b79", "#dbdb8d", "#9edae5"];
+
+/** The colour of series i (a head, a token): distinct for every i (20 fixed, then hues). */
+export function seriesColour(i) {
+  if (i < PALETTE.length) return PALETTE[i];
+  const hue = ((i - PALETTE.length) * 137.508 + 17) % 360;
+  return `hsl(${hue.toFixed(1)}, 62%, ${i % 2 ? 38 : 55}%)`;
+}
 export const MASKED_COLOUR = "#9e9e9e";
 export const DIGITS = 3;  // float16 on the wire: ~3 significant digits; shown to 3 decimals
 
@@ -35,6 +52,33 @@ export function fmt(v) {
   return Number(v).toFixed(DIGITS);
 }
 
+/** A number for reading (not a float16 weight): 3 significant digits, exponent form outside
+ * 1e-3..1e5; minus as U+2212. Put it in an element of class "num" (white-space: nowrap), so
+ * "1.2e-5" never breaks inside its exponent. */
+export function fmtNum(v, digits = 3) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "n/a";
+  const x = Number(v);
+  if (x === 0) return "0";
+  const a = Math.abs(x);
+  const s = a >= 1e-3 && a < 1e5 ? String(Number(x.toPrecision(digits))) : x.toExponential(digits - 1);
+  return s.replace(/^-/, "\u2212").replace("e-", "e\u2212");
+}
+
+// matplotlib's "RdBu_r" stops: -1 -> dark blue, 0 -> near white, +1 -> dark red
+const RDBU = [[5, 48, 97], [33, 102, 172], [67, 147, 195], [146, 197, 222], [209, 229, 240],
+  [247, 247, 247], [253, 219, 199], [244, 165, 130], [214, 96, 77], [178, 24, 43], [103, 0, 31]];
+
+/** RGB of v on the diverging scale -vmax..vmax (white at 0; clamped at the ends). */
+export function divergingColour(v, vmax = 1) {
+  const t = (Math.min(1, Math.max(-1, v / (vmax || 1))) + 1) / 2 * (RDBU.length - 1);
+  const i = Math.min(RDBU.length - 2, Math.floor(t));
+  const f = t - i;
+  return [0, 1, 2].map((c) => Math.round(RDBU[i][c] + f * (RDBU[i + 1][c] - RDBU[i][c])));
+}
+
+const rgb = (c) => `rgb(${c[0]},${c[1]},${c[2]})`;
+const ink = (c) => (0.299 * c[0] + 0.587 * c[1] + 0.114 * c[2] < 140 ? "#fff" : "#111");
+
 function el(tag, attrs = {}, ...kids) {
   const svg = ["svg", "line", "path", "text", "g", "defs", "marker", "circle", "rect", "polyline", "title"].includes(tag);
   const e = svg ? document.createElementNS("http://www.w3.org/2000/svg", tag) : document.createElement(tag);
@@ -53,25 +97,33 @@ export function showLabel(s) {
   return String(s).replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
 }
 
-/** The labelled colour scale: a 0..1 gradient with ticks, its title, and the masked swatch. */
-export function colourBar(container, { masked = true, title = "attention weight (post-softmax)", vmax = 1 } = {}) {
+/** The labelled colour scale: a gradient with ticks, its title, and the masked swatch.
+ * `vmin`/`vmax` the ends, `colourOf(v)` the colour (default Blues over 0..vmax), `na` a
+ * swatch for cells without a value. The box is as wide as its labels need (never cut). */
+export function colourBar(container, { masked = true, title = "attention weight (post-softmax)", vmax = 1,
+  vmin = 0, colourOf = null, na = null } = {}) {
   container.replaceChildren();
   const w = 220, h = 12;
-  const c = el("canvas", { width: w, height: h, class: "cbar", "data-vmin": "0", "data-vmax": String(vmax) });
+  const c = el("canvas", { width: w, height: h, class: "cbar", "data-vmin": String(vmin), "data-vmax": String(vmax) });
   const g = c.getContext("2d");
+  const col = colourOf || ((v) => colour(v / (vmax || 1)));
   for (let x = 0; x < w; x++) {
-    const [r, gg, b] = colour(x / (w - 1));
-    g.fillStyle = `rgb(${r},${gg},${b})`;
+    g.fillStyle = rgb(col(vmin + (x / (w - 1)) * (vmax - vmin)));
     g.fillRect(x, 0, 1, h);
   }
   const ticks = el("div", { class: "cbar-ticks" });
-  for (const t of [0, 0.25, 0.5, 0.75, 1]) ticks.append(el("span", { text: vmax === 1 ? String(t) : fmt(t * vmax) }));
+  const plain = vmin === 0 && vmax === 1;
+  for (const t of [0, 0.25, 0.5, 0.75, 1]) {
+    const v = vmin + t * (vmax - vmin);
+    ticks.append(el("span", { class: "num", text: plain ? String(t) : vmin === 0 ? fmt(v) : fmtNum(v) }));
+  }
   const box = el("div", { class: "cbar-box" }, el("div", { class: "cbar-title", text: title }), c, ticks);
   container.append(box);
   if (masked) {
     container.append(el("div", { class: "masked-key" },
       el("span", { class: "swatch masked-swatch" }), "masked (future key: not attended)"));
   }
+  if (na) container.append(el("div", { class: "masked-key" }, el("span", { class: "swatch na-swatch" }), na));
 }
 
 /**
@@ -157,7 +209,7 @@ export function heatmap(container, m, opts = {}) {
     const v = value(q, k);
     const isMasked = masked(q, k) || v === -Infinity;
     const txt = `query ${q} ${JSON.stringify(labels[q] ?? "")} \u2192 key ${k} ${JSON.stringify(labels[k] ?? "")}: ` +
-      (isMasked ? "masked (future key)" : fmt(v));
+      (isMasked ? "masked (future key)" : `${opts.valueName ? `${opts.valueName} ` : ""}${fmt(v)}`);
     tip.textContent = txt;
     tip.dataset.q = q; tip.dataset.k = k;
     tip.dataset.value = isMasked ? "masked" : fmt(v);
@@ -189,11 +241,27 @@ export function heatmap(container, m, opts = {}) {
     tip.style.top = `${y0 + (cur[0] + 1) * cell + 6}px`;
     tip.classList.add("show");
     describe(...cur);
+    showCursor();
   });
+  // the keyboard cursor: the focused cell outlined (dark and amber, visible on any colour)
+  const cursor = el("div", { class: "heatmap-cursor", "aria-hidden": "true" });
+  const showCursor = () => {
+    cursor.style.left = `${x0 + cur[1] * cell - 1}px`;
+    cursor.style.top = `${y0 + cur[0] * cell - 1}px`;
+    cursor.style.width = cursor.style.height = `${cell + 2}px`;
+    cursor.dataset.q = cur[0]; cursor.dataset.k = cur[1];
+    cursor.classList.add("show");
+  };
+  c.addEventListener("focus", () => { showCursor(); describe(...cur); tip.style.left = `${x0 + (cur[1] + 1) * cell + 6}px`; tip.style.top = `${y0 + (cur[0] + 1) * cell + 6}px`; tip.classList.add("show"); });
+  c.addEventListener("blur", () => { cursor.classList.remove("show"); tip.classList.remove("show"); });
   const wrap = el("div", { class: "heatmap-wrap" });
   if (opts.title) wrap.append(el("div", { class: "view-title", text: opts.title }));
-  const stage = el("div", { class: "heatmap-stage" }, c, tip);
-  wrap.append(stage);
+  const stage = el("div", { class: "heatmap-stage" }, c, cursor, tip);
+  // axis titles: keys along the top (columns), queries down the side (rows)
+  const grid = el("div", { class: "heatmap-axes" },
+    el("div", { class: "axis-title axis-x", text: "key position \u2192 (attended to)" }),
+    el("div", { class: "axis-title axis-y", text: "query position \u2192 (attending)" }), stage);
+  wrap.append(grid);
   container.replaceChildren(wrap);
   return c;
 }
@@ -266,7 +334,7 @@ export function lineView(container, heads, opts = {}) {
   return svg;
 }
 
-export function headColour(h) { return PALETTE[h % PALETTE.length]; }
+export function headColour(h) { return seriesColour(h); }
 
 /**
  * Layer x head grid of /v1/heads: a button per head coloured by its label, every score in its
@@ -296,7 +364,7 @@ export function headGrid(container, res, onPick, selected = null) {
           title: `layer ${l}, head ${h}: ${named}\n${scores}`,
           "aria-label": `layer ${l} head ${h}, ${named}; ${scores.replace(/\n/g, ", ")}`,
           "data-layer": l, "data-head": h, "data-label": it.label,
-          text: it.label === "none" ? "\u00b7" : it.label.replace("_token", "").replace("duplicate", "dup"),
+          text: SHORT_LABEL[it.label] || it.label.slice(0, 5),
         });
         b.addEventListener("click", () => onPick(l, h));
         td.append(b);
@@ -310,8 +378,25 @@ export function headGrid(container, res, onPick, selected = null) {
     legend.append(el("span", { class: "legend-item" },
       el("span", { class: "swatch", style: `background:${LABEL_COLOURS[lab] || "#ccc"}` }), lab));
   }
-  container.replaceChildren(table, legend);
+  container.replaceChildren(scroller(table, `${nH} heads`), legend);
   return table;
+}
+
+// short cell texts: 12 heads fit a 480 px panel (the full label is in the tooltip and legend)
+const SHORT_LABEL = { none: "\u00b7", induction: "ind", previous_token: "prev", duplicate_token: "dup",
+  next_token: "next", self: "self", sink: "sink", broad: "broad" };
+
+/** `inner` in a horizontally scrolling box with a visible scroll bar; when it is wider than
+ * the box a note says so ("scroll for all 25 heads \u2192"), checked again on resize. */
+export function scroller(inner, what) {
+  const box = el("div", { class: "grid-scroll" }, inner);
+  const note = el("div", { class: "note scroll-note", text: `\u2194 scroll sideways for all ${what}` });
+  note.hidden = true;
+  const wrap = el("div", { class: "grid-scroll-wrap" }, box, note);
+  const check = () => { note.hidden = box.scrollWidth <= box.clientWidth + 1; wrap.dataset.scrolls = note.hidden ? "0" : "1"; };
+  if (typeof ResizeObserver !== "undefined") new ResizeObserver(check).observe(box);
+  requestAnimationFrame(check);
+  return wrap;
 }
 
 /**
@@ -344,7 +429,7 @@ export function trajectoryPlot(container, t) {
   const placed = [];  // boxes of the token labels drawn so far
   let hidden = 0;
   for (let i = 0; i < nT; i++) {
-    const col = PALETTE[i % PALETTE.length];
+    const col = seriesColour(i);
     const id = `arrow-${i}-${Math.random().toString(36).slice(2, 8)}`;
     defs.append(el("marker", { id, viewBox: "0 0 10 10", refX: "9", refY: "5", markerWidth: "7", markerHeight: "7", orient: "auto-start-reverse" },
       el("path", { d: "M 0 0 L 10 5 L 0 10 z", fill: col })));
@@ -394,3 +479,292 @@ function labelSpot(placed, x, y, len, W, H) {
   }
   return null;
 }
+
+// ---- logit lens, direct logit attribution, effect grids, composition ------------------------
+
+/**
+ * Logit lens of one prompt (/v1/logit-lens `prompts[i]`): a table of residual states (rows,
+ * forward order) x positions (columns), each cell the state's top token at that position,
+ * coloured by its probability on the fixed 0..1 scale; the tooltip lists the top-k and the
+ * rank / probability of the actual next token (or the request's target).
+ * @param p     {tokens, states: [{label, loss, positions: [{position, top, target}]}]}
+ * @param opts  {title, targetName ("next token" | "target")}
+ */
+export function lensGrid(container, p, opts = {}) {
+  const labels = p.tokens.map((t) => t.label);
+  const cols = p.states[0] ? p.states[0].positions.map((x) => x.position) : [];
+  const what = opts.targetName || "next token";
+  const table = el("table", { class: "lensgrid" });
+  const hr = el("tr", {}, el("th", { class: "corner", text: "state \\ position" }));
+  for (const c of cols) hr.append(el("th", { class: "tokhead", title: `position ${c}`, text: `${c} ${showLabel(labels[c] ?? "")}` }));
+  hr.append(el("th", { text: "loss (nats)" }));
+  table.append(hr);
+  for (const st of p.states) {
+    const tr = el("tr", {}, el("th", { text: st.label }));
+    st.positions.forEach((x) => {
+      const top = x.top[0];
+      const prob = top ? top.prob : 0;
+      const c = colour(prob);
+      const tg = x.target;
+      const tips = [`state ${st.label}, position ${x.position} (${JSON.stringify(labels[x.position] ?? "")})`,
+        "top: " + x.top.map((t) => `${JSON.stringify(t.label)} ${fmt(t.prob)}`).join(", ")];
+      if (tg) tips.push(`${what} ${JSON.stringify(tg.label)}: rank ${tg.rank} (0 = top), p ${fmtNum(tg.prob)}, log-prob ${fmtNum(tg.logprob)} nats`);
+      else tips.push(`${what}: none (last position)`);
+      const td = el("td", {
+        class: "lenscell" + (tg && tg.rank === 0 ? " hit" : ""), title: tips.join("\n"),
+        style: `background:${rgb(c)};color:${ink(c)}`, tabindex: "0",
+        "data-state": st.label, "data-pos": x.position, "data-prob": String(prob),
+        "data-rank": tg ? String(tg.rank) : "", text: top ? showLabel(top.label) : "",
+      });
+      tr.append(td);
+    });
+    tr.append(el("td", { class: "num", text: st.loss === null || st.loss === undefined ? "n/a" : fmtNum(st.loss) }));
+    table.append(tr);
+  }
+  const parts = [];
+  if (opts.title) parts.push(el("div", { class: "view-title", text: opts.title }));
+  parts.push(scroller(table, `${cols.length} positions`));
+  const bar = el("div", { class: "cbar-row" });
+  colourBar(bar, { masked: false, title: "probability of the state's top token (0..1)" });
+  bar.append(el("div", { class: "masked-key" }, el("span", { class: "swatch hit-swatch" }), `outlined: the top token is the ${what}`));
+  parts.push(bar);
+  container.replaceChildren(...parts);
+  return table;
+}
+
+/**
+ * Direct logit attribution at one position (/v1/logit-attribution `prompts[i].positions[j]`):
+ * a horizontal bar per component (embed, pos_embed, every head, each layer's b_O and MLP) on a
+ * scale symmetric around 0, ordered by layer or by |value|; below, the sum of the parts,
+ * ln_final's bias term and the model's own logit difference (their residual is rounding).
+ * @param d     the position entry; @param opts {order: "layer" | "value", title, direction}
+ */
+export function attributionBars(container, d, opts = {}) {
+  const items = [["embed", d.embed, "embedding"], ["pos_embed", d.pos_embed, "embedding"]];
+  d.heads.forEach((row, l) => {
+    row.forEach((v, h) => items.push([`L${l}H${h}`, v, "head"]));
+    items.push([`L${l} b_O`, d.attn_bias[l], "bias"]);
+    items.push([`L${l} MLP`, d.mlp[l], "mlp"]);
+  });
+  if (opts.order === "value") items.sort((a, b) => Math.abs(b[1]) - Math.abs(a[1]));
+  const vmax = Math.max(1e-12, ...items.map((x) => Math.abs(x[1])));
+  const row = 15, lw = 86, bw = 420, vw = 64, top = 8;
+  const W = lw + bw + vw, H = top + items.length * row + 34;
+  const x = (v) => lw + bw / 2 + (v / vmax) * (bw / 2 - 4);
+  const svg = el("svg", { width: W, height: H, class: "dla", role: "img",
+    "aria-label": `direct logit attribution, ${items.length} components` });
+  svg.append(el("line", { x1: x(0), y1: top - 4, x2: x(0), y2: top + items.length * row, class: "axisline" }));
+  items.forEach(([name, v, kind], i) => {
+    const y = top + i * row;
+    const g = el("g", { class: `bar ${kind}`, "data-name": name, "data-value": String(v) });
+    const x1 = Math.min(x(0), x(v)), w = Math.abs(x(v) - x(0));
+    g.append(el("title", { text: `${name}: ${fmtNum(v, 4)}` }),
+      el("text", { x: lw - 6, y: y + row / 2, "text-anchor": "end", "dominant-baseline": "middle", class: "tick", text: name }),
+      el("rect", { x: x1, y: y + 2, width: Math.max(0.5, w), height: row - 4,
+        fill: v >= 0 ? "#b2182b" : "#2166ac", "fill-opacity": kind === "head" ? 0.85 : 0.55 }),
+      el("text", { x: v >= 0 ? x(v) + 3 : x(v) - 3, y: y + row / 2, "text-anchor": v >= 0 ? "start" : "end",
+        "dominant-baseline": "middle", class: "tick num", text: fmtNum(v) }));
+    svg.append(g);
+  });
+  const yb = top + items.length * row + 14;
+  svg.append(el("text", { x: x(-vmax), y: yb, "text-anchor": "start", class: "tick", text: fmtNum(-vmax) }),
+    el("text", { x: x(0), y: yb, "text-anchor": "middle", class: "tick", text: "0" }),
+    el("text", { x: x(vmax), y: yb, "text-anchor": "end", class: "tick", text: fmtNum(vmax) }),
+    el("text", { x: x(0), y: yb + 14, "text-anchor": "middle", class: "axis xlabel",
+      text: `contribution to ${opts.direction || "the logit difference"}` }));
+  const sum = el("table", { class: "dla-sum" });
+  for (const [k, v, note] of [["sum of the parts", d.sum_of_parts, "embed + pos_embed + heads + b_O + MLP"],
+    ["ln_final bias b \u00b7 d", d.ln_final_bias, "no component's: the final LayerNorm's bias"],
+    ["logit difference (model)", d.logit_diff, "the served logits"],
+    ["residual error", d.residual_error, "float rounding"]]) {
+    sum.append(el("tr", { "data-name": k }, el("th", { text: k }), el("td", { class: "num", text: fmtNum(v, 4) }),
+      el("td", { class: "note", text: note })));
+  }
+  const parts = [];
+  if (opts.title) parts.push(el("div", { class: "view-title", text: opts.title }));
+  parts.push(scroller(svg, "bars"), sum);
+  container.replaceChildren(...parts);
+  return svg;
+}
+
+/**
+ * An effect grid on a diverging scale centred on 0 (blue below, white at 0, red above),
+ * symmetric at the largest |value| (nothing clipped), with its labelled colour bar; null
+ * cells hatched ("n/a"). `grid` [row][col]; opts {rowLabels, colLabels, rowTitle, colTitle,
+ * title, label (the colour bar's title), vmax, onCell(r, c)}.
+ */
+export function divergingGrid(container, grid, opts = {}) {
+  const nR = grid.length, nC = nR ? grid[0].length : 0;
+  const rowL = opts.rowLabels || Array.from({ length: nR }, (_, i) => String(i));
+  const colL = opts.colLabels || Array.from({ length: nC }, (_, i) => String(i));
+  const rowT = opts.rowTitle || "layer", colT = opts.colTitle || "head";
+  let vmax = 0, na = 0;
+  for (const r of grid) for (const v of r) { if (v === null || !Number.isFinite(v)) na++; else vmax = Math.max(vmax, Math.abs(v)); }
+  const allZero = vmax === 0;
+  vmax = opts.vmax || vmax || 1;
+  const table = el("table", { class: "effectgrid" });
+  const hr = el("tr", {}, el("th", { class: "corner", text: `${rowT} \\ ${colT}` }));
+  for (const c of colL) hr.append(el("th", { text: c }));
+  table.append(hr);
+  const writeValues = nC <= 16;
+  grid.forEach((r, i) => {
+    const tr = el("tr", {}, el("th", { text: rowL[i] }));
+    r.forEach((v, j) => {
+      const ok = v !== null && Number.isFinite(v);
+      const c = ok ? divergingColour(v, vmax) : null;
+      const td = el("td", {
+        class: "effcell" + (ok ? "" : " na"), tabindex: "0",
+        title: `${rowT} ${rowL[i]}, ${colT} ${colL[j]}: ${ok ? fmtNum(v, 4) : "n/a"}`,
+        style: ok ? `background:${rgb(c)};color:${ink(c)}` : null,
+        "data-row": i, "data-col": j, "data-value": ok ? String(v) : "null",
+        text: ok && writeValues ? fmtNum(v, 2) : "",
+      });
+      if (opts.onCell) td.addEventListener("click", () => opts.onCell(i, j));
+      tr.append(td);
+    });
+    table.append(tr);
+  });
+  const parts = [];
+  if (opts.title) parts.push(el("div", { class: "view-title", text: opts.title }));
+  parts.push(scroller(table, `${nC} ${colT}s`));
+  const bar = el("div", { class: "cbar-row" });
+  colourBar(bar, { masked: false, title: `${opts.label || "effect"} (0 = white, scale \u00b1max |value|)`,
+    vmin: -vmax, vmax, colourOf: (v) => divergingColour(v, vmax), na: na ? "n/a: no value" : null });
+  parts.push(bar);
+  if (allZero && na < nR * nC) parts.push(el("p", { class: "note all-zero", text: "every value is exactly 0" }));
+  container.replaceChildren(...parts);
+  return table;
+}
+
+export const COMPOSITION_COLOURS = { q: "#1f77b4", k: "#d62728", v: "#2ca02c" };
+
+/** Scores of one composition kind over the pairs layer_a < layer_b: [[la, ha, lb, hb, s]]. */
+export function compositionEdges(comp, kind) {
+  const out = [];
+  const g = comp[kind];
+  for (let la = 0; la < g.length; la++) for (let ha = 0; ha < g[la].length; ha++) {
+    for (let lb = la + 1; lb < g[la][ha].length; lb++) for (let hb = 0; hb < g[la][ha][lb].length; hb++) {
+      out.push([la, ha, lb, hb, g[la][ha][lb][hb]]);
+    }
+  }
+  return out;
+}
+
+/** A threshold for the graph: the mean + 2 standard deviations of the kinds' scores. */
+export function defaultThreshold(comp, kinds) {
+  const s = kinds.flatMap((k) => compositionEdges(comp, k).map((e) => e[4]));
+  if (!s.length) return 0;
+  const m = s.reduce((a, b) => a + b, 0) / s.length;
+  const sd = Math.sqrt(s.reduce((a, b) => a + (b - m) ** 2, 0) / s.length);
+  return Number((m + 2 * sd).toPrecision(3));
+}
+
+/**
+ * Layer-ordered head graph of /v1/circuits: a column of nodes per layer (one per head), an
+ * edge a -> b (layer_a < layer_b) for each Q/K/V composition score at or above `threshold`,
+ * its width growing with the score, its colour the kind; every edge's score in its tooltip.
+ * @param c     {n_layers, n_heads, composition: {q, k, v}}
+ * @param opts  {kinds: ["q","k","v"], threshold, title, maxEdges}
+ */
+export function compositionGraph(container, c, opts = {}) {
+  const kinds = opts.kinds || ["q", "k", "v"];
+  const thr = opts.threshold ?? defaultThreshold(c.composition, kinds);
+  const nL = c.n_layers, nH = c.n_heads;
+  const dx = Math.max(90, Math.min(160, 900 / Math.max(1, nL))), dy = 25, left = 56, topY = 34;
+  const W = left + (nL - 1) * dx + 50, H = topY + nH * dy + 10;
+  const X = (l) => left + l * dx, Y = (h) => topY + h * dy + dy / 2;
+  let edges = [];
+  let total = 0;
+  for (const k of kinds) {
+    const all = compositionEdges(c.composition, k);
+    total += all.length;
+    for (const e of all) if (e[4] >= thr) edges.push([...e, k]);
+  }
+  const found = edges.length;
+  const maxEdges = opts.maxEdges ?? 1500;
+  edges.sort((a, b) => b[4] - a[4]);
+  if (edges.length > maxEdges) edges.length = maxEdges;
+  const smax = edges.length ? edges[0][4] : thr;
+  const svg = el("svg", { width: W, height: H, class: "compgraph", role: "img",
+    "aria-label": `composition graph: ${nL} layers x ${nH} heads, ${edges.length} edges` });
+  for (let l = 0; l < nL; l++) svg.append(el("text", { x: X(l), y: 14, "text-anchor": "middle", class: "axis", text: `layer ${l}` }));
+  svg.append(el("text", { x: 12, y: topY + (nH * dy) / 2, "text-anchor": "middle", class: "axis",
+    transform: `rotate(-90 12 ${topY + (nH * dy) / 2})`, text: "head" }));
+  const gE = el("g", { class: "edges" });
+  for (const [la, ha, lb, hb, s, k] of [...edges].reverse()) {  // strongest drawn last (on top)
+    const w = 0.6 + 4 * (smax > thr ? (s - thr) / (smax - thr) : 1);
+    const mid = (X(la) + X(lb)) / 2;
+    gE.append(el("path", { d: `M ${X(la) + 10} ${Y(ha)} C ${mid} ${Y(ha)}, ${mid} ${Y(hb)}, ${X(lb) - 10} ${Y(hb)}`,
+      fill: "none", stroke: COMPOSITION_COLOURS[k], "stroke-width": w.toFixed(2), "stroke-opacity": 0.75,
+      class: `edge edge-${k}`, "data-kind": k, "data-from": `${la}.${ha}`, "data-to": `${lb}.${hb}`, "data-score": String(s) },
+      el("title", { text: `L${la}H${ha} \u2192 L${lb}H${hb}: ${k.toUpperCase()}-composition ${fmtNum(s, 4)}` })));
+  }
+  svg.append(gE);
+  for (let l = 0; l < nL; l++) for (let h = 0; h < nH; h++) {
+    svg.append(el("g", { class: "node", "data-layer": l, "data-head": h },
+      el("circle", { cx: X(l), cy: Y(h), r: 10, fill: "#fff", stroke: "#555" }),
+      el("text", { x: X(l), y: Y(h) + 0.5, "text-anchor": "middle", "dominant-baseline": "middle", class: "tick", text: String(h) }),
+      el("title", { text: `layer ${l}, head ${h}` })));
+  }
+  const legend = el("div", { class: "legend" });
+  for (const k of kinds) legend.append(el("span", { class: "legend-item" },
+    el("span", { class: "swatch", style: `background:${COMPOSITION_COLOURS[k]}` }), `${k.toUpperCase()}-composition`));
+  legend.append(el("span", { class: "note comp-count", text: (found > edges.length
+    ? `the strongest ${edges.length} of ${found} edges` : `${found} edges`) +
+    ` with score \u2265 ${fmtNum(thr)} (of ${total} head pairs x kinds; width grows with the score up to ${fmtNum(smax)})` }));
+  const parts = [];
+  if (opts.title) parts.push(el("div", { class: "view-title", text: opts.title }));
+  parts.push(legend, scroller(svg, `${nL} layers`));
+  container.replaceChildren(...parts);
+  return svg;
+}
+
+/**
+ * The views of a /v1/patch response: the metric's clean and corrupted values, the [layer][head]
+ * grid, the [head][position] grid of a chosen layer (per_position; one scale for every layer)
+ * and the residual [layer][position] grid. When clean and corrupted give the same metric the
+ * normalised effect has no value (0 / 0): it says so and draws the raw change instead.
+ */
+export function patchView(box, r, opts = {}) {
+  box.replaceChildren();
+  const add = (cls) => { const d = document.createElement("div"); d.className = cls; box.append(d); return d; };
+  const metricName = r.metric === "loss" ? "loss (nats)" : `logit difference ${JSON.stringify(r.logit_diff.target.label)} \u2212 ${JSON.stringify(r.logit_diff.distractor.label)}`;
+  const head = add("note");
+  head.textContent = `${metricName}: clean ${fmtNum(r.clean_value, 4)}, corrupted ${fmtNum(r.corrupted_value, 4)}` +
+    (r.approximation ? `; ${r.approximation}` : "");
+  const labels = r.clean_tokens.map((t, i) => `${i} ${showLabel(t.label)}`);
+  const equal = r.clean_value === r.corrupted_value;
+  let norm = "(patched \u2212 corrupted) / (clean \u2212 corrupted): 0 = no change, 1 = restores the clean run";
+  let heads = r.heads;
+  let perPos = r.heads_per_position, resid = r.residual;
+  if (equal) {  // 0 / 0: no grid at all (a symmetric scale would paint float noise dark red)
+    let raw = 0;
+    for (const row of r.heads_raw) for (const v of row) if (v !== null) raw = Math.max(raw, Math.abs(v - r.corrupted_value));
+    const msg = add("panel-msg patch-equal");
+    msg.textContent = `The clean and corrupted runs give the same ${metricName} (${fmtNum(r.clean_value, 6)}): the normalised ` +
+      "effect (patched \u2212 corrupted) / (clean \u2212 corrupted) divides by zero, so no cell has a value and no grid is drawn. " +
+      `The largest raw change any patched head makes is ${fmtNum(raw, 2)}. Choose a corrupted text that changes the metric.`;
+    return;
+  }
+  divergingGrid(add("patch-heads"), heads, { rowTitle: "layer", colTitle: "head", label: norm,
+    title: `${opts.model || r.model.id} \u00b7 patching each head's output (all positions)` });
+  if (perPos) {
+    let vmax = 0;
+    for (const L of perPos) for (const row of L) for (const v of row) if (v !== null) vmax = Math.max(vmax, Math.abs(v));
+    const ctl = add("ctrl");
+    const sel = document.createElement("select");
+    sel.className = "patch-layer";
+    perPos.forEach((_, l) => sel.append(new Option(`layer ${l}`, String(l))));
+    const lab = document.createElement("label"); lab.append("per position: ", sel); ctl.append(lab);
+    const grid = add("patch-perpos");
+    const draw = () => divergingGrid(grid, perPos[+sel.value], { rowTitle: "head", colTitle: "position", colLabels: labels,
+      label: norm, vmax: vmax || 1, title: `layer ${sel.value}: one head at one position patched (scale shared by every layer)` });
+    sel.addEventListener("change", draw);
+    draw();
+  }
+  if (resid) {
+    divergingGrid(add("patch-resid"), resid, { rowTitle: "layer", colTitle: "position", colLabels: labels, label: norm,
+      title: "residual stream (resid_pre of each layer) patched at one position" });
+  }
+}
+
