@@ -30,7 +30,7 @@ import orjson
 import torch
 from pybase64 import b64encode
 
-from attnscope.service.errors import InvalidRequest, NonFiniteValues
+from ..errors import InvalidRequest, NonFiniteValues
 
 _ST_DTYPE = {"float32": "F32", "float16": "F16", "int32": "I32", "int64": "I64"}
 _WIRE = {"float32": "<f4", "float16": "<f2", "int32": "<i4", "int64": "<i8"}
