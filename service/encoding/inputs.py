@@ -5,6 +5,7 @@ numpy array. The one place request tensors are decoded (the other direction: :mo
 from __future__ import annotations
 
 import binascii
+import math
 from typing import Any
 
 import numpy as np
@@ -33,10 +34,11 @@ def decode_input(x: Any, param: str) -> np.ndarray:
         if dtype not in _DTYPES:
             raise InvalidRequest(f"{param}: dtype {dtype!r} is not one of {sorted(_DTYPES)}",
                                  param)
-        n = int(np.prod(shape)) if shape else 1
-        if any(s < 0 for s in shape) or n > MAX_ELEMENTS:
+        # math.prod on Python ints: numpy's int64 product wraps (2**32 x 2**32 x 2**32 -> 0)
+        if any(s < 0 for s in shape) or math.prod(shape) > MAX_ELEMENTS:
             raise InvalidRequest(f"{param}: shape {shape} (at most {MAX_ELEMENTS} elements)",
                                  param)
+        n = math.prod(shape)
         try:
             raw = pybase64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
