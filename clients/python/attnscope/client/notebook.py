@@ -62,6 +62,25 @@ _CSS = """
 .attnscope-nb svg .qtok.active { font-weight: 700; fill: #08519c; }
 .attnscope-nb svg .axisline { stroke: #888; } .attnscope-nb svg .tick, .attnscope-nb svg .state { font-size: 10px; fill: #5a6270; }
 .attnscope-nb .pass { color: #1b7d2f; font-weight: 600; } .attnscope-nb .fail { color: #b00020; font-weight: 600; }
+.attnscope-nb .num { white-space: nowrap; } .attnscope-nb td.num { text-align: right; }
+.attnscope-nb .grid-scroll { overflow-x: auto; max-width: 100%; scrollbar-color: #8a94a3 #eceff3; }
+.attnscope-nb .cbar-box { min-width: 220px; width: max-content; max-width: 100%; } .attnscope-nb .cbar-box canvas.cbar { width: 100%; height: 12px; }
+.attnscope-nb table.lensgrid, .attnscope-nb table.effectgrid { border-collapse: separate; border-spacing: 1px; }
+.attnscope-nb table.lensgrid th, .attnscope-nb table.effectgrid th { white-space: nowrap; border: none; padding: 1px 4px; }
+.attnscope-nb th.tokhead, .attnscope-nb td.lenscell { font: 11px monospace; white-space: pre; }
+.attnscope-nb td.lenscell { min-width: 40px; max-width: 90px; overflow: hidden; padding: 2px 4px; border: 2px solid transparent; }
+.attnscope-nb td.lenscell.hit { border-color: #111; } .attnscope-nb .hit-swatch { border: 2px solid #111; background: #fff; }
+.attnscope-nb td.effcell { min-width: 34px; height: 22px; font-size: 11px; text-align: center; white-space: nowrap; border: none; }
+.attnscope-nb td.effcell.na, .attnscope-nb .na-swatch { background: repeating-linear-gradient(135deg, #e0e0e0 0 3px, #b5b5b5 3px 4px); }
+.attnscope-nb .masked-key { font-size: 12px; display: flex; align-items: center; gap: 6px; }
+.attnscope-nb .panel-msg { color: #8a4b00; background: #fff7e6; border: 1px solid #f0c27b; border-radius: 4px; padding: 6px 8px; }
+.attnscope-nb .heatmap-axes { display: grid; grid-template-columns: auto auto; justify-content: start; }
+.attnscope-nb .heatmap-axes .axis-x { grid-column: 2; grid-row: 1; font-size: 11px; color: #5a6270; }
+.attnscope-nb .heatmap-axes .axis-y { grid-column: 1; grid-row: 2; font-size: 11px; color: #5a6270; writing-mode: vertical-rl; transform: rotate(180deg); text-align: right; }
+.attnscope-nb .heatmap-axes .heatmap-stage { grid-column: 2; grid-row: 2; }
+.attnscope-nb .heatmap-cursor { position: absolute; pointer-events: none; border: 2px solid #f0a500; outline: 1px solid #111; display: none; }
+.attnscope-nb .heatmap-cursor.show { display: block; }
+.attnscope-nb svg .axis { fill: #5a6270; }
 """
 
 # The page-side script: imports the two modules from blob URLs, then draws `kind` from DATA.
@@ -107,6 +126,34 @@ if (D.kind === "attention") {
       Object.entries(it.scores).map(([k, x]) => `${k} ${x === null ? "n/a" : Number(x).toFixed(3)}`).join(", ");
   };
   v.headGrid($(".nb-grid"), D.result, show);
+} else if (D.kind === "lens") {
+  v.lensGrid($(".nb-view"), D.prompt, {title: D.title});
+} else if (D.kind === "dla") {
+  const ps = $(".nb-pos"), os = $(".nb-order");
+  D.prompt.positions.forEach((x, i) => ps.append(new Option(`position ${x.position}`, String(i))));
+  const draw = () => v.attributionBars($(".nb-view"), D.prompt.positions[+ps.value], {order: os.value, title: D.title, direction: D.direction});
+  ps.onchange = os.onchange = draw;
+  draw();
+} else if (D.kind === "circuits") {
+  v.divergingGrid($(".nb-copy"), D.copying, {rowTitle: "layer", colTitle: "head", vmax: 1,
+    label: "copying score Σλ / Σ|λ| of the OV circuit (−1..1)", title: "copying score per head"});
+  if (D.composition) {
+    const ks = $(".nb-kind"), ts = $(".nb-thr");
+    const draw = () => {
+      const kinds = ks.value === "qkv" ? ["q", "k", "v"] : [ks.value];
+      let t = parseFloat(ts.value);
+      if (!Number.isFinite(t)) { t = v.defaultThreshold(D.composition, kinds); ts.value = String(t); }
+      v.compositionGraph($(".nb-view"), {n_layers: D.n_layers, n_heads: D.n_heads, composition: D.composition},
+        {kinds, threshold: t, title: "composition scores ≥ threshold (the default: mean + 2 sd)"});
+    };
+    ks.onchange = () => { ts.value = ""; draw(); };
+    ts.onchange = draw;
+    draw();
+  }
+} else if (D.kind === "ablate") {
+  v.divergingGrid($(".nb-view"), D.effect, {rowTitle: "layer", colTitle: "head", label: D.label, title: D.title});
+} else if (D.kind === "patch") {
+  v.patchView($(".nb-view"), D.result, {model: D.model});
 } else if (D.kind === "trajectories") {
   v.trajectoryPlot($(".nb-traj"), {paths: w.decodeTensor(D.paths), positions: D.positions, states: D.states,
     labels, evr: D.evr});
@@ -221,7 +268,100 @@ def _verify(resp) -> str:
         ["layer", "max |Δ pattern|", "max |Δ output|", "passed"], rows))
 
 
+def _lens(resp) -> str:
+    p = resp.prompts[0]
+    title = f"{resp.model.id} \u00b7 logit lens (ln {resp.ln}) \u00b7 \u201c{_text(p.tokens)}\u201d"
+    data = {"tokens": [], "prompt": _dump(p), "title": title}
+    n = len(resp.prompts)
+    return _interactive("lens", data, '<div class="nb-view"></div>', f"prompt 1 of {n}" if n > 1 else "")
+
+
+def _dla(resp) -> str:
+    p = resp.prompts[0]
+    d = p.positions[0]
+    direction = "the target logit" if d.distractor is None else "the logit difference target \u2212 distractor"
+    title = f"{resp.model.id} \u00b7 direct logit attribution \u00b7 \u201c{_text(p.tokens)}\u201d"
+    data = {"tokens": [], "prompt": _dump(p), "title": title, "direction": direction}
+    body = ('<div class="row"><label>Position <select class="nb-pos"></select></label>'
+            '<label>Order <select class="nb-order"><option value="layer">by layer</option>'
+            '<option value="value">by |value|</option></select></label></div><div class="nb-view"></div>')
+    n = len(resp.prompts)
+    return _interactive("dla", data, body, f"prompt 1 of {n}" if n > 1 else "")
+
+
+def _circuits(resp) -> str:
+    copying = [[None] * resp.n_heads for _ in range(resp.n_layers)]
+    for h in resp.heads:
+        copying[h.layer][h.head] = h.copying_score
+    comp = _dump(resp.composition) if resp.composition is not None else None
+    data = {"tokens": [], "n_layers": resp.n_layers, "n_heads": resp.n_heads, "copying": copying,
+            "composition": comp}
+    body = (f'<div class="view-title">{html.escape(resp.model.id)} \u00b7 circuits (weights only)</div>'
+            '<div class="nb-copy"></div>')
+    if comp is not None:
+        body += ('<div class="row"><label>Kind <select class="nb-kind"><option value="qkv">Q, K and V'
+                 '</option><option value="q">Q</option><option value="k">K</option><option value="v">V'
+                 '</option></select></label><label>Threshold <input class="nb-thr" type="number" '
+                 'step="0.01"></label></div><div class="nb-view"></div>')
+    return _interactive("circuits", data, body)
+
+
+def _ablate(resp) -> str:
+    text = _text(resp.tokens)
+    if resp.scan is not None:
+        label = {"loss": "change of the mean loss (nats), head ablated", "kl": "KL(clean \u2016 ablated), nats",
+                 "logit_diff": "change of the logit difference"}.get(resp.scan.metric, resp.scan.metric)
+        data = {"tokens": [], "effect": resp.scan.effect, "label": label,
+                "title": f"{resp.model.id} \u00b7 {resp.method}-ablating each head alone \u00b7 \u201c{text}\u201d"}
+        return _interactive("ablate", data, '<div class="nb-view"></div>')
+    rows = [[p.position, repr(p.token), repr(p.next_token.label) if p.next_token else "",
+             _num(p.loss_clean), _num(p.loss_ablated), _num(p.delta_loss), _num(p.kl)]
+            for p in (resp.positions or [])]
+    heads = ", ".join(f"L{l}H{h}" for l, h in (resp.heads or []))
+    summary = (f"<p>mean loss {_num(resp.mean_loss_clean)} \u2192 {_num(resp.mean_loss_ablated)} nats; "
+               f"mean KL {_num(resp.mean_kl)} nats</p>")
+    if resp.logit_diff is not None:
+        ld = resp.logit_diff
+        summary += (f"<p>logit difference {html.escape(repr(ld.target.label))} \u2212 "
+                    f"{html.escape(repr(ld.distractor.label))} at {ld.position}: {_num(ld.clean)} "
+                    f"\u2192 {_num(ld.ablated)}</p>")
+    return _static(f"{resp.model.id} \u00b7 {resp.method}-ablating {heads} \u00b7 \u201c{text}\u201d",
+                   summary + _table(["position", "token", "next", "loss clean", "loss ablated",
+                                     "\u0394 loss", "KL"], rows))
+
+
+def _num(v) -> str:
+    return "n/a" if v is None else f"{v:.4g}"
+
+
+def _patch(resp) -> str:
+    data = {"tokens": [], "model": resp.model.id, "result": _dump(resp)}
+    return _interactive("patch", data, '<div class="nb-view"></div>')
+
+
+def _run(out) -> str:
+    """RunOutput (client.run): a table of the cached hooks with their shapes, the metrics."""
+    rows = [[name, " x ".join(map(str, a.shape)), str(a.dtype)] for name, a in out.cache.items()]
+    rows += [[f"grad {name}", " x ".join(map(str, a.shape)), str(a.dtype)] for name, a in out.grads.items()]
+    inner = _table(["hook", "shape", "dtype"], rows) if rows else "<p class=note>no hooks cached</p>"
+    if out.metrics:
+        inner += _table(["metric", "value"], [[k, _num(v)] for k, v in out.metrics.items()])
+    extra = []
+    if out.logits is not None:
+        extra.append(f"logits {' x '.join(map(str, out.logits.shape))}")
+    if out.loss is not None:
+        extra.append(f"loss {' x '.join(map(str, out.loss.shape))}, mean {float(np.mean(out.loss)):.4g} nats")
+    if extra:
+        inner += f"<p class=note>{html.escape('; '.join(extra))}</p>"
+    shape = f"{len(out.tokens)} prompt{'s' if len(out.tokens) != 1 else ''} x {len(out.tokens[0]) if out.tokens else 0} tokens"
+    model = (out.body.get("model") or {}).get("id", "") if isinstance(out.body, dict) else ""
+    title = " \u00b7 ".join(x for x in (model, "hooked run", shape, f"{len(out.cache)} cached hooks") if x)
+    return _static(title, inner)
+
+
 _RENDER = {
+    "LogitLensResponse": _lens, "LogitAttributionResponse": _dla, "CircuitsResponse": _circuits,
+    "AblateResponse": _ablate, "PatchResponse": _patch, "RunOutput": _run,
     "AttentionResponse": _attention, "HeadsResponse": _heads,
     "TrajectoriesResponse": _trajectories, "TokenizeResponse": _tokens,
     "LinksResponse": _links, "VerifyResponse": _verify,
@@ -240,7 +380,8 @@ def to_html(resp: Any) -> str:
 
     Raises:
         TypeError: not a response this module draws (attention, heads, trajectories,
-            tokenize, links, verify).
+            tokenize, links, verify, logit lens, logit attribution, circuits, ablate, patch,
+            run).
     """
     kind = _kind(resp)
     if kind is None:
@@ -263,3 +404,13 @@ def view_class(cls: type) -> type:
         return cls
     return type(cls.__name__, (cls, NotebookView), {"__module__": cls.__module__,
                                                      "__doc__": cls.__doc__})
+
+
+def _attach_run_view() -> None:
+    from .run import RunOutput
+
+    if not hasattr(RunOutput, "_repr_html_"):
+        RunOutput._repr_html_ = NotebookView._repr_html_
+
+
+_attach_run_view()

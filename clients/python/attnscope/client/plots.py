@@ -23,7 +23,7 @@ try:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.colors import ListedColormap
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch, Rectangle
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "attnscope.client.plots needs matplotlib: pip install matplotlib (the 'plot' extra of attnscope or attnscope-client)"
@@ -481,6 +481,11 @@ def effect_grid(grid: Any, *, title: str | None = None, label: str = "effect",
         grid = grid.scan.effect
     elif hasattr(grid, "heads") and hasattr(grid, "heads_raw"):
         model = model or grid.model.id
+        if grid.clean_value == grid.corrupted_value:  # 0 / 0 everywhere: say so, draw no grid
+            raise ValueError(
+                f"the clean and corrupted runs give the same metric ({grid.clean_value!r}): the "
+                "normalised effect (patched - corrupted) / (clean - corrupted) divides by zero, "
+                "so no cell has a value; choose a corrupted prompt that changes the metric")
         grid = grid.heads
     if isinstance(grid, np.ndarray):
         a = grid.astype(float)
@@ -617,3 +622,213 @@ def rollout_heatmap(result: Any, layer: int | None = None, *, flow: bool = False
                        0.0, 1.0)
     _colourbar(fig, im, ax, True, masked, label="share of the input token (rows sum to 1)")
     return fig
+
+
+# -- logit lens, direct logit attribution, composition, patching grids ----------------------
+__all__ += ["logit_lens", "logit_attribution", "composition", "patch_per_position", "residual_grid"]
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    return obj.get(name, default) if isinstance(obj, dict) else getattr(obj, name, default)
+
+
+def _prompt(res: Any, prompt: int):
+    prompts = _get(res, "prompts")
+    if not prompts:
+        raise ValueError("need a /v1/logit-lens or /v1/logit-attribution response (prompts)")
+    if not 0 <= prompt < len(prompts):
+        raise ValueError(f"prompt {prompt} is not in the response's {len(prompts)} prompts")
+    return prompts[prompt]
+
+
+def logit_lens(res: Any, prompt: int = 0, *, title: str | None = None, figsize=None) -> Figure:
+    """The logit lens of one prompt (``/v1/logit-lens``): residual states (rows, forward order)
+    x positions, each cell coloured by the probability of the state's top token (fixed 0..1,
+    Blues) with that token written in it; a cell whose top token is the actual next token (or
+    the request's target) is outlined. Title: model, text, normalisation."""
+    p = _prompt(res, prompt)
+    states = list(_get(p, "states"))
+    labels = token_labels(_get(p, "tokens"))
+    pos = [int(_get(x, "position")) for x in _get(states[0], "positions")]
+    prob = np.array([[_get(_get(x, "top")[0], "prob") if _get(x, "top") else np.nan
+                      for x in _get(s, "positions")] for s in states], float)
+    fig = _new_figure(figsize or (max(6.0, 0.62 * len(pos) + 2.5), max(2.8, 0.42 * len(states) + 2.2)))
+    ax = fig.add_subplot()
+    im = ax.imshow(np.ma.masked_invalid(prob), cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto",
+                   interpolation="nearest")
+    for i, s in enumerate(states):
+        for j, x in enumerate(_get(s, "positions")):
+            top = _get(x, "top")
+            if top:
+                v = prob[i, j]
+                ax.text(j, i, str(_get(top[0], "label"))[:8], ha="center", va="center",
+                        fontsize=6.5, color="white" if v > 0.6 else "black")
+            tg = _get(x, "target")
+            if tg is not None and int(_get(tg, "rank")) == 0:
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black",
+                                       linewidth=1.2))
+    ax.set_yticks(range(len(states)))
+    ax.set_yticklabels([str(_get(s, "label")) for s in states], fontsize=TICK_FONT)
+    step = max(1, -(-len(pos) // MAX_TICK_LABELS))
+    ax.set_xticks(range(0, len(pos), step))
+    ax.set_xticklabels([labels[q] for q in pos][::step], rotation=90, fontsize=TICK_FONT)
+    ax.set(xlabel="position (input token)", ylabel="residual state")
+    cb = fig.colorbar(im, ax=ax, shrink=0.9)
+    cb.set_label("probability of the top token\n(outlined: it is the next token)")
+    head = _headline(_model_id(res), _text_of(_get(p, "tokens")))
+    ax.set_title(title or "\n".join(x for x in (head, f"logit lens (ln {_get(res, 'ln', '?')})") if x), fontsize=9)
+    return fig
+
+
+def logit_attribution(res: Any, prompt: int = 0, position: int = 0, *, order: str = "layer",
+                      title: str | None = None, figsize=None) -> Figure:
+    """Direct logit attribution (``/v1/logit-attribution``) at one of the prompt's positions: a
+    horizontal bar per component (embed, pos_embed, every head, each layer's b_O and MLP),
+    ``order`` 'layer' or 'value' (by |part|), red above 0 and blue below; the sum of the parts,
+    ln_final's bias term and the model's logit difference in the title."""
+    if order not in ("layer", "value"):
+        raise ValueError(f"order is 'layer' or 'value', not {order!r}")
+    p = _prompt(res, prompt)
+    ps = list(_get(p, "positions"))
+    if not 0 <= position < len(ps):
+        raise ValueError(f"position index {position} is not in the prompt's {len(ps)} positions")
+    d = ps[position]
+    items = [("embed", _get(d, "embed")), ("pos_embed", _get(d, "pos_embed"))]
+    for l, row in enumerate(_get(d, "heads")):
+        items += [(f"L{l}H{h}", v) for h, v in enumerate(row)]
+        items += [(f"L{l} b_O", _get(d, "attn_bias")[l]), (f"L{l} MLP", _get(d, "mlp")[l])]
+    if order == "value":
+        items.sort(key=lambda x: -abs(x[1]))
+    names, vals = [n for n, _ in items], np.array([v for _, v in items], float)
+    fig = _new_figure(figsize or (7.5, max(3.0, 0.16 * len(items) + 1.8)))
+    ax = fig.add_subplot()
+    ax.barh(range(len(items)), vals, color=np.where(vals >= 0, "#b2182b", "#2166ac"))
+    ax.axvline(0, color="#555", linewidth=0.8)
+    ax.set_yticks(range(len(items)))
+    ax.set_yticklabels(names, fontsize=max(5.0, min(TICK_FONT, 600 / max(1, len(items)))))
+    ax.invert_yaxis()
+    m = float(np.abs(vals).max()) or 1.0
+    ax.set_xlim(-1.1 * m, 1.1 * m)
+    direction = "logit difference" if _get(d, "distractor") is not None else "target logit"
+    ax.set_xlabel(f"contribution to the {direction}")
+    head = _headline(_model_id(res), _text_of(_get(p, "tokens")))
+    summary = (f"position {_get(d, 'position')}: sum of parts {_get(d, 'sum_of_parts'):.4g} + ln_final "
+               f"bias {_get(d, 'ln_final_bias'):.4g} = {direction} {_get(d, 'logit_diff'):.4g} "
+               f"(residual {_get(d, 'residual_error'):.1e})")
+    ax.set_title(title or "\n".join(x for x in (head, "direct logit attribution", summary) if x), fontsize=9)
+    return fig
+
+
+def composition(res: Any, kind: str = "all", threshold: float | None = None, *,
+                title: str | None = None, figsize=None) -> Figure:
+    """The composition graph of ``/v1/circuits``: a column of nodes per layer (one per head),
+    an edge from head a to a later head b for each Q/K/V composition score >= ``threshold``
+    (default: the mean + 2 standard deviations of the drawn kinds' scores over the pairs
+    layer_a < layer_b), its width growing with the score; kinds coloured Q blue, K red, V
+    green."""
+    from matplotlib.lines import Line2D
+
+    comp = _get(res, "composition")
+    if comp is None:
+        raise ValueError("the circuits response has no composition (request composition=true)")
+    kinds = ["q", "k", "v"] if kind == "all" else [kind]
+    if any(k not in ("q", "k", "v") for k in kinds):
+        raise ValueError(f"kind is 'q', 'k', 'v' or 'all', not {kind!r}")
+    n_l, n_h = int(_get(res, "n_layers")), int(_get(res, "n_heads"))
+    grids = {k: np.array(_get(comp, k), float) for k in kinds}
+    iu = [(la, lb) for la in range(n_l) for lb in range(la + 1, n_l)]
+    scores = np.concatenate([grids[k][la, :, lb, :].ravel() for k in kinds for la, lb in iu]) \
+        if iu else np.zeros(0)
+    if threshold is None:
+        threshold = float(scores.mean() + 2 * scores.std()) if scores.size else 0.0
+    top = float(scores.max()) if scores.size else threshold
+    colours = {"q": "#1f77b4", "k": "#d62728", "v": "#2ca02c"}
+    fig = _new_figure(figsize or (max(6.5, 1.4 * n_l + 3.0), max(3.5, 0.32 * n_h + 1.8)))
+    ax = fig.add_subplot()
+    n = 0
+    for k in kinds:
+        for la, lb in iu:
+            for ha, hb in zip(*np.nonzero(grids[k][la, :, lb, :] >= threshold)):
+                s = grids[k][la, ha, lb, hb]
+                w = 0.5 + 3.5 * ((s - threshold) / (top - threshold) if top > threshold else 1.0)
+                ax.plot([la, lb], [ha, hb], color=colours[k], linewidth=w, alpha=0.7, zorder=1)
+                n += 1
+    for l in range(n_l):
+        ax.scatter([l] * n_h, range(n_h), s=120, facecolor="white", edgecolor="#555", zorder=2)
+        for h in range(n_h):
+            ax.text(l, h, str(h), ha="center", va="center", fontsize=6.5, zorder=3)
+    ax.set_xticks(range(n_l))
+    ax.set_xticklabels([f"layer {l}" for l in range(n_l)], fontsize=TICK_FONT)
+    ax.set_yticks([])
+    ax.set_ylabel("head")
+    ax.invert_yaxis()
+    ax.set_xlim(-0.4, n_l - 0.6)
+    ax.legend(handles=[Line2D([0], [0], color=colours[k], label=f"{k.upper()}-composition") for k in kinds],
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    ax.set_title(title or "\n".join(x for x in (
+        _model_id(res), f"composition scores >= {threshold:.3g} (weights only)",
+        f"{n} edges, max score {top:.3g}") if x),
+        fontsize=9)
+    return fig
+
+
+def _diverging(a: np.ndarray, row_title: str, col_title: str, col_labels, label: str,
+               title: str, vmax: float | None = None, figsize=None) -> Figure:
+    from matplotlib.colors import TwoSlopeNorm
+
+    finite = a[np.isfinite(a)]
+    vmax = vmax or (float(np.abs(finite).max()) if finite.size else 1.0) or 1.0
+    n_r, n_c = a.shape
+    fig = _new_figure(figsize or (max(5.0, 0.34 * n_c + 3.0), max(2.6, 0.3 * n_r + 2.0)))
+    ax = fig.add_subplot()
+    im = ax.imshow(np.ma.masked_invalid(a), cmap="RdBu_r", norm=TwoSlopeNorm(0.0, -vmax, vmax),
+                   aspect="auto", interpolation="nearest")
+    cb = fig.colorbar(im, ax=ax)
+    cb.set_label(label)
+    step = max(1, -(-n_c // MAX_TICK_LABELS))
+    ax.set_xticks(range(0, n_c, step))
+    ax.set_xticklabels(list(col_labels)[::step], rotation=90, fontsize=TICK_FONT)
+    ax.set_yticks(range(n_r))
+    ax.set_yticklabels([str(i) for i in range(n_r)], fontsize=TICK_FONT)
+    ax.set(xlabel=col_title, ylabel=row_title)
+    ax.set_title(title, fontsize=9)
+    return fig
+
+
+def _patch_checked(res: Any, field: str) -> np.ndarray:
+    if _get(res, "clean_value") == _get(res, "corrupted_value"):
+        raise ValueError(
+            f"the clean and corrupted runs give the same metric ({_get(res, 'clean_value')!r}): the "
+            "normalised effect (patched - corrupted) / (clean - corrupted) divides by zero, so no "
+            "cell has a value; choose a corrupted prompt that changes the metric")
+    v = _get(res, field)
+    if v is None:
+        raise ValueError(f"the patch response has no {field} (request "
+                         f"{'per_position' if field == 'heads_per_position' else 'residual'}=true)")
+    a = np.array(v, dtype=object)
+    return np.where(a == None, np.nan, a).astype(float)  # noqa: E711
+
+
+_NORM = "(patched - corrupted) / (clean - corrupted)\n0 = no change, 1 = clean restored"
+
+
+def patch_per_position(res: Any, layer: int, *, title: str | None = None, figsize=None) -> Figure:
+    """Per-position head patching (``/v1/patch`` ``per_position``) of one layer: head x
+    position on the diverging scale centred on 0, the scale shared by every layer."""
+    a = _patch_checked(res, "heads_per_position")
+    if not 0 <= layer < a.shape[0]:
+        raise ValueError(f"layer {layer} is not in the grid's {a.shape[0]} layers")
+    vmax = float(np.nanmax(np.abs(a))) if np.isfinite(a).any() else 1.0
+    labels = [f"{i} {l}" for i, l in enumerate(token_labels(_get(res, "clean_tokens")))]
+    head = _headline(_model_id(res), _text_of(_get(res, "clean_tokens")))
+    return _diverging(a[layer], "head", "position (clean token)", labels, _NORM,
+                      title or f"{head}\nlayer {layer}: one head at one position patched", vmax, figsize)
+
+
+def residual_grid(res: Any, *, title: str | None = None, figsize=None) -> Figure:
+    """Residual-stream patching (``/v1/patch`` ``residual``): layer x position, diverging."""
+    a = _patch_checked(res, "residual")
+    labels = [f"{i} {l}" for i, l in enumerate(token_labels(_get(res, "clean_tokens")))]
+    head = _headline(_model_id(res), _text_of(_get(res, "clean_tokens")))
+    return _diverging(a, "layer", "position (clean token)", labels, _NORM,
+                      title or f"{head}\nresidual stream (resid_pre) patched at one position", None, figsize)
