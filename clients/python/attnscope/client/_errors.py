@@ -336,6 +336,16 @@ def status_error(response: httpx.Response) -> APIStatusError:
         message = str(err.get("message") or message)
     elif isinstance(body, dict) and "detail" in body:  # a plain FastAPI/Starlette answer
         message = str(body["detail"])
+    if response.status_code == 404 and etype in (None, "not_found"):
+        # a wrong base URL (a path prefix, /v1 twice, another service) answers 404 for every
+        # endpoint: say which URL was asked and what to check
+        try:
+            url = str(response.request.url)
+        except RuntimeError:  # a response built without its request
+            url = None
+        message += (f" ({url} was not found: check the path of the client's base URL, e.g. "
+                    "http://127.0.0.1:8000 without /v1 or a trailing path)" if url else
+                    " (check the path of the client's base URL)")
     cls = ERROR_TYPES.get(etype or "")
     if cls is None:
         cls = _status_class(response.status_code)

@@ -730,6 +730,11 @@ def cmd_patch(args) -> int:
             print("residual stream [layer, pos]:")
             print(_grid_table(res.residual))
     if args.plot:
+        if res.clean_value == res.corrupted_value:  # 0 / 0 in every cell: no all-blank figure
+            raise UsageError(f"--plot: the clean and corrupted runs give the same {res.metric} "
+                             f"({res.clean_value!r}), so the normalised effect (patched - corrupted) / "
+                             "(clean - corrupted) has no value anywhere; choose a corrupted text that "
+                             "changes the metric")
         _save(_plots().effect_grid(res.heads, title=f"{res.model.id}: activation patching "
                                    f"({res.method}), {res.metric}",
                                    label="(patched - corrupted) / (clean - corrupted)",
@@ -797,7 +802,8 @@ def cmd_rollout(args) -> int:
         print(f"\nattention flow at layer {r.flow_layers[-1]}")
         print(_matrix(r.flow.numpy()[-1], labels, causal))
     if args.plot:
-        _save(_plots().rollout_heatmap(res), args.plot)
+        # with --flow the figure is the flow (what was asked for), else the rollout
+        _save(_plots().rollout_heatmap(res, flow=r.flow is not None), args.plot)
     return EXIT_OK
 
 
