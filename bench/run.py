@@ -101,6 +101,11 @@ def build_model(tiny: bool, out: Path) -> Path:
     return out
 
 
+#: every timed request analyses the text's own T tokens (add_bos false), as the floor's forward
+#: does; the default (the model's convention, BOS first for GPT-2) would make it T + 1
+OWN_TOKENS = {"add_bos": False}
+
+
 class Texts:
     """Fresh texts of exactly T tokens (random words of the tokenizer's vocabulary)."""
 
@@ -197,7 +202,7 @@ def decode(resp: httpx.Response, opts: dict, T: int, n_layers: int, n_heads: int
 def post_attention(client: httpx.Client, text: str, opts: dict, accept: str | None):
     headers = {"accept": accept} if accept else {}
     t0 = time.perf_counter()
-    r = client.post("/v1/attention", json={"text": text, **opts}, headers=headers)
+    r = client.post("/v1/attention", json={"text": text, **OWN_TOKENS, **opts}, headers=headers)
     t1 = time.perf_counter()
     if r.status_code != 200:
         raise RuntimeError(f"/v1/attention {opts} -> {r.status_code}: {r.text[:300]}")
@@ -310,7 +315,7 @@ def fill_cache(url: str, texts: Texts, T: int, cache_bytes: int, extra: int = 3,
         while n < limit:
             before = cache_gauges(url)
             r = client.post("/v1/attention", json={"text": texts.make(T), "layers": [0],
-                                                   "heads": [0]})
+                                                   "heads": [0], **OWN_TOKENS})
             n += 1
             if r.status_code != 200:
                 raise RuntimeError(f"fill: /v1/attention -> {r.status_code}: {r.text[:300]}")
@@ -321,7 +326,8 @@ def fill_cache(url: str, texts: Texts, T: int, cache_bytes: int, extra: int = 3,
             if after["cache_bytes"] + entry > cache_bytes:
                 break  # the next one will evict
         for _ in range(extra):
-            client.post("/v1/attention", json={"text": texts.make(T), "layers": [0], "heads": [0]})
+            client.post("/v1/attention", json={"text": texts.make(T), "layers": [0], "heads": [0],
+                                               **OWN_TOKENS})
     g = cache_gauges(url)
     return {"T": T, "requests": n + extra, "s": time.perf_counter() - t0,
             "entry_bytes": entry, **g}
@@ -392,13 +398,13 @@ def client_e2e(url: str, texts: Texts, T: int, runs: int, floor: dict, base=None
     with Client(base_url=url, timeout=900) as c:
         for name, opts in (("json", {"encoding": "json"}),
                            ("base64_f16", {"encoding": "base64", "dtype": "float16"})):
-            c.attention(texts.make(T), **opts).attention.pattern.numpy()  # warm-up
+            c.attention(texts.make(T), **OWN_TOKENS, **opts).attention.pattern.numpy()  # warm-up
             times, floors = [], []
             for _ in range(runs):
                 if base is not None:
                     floors.append(floor_once(base, texts, T))
                 t0 = time.perf_counter()
-                c.attention(texts.make(T), **opts).attention.pattern.numpy()
+                c.attention(texts.make(T), **OWN_TOKENS, **opts).attention.pattern.numpy()
                 times.append(time.perf_counter() - t0)
             fl = median(floors) if floors else floor[T]["median_s"]
             out[name] = {"with_decode_s": median(times), "floor_s": fl,
@@ -407,13 +413,13 @@ def client_e2e(url: str, texts: Texts, T: int, runs: int, floor: dict, base=None
 
 
 ANALYSES = {
-    "attention": ("/v1/attention", {"encoding": "base64", "dtype": "float16"}),
-    # the same tokens as the others: heads' default add_bos (true) prepends BOS, another text
-    # and another forward
-    "heads": ("/v1/heads", {"add_bos": False}),
-    "links": ("/v1/links", {"layer": 0}),
-    "trajectories": ("/v1/trajectories", {}),
-    "verify": ("/v1/verify", {}),
+    # every one on the same T tokens (add_bos false, as the floor): one shared forward; a
+    # different add_bos would be another tokenisation and another forward
+    "attention": ("/v1/attention", {"encoding": "base64", "dtype": "float16", **OWN_TOKENS}),
+    "heads": ("/v1/heads", {**OWN_TOKENS}),
+    "links": ("/v1/links", {"layer": 0, **OWN_TOKENS}),
+    "trajectories": ("/v1/trajectories", {**OWN_TOKENS}),
+    "verify": ("/v1/verify", {**OWN_TOKENS}),
 }
 #: measured on its own after the sequence (issue 11: a float64 recomputation, issue 12)
 APART = ("verify",)
@@ -526,7 +532,7 @@ async def _throughput_level(url: str, texts_list: list[str], conc: int) -> dict:
                     return
                 t0 = time.perf_counter()
                 r = await client.post("/v1/attention", json={"text": t, "encoding": "base64",
-                                                             "dtype": "float16"})
+                                                             "dtype": "float16", **OWN_TOKENS})
                 r.raise_for_status()
                 lat.append(time.perf_counter() - t0)
 
@@ -546,7 +552,7 @@ def throughput(url: str, texts: Texts, T: int, levels, per_level) -> dict:
 
 
 def batch_vs_singles(url: str, texts: Texts, T: int, runs: int, n: int = 8) -> dict:
-    opts = {"encoding": "base64", "dtype": "float16"}
+    opts = {"encoding": "base64", "dtype": "float16", **OWN_TOKENS}
     b, s = [], []
     with httpx.Client(base_url=url, timeout=900) as client:
         for _ in range(runs):
