@@ -264,3 +264,146 @@ def test_norm_view_names_norms_and_numbers_do_not_break(wide, page):
     assert lines and all(n == 1 and ws == "nowrap" for _, n, ws in lines), lines
     assert any("e" in t for t, _, _ in lines)
     screenshot(page, "views-norm", "#panel-attention")
+
+
+# ---- notebook views of every new response type ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def responses(wide):
+    from attnscope.client import Client
+    from attnscope.schemas import CircuitsResponse, LogitAttributionResponse, LogitLensResponse
+
+    with Client(wide) as c:
+        yield {
+            "lens": c.request("POST", "/v1/logit-lens", {"text": TEXT, "top_k": 3}, LogitLensResponse),
+            "dla": c.request("POST", "/v1/logit-attribution", {"text": TEXT, "target": " John",
+                                                                "distractor": " the", "positions": [-1, -3]},
+                             LogitAttributionResponse),
+            "circuits": c.request("POST", "/v1/circuits", {"composition": True, "top_k": 2}, CircuitsResponse),
+            "scan": c.ablate(TEXT, scan=True, scan_metric="loss"),
+            "ablate": c.ablate(TEXT, heads=[[1, 3], [0, 11]]),
+            "patch": c.patch(TEXT, CORRUPTED, logit_diff={"target": " John", "distractor": " the"},
+                             per_position=True, residual=True),
+            "patch_equal": c.patch(TEXT, TEXT, logit_diff={"target": " John", "distractor": " the"}),
+            "run": c.run(texts=[TEXT], cache=["blocks.*.attn.hook_z", "blocks.0.hook_resid_pre"], loss=True),
+        }
+
+
+def nb_show(page, html):
+    asked = []
+    page.route("http://**", lambda r: (asked.append(r.request.url), r.abort()))
+    page.set_content(f"<!doctype html><html><body>{html}</body></html>")
+    page.wait_for_selector(".attnscope-nb[data-ready='1']")
+    assert asked == []
+
+
+def test_notebook_views_of_lens_dla_circuits_ablate_patch_run(responses, page):
+    from attnscope.schemas import CircuitsResponse
+
+    r = responses
+    page.set_viewport_size({"width": 1400, "height": 900})
+    nb_show(page, r["lens"]._repr_html_())
+    p = r["lens"].prompts[0]
+    assert page.locator("td.lenscell").count() == len(p.states) * p.n_tokens
+    screenshot(page, "notebook-lens", ".attnscope-nb")
+    nb_show(page, r["dla"]._repr_html_())
+    d = r["dla"].prompts[0].positions
+    assert page.locator("g.bar").count() == 2 + 2 * 12 + 2 * 2
+    assert float(page.get_attribute("g.bar[data-name='L0H4']", "data-value")) == pytest.approx(d[0].heads[0][4])
+    page.select_option(".nb-pos", "1")
+    assert float(page.get_attribute("g.bar[data-name='L0H4']", "data-value")) == pytest.approx(d[1].heads[0][4])
+    screenshot(page, "notebook-dla", ".attnscope-nb")
+    assert isinstance(r["circuits"], CircuitsResponse)
+    nb_show(page, r["circuits"]._repr_html_())
+    assert page.locator(".nb-copy td.effcell").count() == 24 and page.locator("g.node").count() == 24
+    assert page.locator("path.edge").count() > 0
+    screenshot(page, "notebook-circuits", ".attnscope-nb")
+    nb_show(page, r["scan"]._repr_html_())
+    assert page.locator("td.effcell").count() == 24
+    html = r["ablate"]._repr_html_()
+    assert "L1H3, L0H11" in html and "mean loss" in html
+    nb_show(page, r["patch"]._repr_html_())
+    assert page.locator(".patch-heads td.effcell").count() == 24 and page.locator(".patch-resid").count() == 1
+    screenshot(page, "notebook-patch", ".attnscope-nb")
+    nb_show(page, r["patch_equal"]._repr_html_())
+    assert "divides by zero" in page.inner_text(".patch-equal") and page.locator("table.effectgrid").count() == 0
+    html = r["run"]._repr_html_()
+    for name, a in r["run"].cache.items():
+        assert name in html and " x ".join(map(str, a.shape)) in html
+    assert "2 cached hooks" not in html and f"{len(r['run'].cache)} cached hooks" in html
+
+
+# ---- matplotlib figures ----------------------------------------------------------------------
+
+def test_plots_of_lens_dla_composition_patching(responses, tmp_path):
+    from attnscope.client import plots
+
+    r = responses
+    out = ARTIFACTS / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    figs = {
+        "lens": plots.logit_lens(r["lens"]),
+        "dla": plots.logit_attribution(r["dla"], position=0),
+        "dla-sorted": plots.logit_attribution(r["dla"], position=1, order="value"),
+        "composition": plots.composition(r["circuits"]),
+        "composition-k": plots.composition(r["circuits"], kind="k", threshold=0.1),
+        "scan": plots.effect_grid(r["scan"], label="loss change (nats)"),
+        "patch-heads": plots.effect_grid(r["patch"], label="normalised"),
+        "patch-perpos": plots.patch_per_position(r["patch"], layer=1),
+        "patch-resid": plots.residual_grid(r["patch"]),
+    }
+    for name, fig in figs.items():
+        path = out / f"views-{name}.png"
+        fig.savefig(path, dpi=80)
+        assert path.stat().st_size > 5000, name
+        title = fig.axes[0].get_title()
+        assert title, name
+    assert "logit lens" in figs["lens"].axes[0].get_title() and "gpt2" in figs["lens"].axes[0].get_title()
+    assert "ln_final bias" in figs["dla"].axes[0].get_title()
+    n_bars = len(figs["dla"].axes[0].patches)
+    assert n_bars == 2 + 2 * 12 + 2 * 2
+    # bad input: said, never an empty figure
+    with pytest.raises(ValueError, match="divides by zero"):
+        plots.effect_grid(r["patch_equal"])
+    with pytest.raises(ValueError, match="divides by zero"):
+        plots.residual_grid(r["patch_equal"])
+    with pytest.raises(ValueError, match="prompt 3"):
+        plots.logit_lens(r["lens"], prompt=3)
+    with pytest.raises(ValueError, match="order"):
+        plots.logit_attribution(r["dla"], order="size")
+    with pytest.raises(ValueError, match="kind"):
+        plots.composition(r["circuits"], kind="x")
+    with pytest.raises(ValueError, match="layer 5"):
+        plots.patch_per_position(r["patch"], layer=5)
+    with pytest.raises(ValueError, match="logit-lens"):
+        plots.logit_lens(r["scan"])
+
+
+def test_client_404_names_the_base_url_path(wide):
+    from attnscope.client import Client, NotFoundError
+
+    with Client(wide + "/api/v2", max_retries=0) as c:
+        with pytest.raises(NotFoundError) as e:
+            c.model()
+    assert "check the path of the client's base URL" in str(e.value) and "/api/v2/v1/model" in str(e.value)
+
+
+def test_cli_rollout_flow_plot_draws_the_flow(wide, monkeypatch, capsys, tmp_path):
+    from attnscope.client import cli, plots
+
+    seen = []
+    real = plots.rollout_heatmap
+
+    def spy(res, *a, **kw):
+        fig = real(res, *a, **kw)
+        seen.append(fig.axes[0].get_title())
+        return fig
+
+    monkeypatch.setattr(plots, "rollout_heatmap", spy)
+    monkeypatch.setenv("ATTNSCOPE_BASE_URL", wide)
+    out = tmp_path / "flow.png"
+    assert cli.main(["rollout", "The cat sat on the mat.", "--flow", "--plot", str(out)]) == 0
+    assert out.stat().st_size > 5000 and seen and "attention flow" in seen[0], seen
+    seen.clear()
+    assert cli.main(["rollout", "The cat sat on the mat.", "--plot", str(out)]) == 0
+    assert "attention rollout" in seen[0], seen
