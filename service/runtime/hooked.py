@@ -812,13 +812,16 @@ def _plan(p: GPT2Parts, B: int, T: int, cache, interventions, grad) -> _Plan:
     for (layer, site), s in plan.sites.items():
         (plan.glob if layer is None else plan.layers[layer])[site] = s
     for layer, d in enumerate(plan.layers):
-        ln1_edit = [s for k, s in d.items() if k.startswith("ln1") and s.edits]
+        # a gradient at ln1 is as off the rerouted heads' path as an edit there
+        ln1_edit = [s for k, s in d.items() if k.startswith("ln1") and (s.edits or s.grad)]
         split_edit = [s for k, s in d.items() if k in _SPLIT and (s.edits or s.grad)]
         if ln1_edit and split_edit:
+            where = ("interventions" if ln1_edit[0].edits or split_edit[0].edits
+                     else "grad.hooks")
             raise InvalidRequest(
-                f"interventions: {ln1_edit[0].hp.name} and {split_edit[0].hp.name} cannot both "
+                f"{where}: {ln1_edit[0].hp.name} and {split_edit[0].hp.name} cannot both "
                 "be edited or differentiated in one forward (the split inputs are normalised "
-                "per head from hook_resid_pre, apart from ln1's hooks)", "interventions")
+                "per head from hook_resid_pre, apart from ln1's hooks)", where)
     return plan
 
 
