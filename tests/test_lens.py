@@ -361,3 +361,19 @@ def test_responses_are_inside_their_estimates(client, gpt2_runtime):
         r = client.post(path, json=body)
         assert r.status_code == 200
         assert len(r.content) <= est, (path, len(r.content), est)
+
+
+def test_the_client_methods_return_the_served_bodies(client):
+    """``Client.logit_lens`` / ``logit_attribution`` / ``circuits`` send the request as the
+    schema has it and parse the very body the endpoint serves."""
+    from attnscope.client import Client
+
+    c = Client("http://testserver", http_client=client, max_retries=0)
+    text = "The cat sat on the mat"
+    for got, path, body in (
+            (c.logit_lens(text, top_k=3), "/v1/logit-lens", {"text": text, "top_k": 3}),
+            (c.logit_attribution(text, target=" the", distractor=" a"), "/v1/logit-attribution",
+             {"text": text, "target": " the", "distractor": " a"}),
+            (c.circuits(top_k=2), "/v1/circuits", {"top_k": 2})):
+        raw = client.post(path, json=body).json()
+        assert got.model_dump(mode="json", exclude_unset=True) == raw, path

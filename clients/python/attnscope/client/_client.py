@@ -70,6 +70,10 @@ from attnscope.schemas.interventions import (
 )
 from attnscope.schemas.links import LinksRequest, LinksResponse
 from attnscope.schemas.path_patch import PathPatchRequest, PathPatchResponse
+from attnscope.schemas.lens import (
+    LogitAttributionRequest, LogitAttributionResponse, LogitLensRequest, LogitLensResponse,
+)
+from attnscope.schemas.circuits import CircuitsRequest, CircuitsResponse
 from attnscope.schemas.scratch import ScratchAttentionRequest, ScratchAttentionResponse
 from attnscope.schemas.trajectories import TrajectoriesRequest, TrajectoriesResponse
 from attnscope.schemas.verify import VerifyRequest, VerifyResponse
@@ -452,6 +456,37 @@ class _Endpoints:
         (``PredictionsRequest``): ``top_k``, ``positions``, ``add_bos``."""
         return self._post_model("/v1/predictions", PredictionsRequest, PredictionsResponse,
                                 text, texts, options)
+
+    def logit_lens(self, text: str | list[str] | None = None, *,
+                   texts: list[str] | None = None, **options) -> LogitLensResponse:
+        """``POST /v1/logit-lens``: every residual state through ln_final and the unembedding
+        (TransformerLens ``accumulated_resid(apply_ln=True)``; ``ln`` 'own' | 'final'): per
+        state the mean loss (nats) and per position the top-k tokens and the next token's (or
+        ``target``'s) rank and log-prob (``.prompts[i].states``). Options
+        (``LogitLensRequest``): ``ln``, ``include_mid``, ``top_k``, ``positions``, ``target``,
+        ``tokens``/``token_lists``, ``add_bos``."""
+        return self._post_model("/v1/logit-lens", LogitLensRequest, LogitLensResponse, text,
+                                texts, options)
+
+    def logit_attribution(self, text: str | list[str] | None = None, *,
+                          texts: list[str] | None = None, **options) -> LogitAttributionResponse:
+        """``POST /v1/logit-attribution``: direct logit attribution to ``target`` (minus
+        ``distractor``) per head (``hook_result``), MLP, embedding and bias, through ln_final
+        with its scale frozen (TransformerLens ``apply_ln_to_stack``); the parts plus the
+        reported ln_final bias term sum to the logit difference. Options
+        (``LogitAttributionRequest``): ``target``, ``distractor``, ``positions``,
+        ``tokens``/``token_lists``, ``add_bos``."""
+        return self._post_model("/v1/logit-attribution", LogitAttributionRequest,
+                                LogitAttributionResponse, text, texts, options)
+
+    def circuits(self, **options) -> CircuitsResponse:
+        """``POST /v1/circuits`` (weights only): per head the OV/QK circuits' summaries
+        (copying score, Elhage et al. 2021; top singular values) and the Q-, K-, V-composition
+        scores between heads (TransformerLens ``all_composition_scores``). Options
+        (``CircuitsRequest``): ``top_k``, ``composition``."""
+        req = _validated(CircuitsRequest, "/v1/circuits", **options)
+        return self._call("POST", "/v1/circuits", req.model_dump(mode="json", exclude_unset=True),
+                          CircuitsResponse)
 
     def ablate(self, text: str | None = None, *, heads: list[list[int]] | list[tuple[int, int]] | None = None,
                **options) -> AblateResponse:
