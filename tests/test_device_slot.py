@@ -326,7 +326,10 @@ def test_concurrent_mixed_requests_equal_sequential_results(make_client, gpt2_ru
         assert jx == jy, p
     for t in texts:  # and the concurrent answers are Hugging Face's numbers
         r = c.post("/v1/attention", json={"text": t, "encoding": "base64"}).json()
-        hf = hf_reference(gpt2_runtime, list(gpt2_runtime.tokenize(t).input_ids))
+        # the reference on the tokens the response reports (add_bos null: BOS first, GPT-2)
+        ids = list(gpt2_runtime.tokenize(t, add_bos=True).input_ids)
+        assert [x["id"] for x in r["attention"]["tokens"]] == ids
+        hf = hf_reference(gpt2_runtime, ids)
         assert np.array_equal(decode(r["attention"]["pattern"]), hf["pattern"].numpy())
     m = c.get("/metrics").text
     assert re.search(r"^attnscope_queue_depth 0\.0$", m, re.M), m[-2000:]
@@ -437,7 +440,10 @@ def test_timeouts_and_disconnects_during_device_work(timeout_server, gpt2_runtim
                 break
             _settle(url)  # let that abandoned forward finish (and fill the cache) first
         assert r.status_code == 200, r.text[:300]
-        hf = hf_reference(gpt2_runtime, list(gpt2_runtime.tokenize(t).input_ids))
+        # the reference on the tokens the response reports (add_bos null: BOS first, GPT-2)
+        ids = list(gpt2_runtime.tokenize(t, add_bos=True).input_ids)
+        assert [x["id"] for x in r.json()["attention"]["tokens"]] == ids
+        hf = hf_reference(gpt2_runtime, ids)
         assert np.array_equal(decode(r.json()["attention"]["pattern"]), hf["pattern"].numpy()), t[:60] + " | " + t[-30:]
     assert _metric(url, "attnscope_queue_depth") == 0
     assert timeout_server.proc.poll() is None
