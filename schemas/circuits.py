@@ -30,8 +30,8 @@ class CircuitsRequest(StrictModel):
 
 
 class HeadCircuit(LenientModel):
-    layer: int
-    head: int
+    layer: int = Field(description="The head's layer (0-based).")
+    head: int = Field(description="The head's index in its layer (0-based).")
     copying_score: float = Field(
         description="Elhage et al. 2021's eigenvalue summary of the full OV circuit W_E W_OV "
         "W_U (d_vocab x d_vocab): sum_i lambda_i / sum_i |lambda_i| over its eigenvalues "
@@ -68,9 +68,9 @@ class CompositionScores(LenientModel):
 class CircuitsResponse(LenientModel):
     model: ModelRef
     weights: str = Field(description=CIRCUIT_WEIGHTS_DOC)
-    n_layers: int
-    n_heads: int
-    d_head: int
+    n_layers: int = Field(description="Layers of the model.")
+    n_heads: int = Field(description="Heads per layer.")
+    d_head: int = Field(description="Dimension of each head's query/key/value (d_model / n_heads).")
     heads: list[HeadCircuit] = Field(description="Every head, layer-major.")
     composition: CompositionScores | None = Field(
         None, description="Composition scores (Elhage et al. 2021; TransformerLens "

@@ -107,7 +107,7 @@ class LogitLensResponse(LenientModel):
     ln: str = Field(description="The normalisation used ('own' or 'final', see the request).")
     ln_description: str = Field(description="The formula, in words.")
     weights: str = Field(description=WEIGHTS_DOC)
-    prompts: list[LensPrompt]
+    prompts: list[LensPrompt] = Field(description="Per prompt, in request order.")
 
 
 # ------------------------------------------------------------------ direct logit attribution
@@ -158,7 +158,7 @@ class DLAPosition(LenientModel):
 class DLAPrompt(LenientModel):
     tokens: list[Token] = Field(description="The prompt's tokens.")
     n_tokens: int = Field(description="Number of tokens.")
-    positions: list[DLAPosition]
+    positions: list[DLAPosition] = Field(description="Per attributed position, in request order.")
 
 
 class LogitAttributionResponse(LenientModel):
@@ -166,4 +166,4 @@ class LogitAttributionResponse(LenientModel):
     add_bos: bool = add_bos_echo()
     method: str = Field(description="The formula, in words.")
     weights: str = Field(description=WEIGHTS_DOC)
-    prompts: list[DLAPrompt]
+    prompts: list[DLAPrompt] = Field(description="Per prompt, in request order.")

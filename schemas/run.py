@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .interventions import TopToken
 from .common import (
-    MAX_TEXTS, Base64Tensor, LenientModel, ModelRef, StrictModel, TensorField, Token,
+    MAX_TEXTS, LenientModel, ModelRef, StrictModel, TensorField, Token,
     TensorOptions, example,
 )
 
@@ -27,12 +27,30 @@ TokenId = Annotated[int, Field(ge=0, le=1 << 31)]
 #: a tensor given in a request: nested JSON lists of numbers, or the base64 form
 #: ``{"encoding": "base64", "dtype": "float32"|"float16", "shape", "data"}``
 _F = Annotated[float, Field(allow_inf_nan=False)]
-_N1 = list[_F]
-_N2 = list[_N1]
-_N3 = list[_N2]
-_N4 = list[_N3]
-_N5 = list[_N4]
-InputTensor = Union[Base64Tensor, _N1, _N2, _N3, _N4, _N5]
+#: at most this many entries along any axis of a JSON request tensor (GPT-2's d_vocab fits)
+MAX_AXIS = 1 << 17
+_N1 = Annotated[list[_F], Field(max_length=MAX_AXIS)]
+_N2 = Annotated[list[_N1], Field(max_length=MAX_AXIS)]
+_N3 = Annotated[list[_N2], Field(max_length=MAX_AXIS)]
+_N4 = Annotated[list[_N3], Field(max_length=MAX_AXIS)]
+_N5 = Annotated[list[_N4], Field(max_length=MAX_AXIS)]
+
+
+class Base64Input(StrictModel):
+    """A request tensor as little-endian bytes in base64 (the response's ``Base64Tensor``
+    form, ``layout`` full): decoded to float32."""
+
+    encoding: Literal["base64"] = Field(description="'base64'.")
+    dtype: Literal["float16", "float32", "int32", "int64"] = Field(
+        description="Element type, little-endian.")
+    shape: list[Annotated[int, Field(ge=0, le=1 << 26)]] = Field(
+        ..., max_length=8, description="Tensor shape, row-major (C order).")
+    data: str = Field(..., max_length=1 << 29,
+                      description="Standard base64 of the little-endian element bytes.")
+    layout: Literal["full"] = Field("full", description="Only 'full' in requests.")
+
+
+InputTensor = Union[Base64Input, _N1, _N2, _N3, _N4, _N5]
 TokenRef = Union[TokenId, str]
 HOOK_DESCRIPTION = ("A TransformerLens 4.x hook name ('blocks.0.attn.hook_z', 'hook_embed', "
                     "'ln_final.hook_scale') or an fnmatch pattern over them "
@@ -97,7 +115,7 @@ class MeanIntervention(_Intervention):
     kind: Literal["mean"] = Field(description="'mean'.")
     over: Literal["pos", "batch", "batch_pos"] = Field(
         "batch_pos", description="What the mean is over (ignored with ``reference``).")
-    reference: list[Annotated[list[TokenId], Field(min_length=1)]] | None = Field(
+    reference: list[Annotated[list[TokenId], Field(min_length=1, max_length=1 << 16)]] | None = Field(
         None, min_length=1, max_length=MAX_PROMPTS,
         description="Reference prompts as token ids (used exactly as given).")
     reference_texts: list[Annotated[str, Field(min_length=1)]] | None = Field(

@@ -63,6 +63,10 @@ CASES: dict[str, list[tuple[dict, dict]]] = {
                 ({"texts": [A], "metrics": {"m": {"kind": "prob", "terms": [
                     {"position": -1, "target": 5}]}}}, NAN),
                 ({"texts": [A], "loss": True}, NAN)],
+    "/v1/path-patch": [({"pairs": [{"clean_text": A, "corrupted_text": B}],
+                         "senders": [{"kind": "head", "layer": 0, "head": 1}],
+                         "receivers": [{"kind": "head", "layer": 1, "input": "k"}],
+                         "metric": {"kind": "loss", "terms": [{"position": 3}]}}, NAN)],
     # the weights only, LayerNorm not folded in: the NaN ln_1 weight is in no W_OV / W_QK
     "/v1/circuits": [({}, OK)],
     "/v1/logit-lens": [({"text": A}, NOT_YET)],

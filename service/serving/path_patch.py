@@ -318,6 +318,10 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
                                  mid_layers, final)
                 for k, x in enumerate(chunk):
                     base_v[x.i], other_v[x.i] = got["base"][k], got["other"][k]
+                if not (np.isfinite(got["base"]).all() and np.isfinite(got["other"]).all()):
+                    # the model's NaN, before it becomes a patched value
+                    raise NonFiniteValues("the metric on the base or other run is not finite "
+                                          "(NaN or inf in the forward)", "metric")
                 if req.grid:
                     mom.add(_grid_cells(p, chunk, got, kind, reduce, kinds, rc))
                 else:
