@@ -387,6 +387,41 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/path-patch": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Path patching: senders' change carried only along the direct path to receivers (Wang et al. 2022)
+         * @description Path patching (Wang et al. 2022, IOI; Goldowsky-Dill et al. 2023) on the
+         *     resident causal LM, over one or many (clean, corrupted) pairs. ``direction``
+         *     'corrupted_to_clean' (default, the IOI paper's): the base run is the clean prompt and the
+         *     senders' outputs come from the corrupted one; 'clean_to_corrupted' the reverse. Senders:
+         *     heads (``attn.hook_result``, ``z_h W_O^h``) and MLPs (``hook_mlp_out``), patched together.
+         *     Receivers: heads' ``q``/``k``/``v`` inputs (TransformerLens ``use_split_qkv_input``), MLPs'
+         *     inputs, or the logits (alone). Each receiver's input becomes the base run's plus the senders'
+         *     change ``sum_s (out_s_other - out_s_base)``: the residual stream with every other component
+         *     frozen at the base run (the direct path only); after the receivers the model runs normally.
+         *     ``grid``: every sender head x every receiver head input of a later layer, batched. Metrics are
+         *     /v1/run's, reported raw on the base, other and patched runs (mean, sample std, n over the
+         *     pairs) and normalised ``(patched - base) / (other - base)`` of the means. Equal to a
+         *     hand-written TransformerLens 4.3 loop that freezes every other component (tests/
+         *     test_path_patch.py). Errors: 422 the prompts of a pair of different lengths, a sender not
+         *     before its receiver, an unknown component kind, a layer/head/position out of range, a metric
+         *     term naming another run; 429 over the memory budget.
+         */
+        post: operations["path_patch_v1_path_patch_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/predictions": {
         parameters: {
             query?: never;
@@ -587,7 +622,11 @@ export interface paths {
          *     transposed vs Linear), the per-layer scale the config implies, the causal or
          *     bidirectional mask, softmax, output projection, MLP with the config's activation,
          *     residuals, ln_f), compared layer by layer with the SERVED pattern (per head, absolute),
-         *     q/k/v, attention output and hidden states (relative to their scale). Reports per layer the
+         *     q/k/v, attention output and hidden states (relative to their scale); then, for a causal LM,
+         *     the served next-token logits (the hooked forward's, the blocks, ln_f and LM head that
+         *     /v1/predictions, /v1/ablate, /v1/patch and /v1/run compute with) against the LM head's W_U
+         *     applied to the recomputed ln_f output in float64 (``logits``, relative to max(1, max
+         *     |logit|)). Reports per layer the
          *     scale used, the mask kind, the true maxima, the tolerance of the served dtype and the first
          *     failing layer. A config switch the recomputation does not implement: 422
          *     ``unsupported_model_config`` naming it. Cost: about 4-10 forwards' time (float64).
@@ -907,7 +946,7 @@ export interface components {
              * Vector
              * @description ``[d]``: d = the hook's last axis (d_model, d_head, d_mlp, key_pos or 1).
              */
-            vector: components["schemas"]["Base64Tensor"] | number[] | number[][] | number[][][] | number[][][][] | number[][][][][];
+            vector: components["schemas"]["Base64Input"] | number[] | number[][] | number[][][] | number[][][][] | number[][][][][];
         };
         /**
          * AttentionRequest
@@ -1046,6 +1085,42 @@ export interface components {
             tokens: components["schemas"]["Token"][];
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * Base64Input
+         * @description A request tensor as little-endian bytes in base64 (the response's ``Base64Tensor``
+         *     form, ``layout`` full): decoded to float32.
+         */
+        Base64Input: {
+            /**
+             * Data
+             * @description Standard base64 of the little-endian element bytes.
+             */
+            data: string;
+            /**
+             * Dtype
+             * @description Element type, little-endian.
+             * @enum {string}
+             */
+            dtype: "float16" | "float32" | "int32" | "int64";
+            /**
+             * Encoding
+             * @description 'base64'.
+             * @constant
+             */
+            encoding: "base64";
+            /**
+             * Layout
+             * @description Only 'full' in requests.
+             * @default full
+             * @constant
+             */
+            layout?: "full";
+            /**
+             * Shape
+             * @description Tensor shape, row-major (C order).
+             */
+            shape: number[];
         };
         /**
          * Base64Tensor
@@ -1203,7 +1278,10 @@ export interface components {
         CircuitsResponse: {
             /** @description Composition scores (Elhage et al. 2021; TransformerLens utils.composition_scores), null when not asked. */
             composition?: components["schemas"]["CompositionScores"] | null;
-            /** D Head */
+            /**
+             * D Head
+             * @description Dimension of each head's query/key/value (d_model / n_heads).
+             */
             d_head: number;
             /**
              * Heads
@@ -1211,9 +1289,15 @@ export interface components {
              */
             heads: components["schemas"]["HeadCircuit"][];
             model: components["schemas"]["ModelRef"];
-            /** N Heads */
+            /**
+             * N Heads
+             * @description Heads per layer.
+             */
             n_heads: number;
-            /** N Layers */
+            /**
+             * N Layers
+             * @description Layers of the model.
+             */
             n_layers: number;
             /**
              * Weights
@@ -1229,17 +1313,17 @@ export interface components {
              * K
              * @description K-composition: ||W_OV^a (W_QK^b)^T||_F / (...), all_composition_scores('K').
              */
-            k: unknown[];
+            k: number[][][][];
             /**
              * Q
              * @description [layer_a][head_a][layer_b][head_b]: Q-composition of head a (earlier) into head b's queries, ||W_OV^a W_QK^b||_F / (||W_OV^a||_F ||W_QK^b||_F); 0 unless layer_a < layer_b (TransformerLens all_composition_scores('Q')).
              */
-            q: unknown[];
+            q: number[][][][];
             /**
              * V
              * @description V-composition: ||W_OV^a W_OV^b||_F / (...), all_composition_scores('V').
              */
-            v: unknown[];
+            v: number[][][][];
         } & {
             [key: string]: unknown;
         };
@@ -1320,7 +1404,10 @@ export interface components {
              * @description Number of tokens.
              */
             n_tokens: number;
-            /** Positions */
+            /**
+             * Positions
+             * @description Per attributed position, in request order.
+             */
             positions: components["schemas"]["DLAPosition"][];
             /**
              * Tokens
@@ -1383,9 +1470,15 @@ export interface components {
              * @description Elhage et al. 2021's eigenvalue summary of the full OV circuit W_E W_OV W_U (d_vocab x d_vocab): sum_i lambda_i / sum_i |lambda_i| over its eigenvalues (complex moduli), in [-1, 1]; 1 when every eigenvalue is positive (the head copies the tokens it attends to). Computed on the d_head x d_head matrix W_O W_U W_E W_V, which has the same nonzero eigenvalues (the cyclic property), never the vocab x vocab one.
              */
             copying_score: number;
-            /** Head */
+            /**
+             * Head
+             * @description The head's index in its layer (0-based).
+             */
             head: number;
-            /** Layer */
+            /**
+             * Layer
+             * @description The head's layer (0-based).
+             */
             layer: number;
             /**
              * Ov Frobenius
@@ -1449,6 +1542,35 @@ export interface components {
             sink_norm_share?: number | null;
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * HeadReceiver
+         * @description Attention heads' query, key or value input as a receiver: TransformerLens'
+         *     ``blocks.{layer}.hook_{q,k,v}_input`` (``use_split_qkv_input``): each head's own copy of the
+         *     residual stream, before ln1.
+         */
+        HeadReceiver: {
+            /**
+             * Heads
+             * @description Heads of that layer; null = every head of the layer.
+             */
+            heads?: number[] | null;
+            /**
+             * Input
+             * @description Which input: 'q' (queries), 'k' (keys), 'v' (values).
+             * @enum {string}
+             */
+            input: "q" | "k" | "v";
+            /**
+             * @description 'head'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "head";
+            /**
+             * Layer
+             * @description The heads' layer (0-based).
+             */
+            layer: number;
         };
         /** HeadResult */
         HeadResult: {
@@ -1561,6 +1683,28 @@ export interface components {
             sink_s004?: number | null;
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * HeadSender
+         * @description An attention head as a sender: its output ``blocks.{layer}.attn.hook_result[:, :, head]``
+         *     (``z_h W_O^h``, without ``b_O``, which is the same in both runs).
+         */
+        HeadSender: {
+            /**
+             * Head
+             * @description The head (0-based).
+             */
+            head: number;
+            /**
+             * @description 'head'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "head";
+            /**
+             * Layer
+             * @description The head's layer (0-based).
+             */
+            layer: number;
         };
         /**
          * HeadThresholds
@@ -2271,7 +2415,10 @@ export interface components {
              */
             method: string;
             model: components["schemas"]["ModelRef"];
-            /** Prompts */
+            /**
+             * Prompts
+             * @description Per prompt, in request order.
+             */
             prompts: components["schemas"]["DLAPrompt"][];
             /**
              * Weights
@@ -2458,13 +2605,41 @@ export interface components {
              */
             ln_description: string;
             model: components["schemas"]["ModelRef"];
-            /** Prompts */
+            /**
+             * Prompts
+             * @description Per prompt, in request order.
+             */
             prompts: components["schemas"]["LensPrompt"][];
             /**
              * Weights
              * @description The weights used: the checkpoint's own, unprocessed (no LayerNorm folding, no centring of writing weights or of the unembedding, b_V not folded into b_O): TransformerLens' enable_compatibility_mode(no_processing=True) / from_pretrained_no_processing. ln_final's weight w and bias b are therefore applied explicitly: LN(x) = (x - mean(x)) / scale * w + b.
              */
             weights: string;
+        } & {
+            [key: string]: unknown;
+        };
+        /** LogitsDiff */
+        LogitsDiff: {
+            /**
+             * Max Abs Diff
+             * @description max |served logit - recomputed logit| over [pos, vocab], logit units; null = NaN (or a logits tensor of another shape).
+             */
+            max_abs_diff: number | null;
+            /**
+             * Passed
+             * @description Within the logits tolerance (a NaN fails).
+             */
+            passed: boolean;
+            /**
+             * Scale
+             * @description max |recomputed logit|: the logits pass when max_abs_diff <= tolerance * max(1, scale); null = NaN.
+             */
+            scale: number | null;
+            /**
+             * Tolerance
+             * @description The relative tolerance of the logits used (the served dtype's, or the request's tolerance).
+             */
+            tolerance: number;
         } & {
             [key: string]: unknown;
         };
@@ -2491,6 +2666,18 @@ export interface components {
              * @default 5
              */
             top_k?: number | null;
+        };
+        /**
+         * LogitsReceiver
+         * @description The final residual stream (the input of ``ln_final``, hence the logits) as the receiver:
+         *     the senders' direct effect on the logits.
+         */
+        LogitsReceiver: {
+            /**
+             * @description 'logits'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "logits";
         };
         /** LogitsResult */
         LogitsResult: {
@@ -2549,6 +2736,40 @@ export interface components {
             per_token: components["schemas"]["Base64Tensor"] | components["schemas"]["SparseTensor"] | components["schemas"]["TrilTensor"] | components["schemas"]["BinaryTensorRef"] | (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * MLPReceiver
+         * @description An MLP's input as a receiver: the residual stream entering ``blocks.{layer}.ln2``,
+         *     changed for the MLP only (TransformerLens 4.3's bridge: ``blocks.{layer}.mlp.hook_in``, ln2's
+         *     output, is what the MLP alone reads).
+         */
+        MLPReceiver: {
+            /**
+             * @description 'mlp'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "mlp";
+            /**
+             * Layer
+             * @description The MLP's layer (0-based).
+             */
+            layer: number;
+        };
+        /**
+         * MLPSender
+         * @description An MLP as a sender: its output ``blocks.{layer}.hook_mlp_out``.
+         */
+        MLPSender: {
+            /**
+             * @description 'mlp'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "mlp";
+            /**
+             * Layer
+             * @description The MLP's layer (0-based).
+             */
+            layer: number;
         };
         /**
          * MeanIntervention
@@ -2916,6 +3137,26 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /** PairInfo */
+        PairInfo: {
+            /**
+             * Clean Tokens
+             * @description The clean prompt's tokens as run.
+             */
+            clean_tokens: components["schemas"]["Token"][];
+            /**
+             * Corrupted Tokens
+             * @description The corrupted prompt's tokens as run.
+             */
+            corrupted_tokens: components["schemas"]["Token"][];
+            /**
+             * N Tokens
+             * @description Tokens of each side of the pair.
+             */
+            n_tokens: number;
+        } & {
+            [key: string]: unknown;
+        };
         /**
          * PatchRequest
          * @description Activation patching clean -> corrupted (TransformerLens ``patching``): the clean run's
@@ -3057,6 +3298,222 @@ export interface components {
              * @description residual: [layer][pos] normalised, the residual stream entering the layer patched at pos.
              */
             residual?: (number | null)[][] | null;
+        } & {
+            [key: string]: unknown;
+        };
+        /** PathPatchGrid */
+        PathPatchGrid: {
+            /**
+             * Inputs
+             * @description The last axis: receiver inputs ('q', 'k', 'v').
+             */
+            inputs: string[];
+            /**
+             * Normalized
+             * @description ``(raw - base.mean) / (other.mean - base.mean)``; null where undefined.
+             */
+            normalized: (number | null)[][][][][];
+            /**
+             * Raw
+             * @description ``[sender_layer][sender_head][receiver_layer][receiver_head][input]``: the patched metric's mean over pairs; null where the receiver's layer is not after the sender's.
+             */
+            raw: (number | null)[][][][][];
+            /**
+             * Std
+             * @description The same cells' sample standard deviations (null for one pair).
+             */
+            std: (number | null)[][][][][];
+        } & {
+            [key: string]: unknown;
+        };
+        /**
+         * PathPatchRequest
+         * @description Path patching on the resident causal LM, over one or many (clean, corrupted) pairs.
+         * @example {
+         *       "metric": {
+         *         "kind": "loss",
+         *         "terms": [
+         *           {
+         *             "position": 5
+         *           },
+         *           {
+         *             "position": 6
+         *           }
+         *         ]
+         *       },
+         *       "pairs": [
+         *         {
+         *           "clean_tokens": [
+         *             0,
+         *             211,
+         *             1030,
+         *             77,
+         *             1499,
+         *             211,
+         *             1030,
+         *             77
+         *           ],
+         *           "corrupted_tokens": [
+         *             0,
+         *             1210,
+         *             45,
+         *             1600,
+         *             1499,
+         *             211,
+         *             1030,
+         *             77
+         *           ]
+         *         }
+         *       ],
+         *       "receivers": [
+         *         {
+         *           "input": "k",
+         *           "kind": "head",
+         *           "layer": 1
+         *         }
+         *       ],
+         *       "senders": [
+         *         {
+         *           "head": 1,
+         *           "kind": "head",
+         *           "layer": 0
+         *         }
+         *       ]
+         *     }
+         */
+        PathPatchRequest: {
+            /**
+             * Add Bos
+             * @description Texts: prepend BOS. Null = the model's convention (true for GPT-2). Token ids are used as given.
+             */
+            add_bos?: boolean | null;
+            /**
+             * Direction
+             * @description 'corrupted_to_clean' (default; the IOI paper's): the base run is the clean prompt, the senders' outputs come from the corrupted prompt (a noising experiment: how much of the corruption's effect does the path carry). 'clean_to_corrupted': the base run is the corrupted prompt, the senders' outputs come from the clean one (denoising).
+             * @default corrupted_to_clean
+             * @enum {string}
+             */
+            direction?: "corrupted_to_clean" | "clean_to_corrupted";
+            /**
+             * Grid
+             * @description Every sender head x every receiver head input (``grid_inputs``) of a later layer, each cell its own experiment, batched. ``senders``/``receivers`` are then null.
+             * @default false
+             */
+            grid?: boolean;
+            /**
+             * Grid Inputs
+             * @description The receiver inputs of the grid, in this order (its last axis).
+             */
+            grid_inputs?: ("q" | "k" | "v")[];
+            /**
+             * Metric
+             * @description /v1/run's metric, read on one run at a time: every term's ``prompt`` is null or 0 (the run measured); a ``kl`` term names two runs, 0 = the run measured and 1 = the base run (``prompt`` 0, ``reference_prompt`` 1 is KL(P_run || P_base)). Positions negative from the end of each pair.
+             */
+            metric: components["schemas"]["LogitDiffMetric"] | components["schemas"]["ProbMetric"] | components["schemas"]["LogProbMetric"] | components["schemas"]["LossMetric"] | components["schemas"]["KLMetric"];
+            /**
+             * Pairs
+             * @description The dataset: (clean, corrupted) prompt pairs. One pair = one experiment; many = the metric averaged over pairs (mean, sample standard deviation, n).
+             */
+            pairs: components["schemas"]["PromptPair"][];
+            /**
+             * Per Pair
+             * @description Also return every pair's values (``values`` of each statistic; not for the grid).
+             * @default false
+             */
+            per_pair?: boolean;
+            /**
+             * Receiver Positions
+             * @description Positions where the receivers' inputs are patched; null = every position. Negative from the end of each pair.
+             */
+            receiver_positions?: number[] | null;
+            /**
+             * Receivers
+             * @description The receivers, patched together in one run; ``logits`` only alone. Null with ``grid``.
+             */
+            receivers?: (components["schemas"]["HeadReceiver"] | components["schemas"]["MLPReceiver"] | components["schemas"]["LogitsReceiver"])[] | null;
+            /**
+             * Sender Positions
+             * @description Positions where the senders' outputs are taken from the other run (elsewhere they stay the base run's); null = every position. Negative from the end of each pair.
+             */
+            sender_positions?: number[] | null;
+            /**
+             * Senders
+             * @description The senders, patched together (their changes summed); each must come before every receiver. Null with ``grid``.
+             */
+            senders?: (components["schemas"]["HeadSender"] | components["schemas"]["MLPSender"])[] | null;
+        };
+        /** PathPatchResponse */
+        PathPatchResponse: {
+            /**
+             * Add Bos
+             * @description Whether BOS was prepended to texts.
+             */
+            add_bos: boolean;
+            /** @description The metric on the base run (raw). */
+            base: components["schemas"]["Statistic"];
+            /**
+             * Base Run
+             * @description The run everything but the senders' direct path is frozen at.
+             * @enum {string}
+             */
+            base_run: "clean" | "corrupted";
+            /**
+             * Construction
+             * @description How the patched run is built (text).
+             */
+            construction: string;
+            /**
+             * Direction
+             * @description As requested.
+             */
+            direction: string;
+            /** @description With ``grid``: every cell. */
+            grid: components["schemas"]["PathPatchGrid"] | null;
+            /**
+             * Metric
+             * @description The metric's kind.
+             */
+            metric: string;
+            model: components["schemas"]["ModelRef"];
+            /**
+             * Normalized
+             * @description ``(patched.mean - base.mean) / (other.mean - base.mean)``: 0 = the path carries nothing, 1 = all of the other run's effect; null for the grid or when ``other.mean == base.mean``.
+             */
+            normalized: number | null;
+            /** @description The metric on the other run (raw). */
+            other: components["schemas"]["Statistic"];
+            /**
+             * Other Run
+             * @description The run the senders' outputs are taken from.
+             * @enum {string}
+             */
+            other_run: "clean" | "corrupted";
+            /**
+             * Pairs
+             * @description The pairs, in request order.
+             */
+            pairs: components["schemas"]["PairInfo"][];
+            /** @description The metric on the path-patched run (raw); null for the grid. */
+            patched: components["schemas"]["Statistic"] | null;
+            /**
+             * Receivers
+             * @description The receivers, as run (heads expanded).
+             */
+            receivers: {
+                [key: string]: unknown;
+            }[] | null;
+            /**
+             * Reduce
+             * @description How each run's terms were reduced ('mean' or 'sum').
+             */
+            reduce: string;
+            /**
+             * Senders
+             * @description The senders, as run.
+             */
+            senders: {
+                [key: string]: unknown;
+            }[] | null;
         } & {
             [key: string]: unknown;
         };
@@ -3282,6 +3739,39 @@ export interface components {
             tokens: components["schemas"]["Token"][];
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * PromptPair
+         * @description One (clean, corrupted) pair: each side as token ids (used exactly as given) or as a text
+         *     (tokenized as plain text, BOS per ``add_bos``). Both sides have the same token count;
+         *     different pairs may differ (they are grouped by length).
+         */
+        PromptPair: {
+            /**
+             * Clean Text
+             * @description The clean prompt as a text.
+             */
+            clean_text?: string | null;
+            /**
+             * Clean Tokens
+             * @description The clean prompt as token ids.
+             */
+            clean_tokens?: number[] | null;
+            /**
+             * Corrupted Text
+             * @description The corrupted prompt as a text.
+             */
+            corrupted_text?: string | null;
+            /**
+             * Corrupted Tokens
+             * @description The corrupted prompt as token ids.
+             */
+            corrupted_tokens?: number[] | null;
+            /**
+             * Metric
+             * @description This pair's own metric (e.g. its own target and distractor tokens), of the same kind and reduce as the request's ``metric``; null = the request's.
+             */
+            metric?: (components["schemas"]["LogitDiffMetric"] | components["schemas"]["ProbMetric"] | components["schemas"]["LogProbMetric"] | components["schemas"]["LossMetric"] | components["schemas"]["KLMetric"]) | null;
         };
         /** QueryLinks */
         QueryLinks: {
@@ -3901,7 +4391,7 @@ export interface components {
              * Value
              * @description The replacement tensor.
              */
-            value?: components["schemas"]["Base64Tensor"] | number[] | number[][] | number[][][] | number[][][][] | number[][][][][] | null;
+            value?: components["schemas"]["Base64Input"] | number[] | number[][] | number[][][] | number[][][][] | number[][][][][] | null;
         };
         /**
          * SparseOptions
@@ -4019,6 +4509,31 @@ export interface components {
              * @description max |recomputed| of the state (model units); the state passes when max_abs_diff <= state_tolerance * max(1, scale).
              */
             scale: number;
+        } & {
+            [key: string]: unknown;
+        };
+        /** Statistic */
+        Statistic: {
+            /**
+             * Mean
+             * @description Mean over the pairs of the metric's value.
+             */
+            mean: number;
+            /**
+             * N
+             * @description Number of pairs.
+             */
+            n: number;
+            /**
+             * Std
+             * @description Sample standard deviation over the pairs (ddof 1); null for one pair.
+             */
+            std: number | null;
+            /**
+             * Values
+             * @description Every pair's value, in request order (``per_pair``).
+             */
+            values?: number[] | null;
         } & {
             [key: string]: unknown;
         };
@@ -4552,7 +5067,7 @@ export interface components {
             failed_layers: number[];
             /**
              * Failing Layer
-             * @description The first layer (in forward order) where a difference exceeds its tolerance (0 when the embeddings differ); null when passed, or when only the final LayerNorm's output differs.
+             * @description The first layer (in forward order) where a difference exceeds its tolerance (0 when the embeddings differ); null when passed, or when only the final LayerNorm's output or the logits differ.
              */
             failing_layer?: number | null;
             /** @description from_scratch: the final LayerNorm's output (GPT-2 ln_f, = Hugging Face's last hidden_states entry); null for models without one (BERT). */
@@ -4562,6 +5077,8 @@ export interface components {
              * @description Per layer (in the order requested).
              */
             layers: components["schemas"]["LayerDiff"][];
+            /** @description from_scratch, causal LMs: the served next-token logits [pos, vocab] (the hooked forward's, from the token ids through every block, ln_f and the LM head: the path /v1/predictions, /v1/ablate, /v1/patch and /v1/run compute with) against W_U (lm_head.weight) applied to the recomputed ln_f output, in float64, relative to max(1, max |logit|); in 'passed'. null for encoders and in mode recorded_qkv. */
+            logits?: components["schemas"]["LogitsDiff"] | null;
             /**
              * Mask
              * @description The attention mask of the recomputation: causal (GPT-2: -inf on keys after the query) or bidirectional (BERT: every key visible).
@@ -4574,7 +5091,7 @@ export interface components {
             max_abs_diff: number | null;
             /**
              * Max Rel Diff
-             * @description from_scratch: the largest state difference divided by max(1, scale) over the embeddings, q/k/v, attention outputs, hidden states and final state; null = NaN somewhere or recorded_qkv.
+             * @description from_scratch: the largest state difference divided by max(1, scale) over the embeddings, q/k/v, attention outputs, hidden states, final state and logits; null = NaN somewhere or recorded_qkv.
              */
             max_rel_diff?: number | null;
             /**
@@ -5462,6 +5979,84 @@ export interface operations {
                 };
             };
             /** @description Invalid request: no LM head, texts of different token counts, target/distractor not one token, too many patched forwards for max_request_bytes. */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Overloaded: the device queue is full. */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The model is not loaded yet. */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description The request ran past request_timeout_s. */
+            504: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+        };
+    };
+    path_patch_v1_path_patch_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["PathPatchRequest"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["PathPatchResponse"];
+                };
+            };
+            /** @description API keys are configured and none was valid. */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Request body too large. */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorResponse"];
+                };
+            };
+            /** @description Invalid request: prompts of a pair of different lengths, a sender after its receiver, an unknown component, an index out of range, memory. */
             422: {
                 headers: {
                     [name: string]: unknown;
