@@ -26,13 +26,6 @@ B = "The dog sat on the rug and the dog slept."  # the same token count as A (ch
 NAN = {"status": 500, "type": "non_finite_values"}
 OK = {"status": 200}
 VERIFY_FAILS = {"status": 200, "verify_fails": True}
-#: /v1/run (issue 25), /v1/logit-lens and /v1/logit-attribution (issue 26), written while this
-#: test was: 200 with null for the NaN logits, probabilities and attributions. Strict xfail:
-#: when they follow the rule these entries fail, and become NAN.
-NOT_YET = {"status": 500, "type": "non_finite_values",
-           "xfail": "answers 200 with null for NaN numbers (not yet on the one rule; "
-                    "issues 25/26)"}
-
 #: path -> [(request body, expected)], one entry per POST endpoint of the endpoint table
 CASES: dict[str, list[tuple[dict, dict]]] = {
     "/v1/tokenize": [({"text": A}, OK)],
@@ -69,8 +62,8 @@ CASES: dict[str, list[tuple[dict, dict]]] = {
                          "metric": {"kind": "loss", "terms": [{"position": 3}]}}, NAN)],
     # the weights only, LayerNorm not folded in: the NaN ln_1 weight is in no W_OV / W_QK
     "/v1/circuits": [({}, OK)],
-    "/v1/logit-lens": [({"text": A}, NOT_YET)],
-    "/v1/logit-attribution": [({"text": A, "target": " the"}, NOT_YET)],
+    "/v1/logit-lens": [({"text": A}, NAN)],
+    "/v1/logit-attribution": [({"text": A, "target": " the"}, NAN)],
 }
 
 

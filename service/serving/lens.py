@@ -13,7 +13,7 @@ from attnscope.schemas.lens import (
     LogitLensResponse,
 )
 from ..analysis import lens as A
-from ..errors import InvalidRequest, OutOfRange
+from ..errors import InvalidRequest, NonFiniteValues, OutOfRange
 from ..runtime import hooked as H
 from .core.engine import Plan
 from .core.estimates import tokens_bytes
@@ -24,6 +24,17 @@ from .run import parts
 #: one top-k or target entry of a response (dict + JSON: id, label, bytes, partial, numbers)
 ENTRY_BYTES = 400
 
+
+
+def _finite(res) -> None:
+    """The one rule for non-finite values: NaN/inf in the forward (its logits or a cached
+    state) is the documented 500 ``non_finite_values``, never a 200 with nulls."""
+    bad = [n for n, t in res.cache.items() if not bool(torch.isfinite(t).all())]
+    if not bool(torch.isfinite(res.logits).all()):
+        bad.append("logits")
+    if bad:
+        raise NonFiniteValues(f"the forward produced NaN/inf ({bad[0]}); refusing to read "
+                              "logits from it", bad[0])
 
 def _f(x) -> float:
     """A float32 value as its shortest round-tripping decimal (as every endpoint sends them)."""
@@ -129,6 +140,7 @@ def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
             if req.ln == "final":
                 cache["ln_final.hook_scale"] = None
             res = H.run(p, ids, cache=cache, logit_positions=[-1])
+            _finite(res)
             scale = res.cache.get("ln_final.hook_scale")
             T = ids.shape[1]
             tid = ids[0]
@@ -220,6 +232,7 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
             ids = torch.tensor([list(it.input_ids)], dtype=torch.long)
             sel = H.CacheSelect(positions=pos)
             res = H.run(p, ids, cache={k: sel for k in comps}, logit_positions=pos)
+            _finite(res)
             c = res.cache
             P = len(pos)
             heads = torch.stack([c[f"blocks.{layer}.attn.hook_result"][0] for layer in range(L)])
