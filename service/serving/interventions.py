@@ -148,8 +148,7 @@ def predictions_plan(rt, req: PredictionsRequest, items) -> Plan:
     """Per text and reported position: the top_k next tokens (probability, logit), the actual
     next token's log-probability and rank, its loss (nats), the entropy; the mean loss. Logits
     from the recorded forward's cached residual stream through the last block, ``ln_f`` and
-    the LM head (= Hugging Face's ``GPT2LMHeadModel`` logits)."""
-    check_lm(rt)
+    the LM head (= Hugging Face's ``GPT2LMHeadModel`` logits). The engine ran ``check_lm``."""
     chosen = []
     for i, it in enumerate(items):
         where = req.input_param(i)
@@ -223,7 +222,8 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
                 f"{other} has {n_tokens(len(resample))} but {where} has {T}; method 'resample' "
                 "needs inputs of the same token count", other)
         items.append(resample)
-    heads = _check_heads(rt, req.heads) if req.heads is not None else None
+    # checked once, by ablate_check (the engine's check)
+    heads = [(int(lyr), int(h)) for lyr, h in req.heads] if req.heads is not None else None
     positions = _positions(req.positions, T, "positions", where)
     ld = _logit_diff_tokens(rt, req.logit_diff, T, where) if req.logit_diff is not None else None
     encoding = "binary" if binary else req.encoding
