@@ -178,3 +178,31 @@ def test_odd_records_and_params_are_usage_errors(batch, tmp_path):
     rc, err = batch(str(src), "-o", str(tmp_path / "p.jsonl"), "-a", "attention",
                     "--params", '{"attention": {"round": 99}}')
     assert rc == 2 and "--params attention: round" in err and "Value error" not in err, err
+
+
+def test_the_pipeline_runs_the_why_analyses_and_interventions(batch, tmp_path, live_server):
+    """``-a predictions -a logit_lens -a logit_attribution -a ablate -a norms -a rollout``:
+    each item's record holds every endpoint's response, equal to the endpoint's own answer."""
+    import httpx
+
+    src = tmp_path / "in.jsonl"
+    texts = ["The cat sat on the mat.", "And God said"]
+    src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    out = tmp_path / "out.jsonl"
+    names = ["predictions", "logit_lens", "logit_attribution", "ablate", "norms", "rollout"]
+    params = {"logit_attribution": {"target": " the"}, "ablate": {"scan": True,
+                                                                   "scan_metric": "kl"},
+              "norms": {"layers": [0], "encoding": "base64"}}
+    rc, err = batch(str(src), "-o", str(out), *[x for n in names for x in ("-a", n)],
+                    "--params", json.dumps(params))
+    assert rc == 0, err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == [0, 1]
+    rec = next(r for r in records if r["id"] == 0)
+    assert set(rec["results"]) == set(names)
+    direct = httpx.post(live_server.url + "/v1/ablate", timeout=120, json={
+        "text": texts[0], "scan": True, "scan_metric": "kl"}).json()
+    assert rec["results"]["ablate"]["scan"] == direct["scan"]
+    lens = httpx.post(live_server.url + "/v1/logit-lens", timeout=120,
+                      json={"text": texts[0]}).json()
+    assert rec["results"]["logit_lens"] == lens

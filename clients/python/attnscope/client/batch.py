@@ -53,6 +53,15 @@ ANALYSES = {
     "links": ("/v1/links", "attnscope.schemas.links:LinksRequest", {"layer": 0}),
     "trajectories": ("/v1/trajectories", "attnscope.schemas.trajectories:TrajectoriesRequest", {}),
     "verify": ("/v1/verify", "attnscope.schemas.verify:VerifyRequest", {}),
+    "predictions": ("/v1/predictions", "attnscope.schemas.interventions:PredictionsRequest", {}),
+    "norms": ("/v1/attention-norms", "attnscope.schemas.norms:NormsRequest", {}),
+    "rollout": ("/v1/rollout", "attnscope.schemas.rollout:RolloutRequest", {}),
+    "logit_lens": ("/v1/logit-lens", "attnscope.schemas.lens:LogitLensRequest", {}),
+    # needs a target: --params '{"logit_attribution": {"target": " the"}}'
+    "logit_attribution": ("/v1/logit-attribution",
+                          "attnscope.schemas.lens:LogitAttributionRequest", {}),
+    # every head ablated alone by default (a scan); --params for heads / method / metric
+    "ablate": ("/v1/ablate", "attnscope.schemas.interventions:AblateRequest", {"scan": True}),
 }
 """Analyses ``batch`` can run: endpoint, request schema, default options."""
 
