@@ -38,6 +38,13 @@ def _ids_given(req) -> bool:
                for n in text_fields(req))
 
 
+def _nested_text(req) -> bool:
+    """A text inside a list of items (/v1/path-patch's ``pairs``: ``clean_text`` /
+    ``corrupted_text``)."""
+    return any(getattr(it, n, None) is not None
+               for it in (getattr(req, "pairs", None) or ()) for n in text_fields(it))
+
+
 def resolve_add_bos(rt: Runtime | None, req):
     """``req`` with ``add_bos`` resolved: null -> the model's convention where the request
     gives a text, False where it gives token ids only (they are used as given). Raises
@@ -45,7 +52,8 @@ def resolve_add_bos(rt: Runtime | None, req):
     Requests without ``add_bos`` come back unchanged."""
     if "add_bos" not in type(req).model_fields:
         return req
-    has_text = any(getattr(req, n) is not None for n in text_fields(req))
+    has_text = any(getattr(req, n) is not None for n in text_fields(req)) or \
+        _nested_text(req)
     has_ids = _ids_given(req)
     if req.add_bos is None:
         value = bool(has_text and rt is not None and rt.default_add_bos)
