@@ -317,3 +317,34 @@ def test_token_refs_of_ids_past_the_tokenizer(gpt2_runtime):
     assert refs[0]["label"] and refs[0]["bytes"]
     assert refs[1] == {"id": n, "label": f"<id {n}: not in the tokenizer>", "bytes": "",
                        "partial": False}
+
+
+def test_breaker_findings_on_run(client, make_client, gpt2_runtime):
+    """Found by a breaker: (a) the top-k token objects were not in the memory estimate (32 x
+    256 positions x top_k 1000 grew the process to 4.9 GB and the body was cut at the
+    deadline); (b) a reference mean of the scores failed with a NaN/inf message about the
+    user's 'tensor'; (c) an error named the runtime's index of an expanded pattern
+    (interventions[3] for a request of one entry); (d) KL of two equal prompts was -1e-9."""
+    # (a) refused before any forward
+    c = make_client(gpt2_runtime, max_request_bytes=256 << 20)
+    r = c.post("/v1/run", json={"token_lists": [[1] * 256] * 8, "logits": {"top_k": 1000}})
+    assert_error(r, 422, type_="memory_limit_exceeded")
+    # (b) per position (references of the run's length): works; over positions: named
+    body = {"token_lists": [[0, 1, 2, 3, 4]], "metrics": {"l": R.loss(1, 2)}}
+    ok = client.post("/v1/run", json={**body, "interventions": [R.mean(
+        "blocks.0.attn.hook_attn_scores", reference=[[0, 5, 6, 7, 8], [0, 9, 10, 11, 12]])]})
+    assert ok.status_code == 200, ok.text
+    bad = client.post("/v1/run", json={**body, "interventions": [R.mean(
+        "blocks.0.attn.hook_attn_scores", reference=[[0, 5, 6]])]})
+    e = assert_error(bad, 422, param="interventions.0")
+    assert "run's length (5 tokens)" in e["message"]
+    # (c) the request's entry is named
+    r = client.post("/v1/run", json={"token_lists": [[0, 1, 2]], "interventions": [
+        R.zero("hook_embed"), R.mean("blocks.*.attn.hook_z", reference=[[0, 5, 6]]),
+        R.zero("blocks.1.attn.hook_z", heads=[7])]})
+    e = assert_error(r, 422)
+    assert "interventions.2" in (e["param"] or "") + e["message"], e
+    # (d) never below 0
+    kl = client.post("/v1/run", json={"token_lists": [[0, 5, 6, 7]] * 2, "metrics": {
+        "kl": R.kl((0, 1, 1), (0, 1, 2), (0, 1, 3))}}).json()["metrics"]["kl"]
+    assert all(v >= 0 for v in kl["values"]) and kl["value"] >= 0

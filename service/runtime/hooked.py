@@ -746,7 +746,9 @@ def _metric(m, terms: list[tuple], logits_at, ids: torch.Tensor) -> MetricValue:
     if isinstance(m, KL):
         la = torch.log_softmax(logits_at(col[0], col[2]), -1)
         lb = torch.log_softmax(logits_at(col[1], col[2]), -1)
-        vals = (la.exp() * (la - lb)).sum(-1)
+        # >= 0 in exact arithmetic; float32 rounding across batch rows left -1e-9 for two
+        # equal prompts (a breaker's finding): clamped, as the schema promises
+        vals = (la.exp() * (la - lb)).sum(-1).clamp(min=0)
     else:
         lg = logits_at(col[0], col[1])
         n = torch.arange(len(terms), device=dev)

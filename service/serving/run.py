@@ -9,6 +9,7 @@ safetensors file with ``Accept: application/x-safetensors``)."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import torch
@@ -21,6 +22,11 @@ from ..runtime import hooked as H
 from .core.engine import Plan
 from .core.table import Endpoint
 from .interventions import _single_token, check_lm
+
+
+#: bytes one top-k token object costs in the response and while it is built (a dict of id,
+#: label, bytes, partial, prob, logit, and its JSON), measured ~600
+TOP_TOKEN_BYTES = 700
 
 
 def parts(rt) -> H.GPT2Parts:
@@ -112,13 +118,17 @@ def _sel(x) -> dict:
     return dict(prompts=x.prompts, heads=x.heads, positions=x.positions)
 
 
-def interventions_of(rt, p: H.GPT2Parts, req: RunRequest, T: int, add_bos: bool) -> list:
+def interventions_of(rt, p: H.GPT2Parts, req: RunRequest, T: int, add_bos: bool,
+                     origin: list[int]) -> list:
     """The schema interventions -> the runtime's, in order. Tensors decoded here (on the
     device thread); ``mean`` with reference prompts: their clean means, per matched hook
-    (per position when the references have the run's length, else over positions too)."""
+    (per position when the references have the run's length, else over positions too).
+    ``origin`` gets, per runtime intervention, the index of the request's entry it came from
+    (a reference mean over a pattern becomes one per matched hook)."""
     out = []
     dev, dt = p.device, p.dtype
     for i, iv in enumerate(req.interventions):
+        origin.append(i)
         param = f"interventions.{i}"
         common = dict(hook=iv.hook, **_sel(iv))
         if iv.kind == "zero":
@@ -148,8 +158,17 @@ def interventions_of(rt, p: H.GPT2Parts, req: RunRequest, T: int, add_bos: bool)
             ids = torch.tensor([list(r.input_ids) for r in refs], dtype=torch.long)
             names = [h.name for h in H.resolve(p, iv.hook, f"{param}.hook")]
             over = "batch" if lengths[0] == T else "batch_pos"
+            scores = [n for n in names if n.endswith("attn.hook_attn_scores")]
+            if scores and over != "batch":
+                raise InvalidRequest(
+                    f"{param}: a mean of {scores[0]} over positions mixes masked (-inf) "
+                    f"entries; give reference prompts of the run's length ({T} tokens), whose "
+                    "mean is taken per position", param)
             means = H.reference_means(p, ids, names, over=over)
+            for n in scores:  # above the diagonal: -inf, re-masked after the edit anyway
+                means[n] = torch.nan_to_num(means[n], neginf=0.0)
             out += [H.Mean(reference=means[n], **{**common, "hook": n}) for n in names]
+            origin += [i] * (len(names) - 1)
     return out
 
 
@@ -182,6 +201,22 @@ def _selections(p: H.GPT2Parts, req: RunRequest, names, B: int, T: int) -> dict:
                 sel["heads"] = c.heads
             out[hp.name] = {k: v for k, v in sel.items() if v is not None}
     return out
+
+
+_IV = re.compile(r"interventions\[(\d+)\]")
+
+
+def _renumbered(exc: InvalidRequest, origin: list[int]) -> InvalidRequest:
+    """``exc`` with ``interventions[k]`` (the runtime's list) named as the request's entry
+    ``interventions.{origin[k]}``, in its message and its param."""
+    def sub(m):
+        k = int(m.group(1))
+        return f"interventions.{origin[k] if k < len(origin) else k}"
+    exc.message = _IV.sub(sub, exc.message) if hasattr(exc, "message") else exc.message
+    if exc.param:
+        exc.param = _IV.sub(sub, exc.param)
+    exc.args = tuple(_IV.sub(sub, a) if isinstance(a, str) else a for a in exc.args)
+    return exc
 
 
 # ------------------------------------------------------------------ the plan
@@ -222,6 +257,8 @@ def plan(rt, req: RunRequest, items, *, binary: bool = False) -> Plan:
                                    req.logits.positions else 1)
     est = es * (layer_live + 2 * B * n_pos * V + n_cache)
     est += estimate_encoded_bytes(n_cache, encoding, req.dtype, req.round, "full", None, T)
+    if req.logits is not None and req.logits.top_k:  # the top-k token objects of the body
+        est += TOP_TOKEN_BYTES * B * n_pos * min(req.logits.top_k, V)
     if req.logits is not None and req.logits.full:
         est += estimate_encoded_bytes(B * n_pos * V, encoding, req.dtype, req.round, "full",
                                       None, T)
@@ -236,8 +273,13 @@ def plan(rt, req: RunRequest, items, *, binary: bool = False) -> Plan:
             metric=metrics[req.grad.metric], hooks=list(req.grad.hooks))
         logit_positions = None if full_logits else (
             list(req.logits.positions) if req.logits and req.logits.positions else [T - 1])
-        res = H.run(p, ids, cache=cache_of(req), interventions=interventions_of(
-            rt, p, req, T, add_bos), logit_positions=logit_positions, metrics=metrics, grad=grad)
+        origin: list[int] = []
+        ivs = interventions_of(rt, p, req, T, add_bos, origin)
+        try:
+            res = H.run(p, ids, cache=cache_of(req), interventions=ivs,
+                        logit_positions=logit_positions, metrics=metrics, grad=grad)
+        except InvalidRequest as exc:  # the runtime's index -> the request's entry
+            raise _renumbered(exc, origin) from None
         enc = lambda t, name: encode_tensor(  # noqa: E731
             t, encoding, req.dtype, req.round, name, allow_neg_inf="hook_attn_scores" in name)
         body: dict = {
