@@ -110,16 +110,20 @@ def main() -> int:
             t0 = time.perf_counter()
             import httpx
 
-            nbytes = 0
+            nbytes, head = 0, b""
             with httpx.stream("POST", server.url + "/v1/run", timeout=1800,
-                              json={"tokens": ids, "cache": ["*"], "dtype": "float16"},
+                              json={"token_lists": ids, "cache": ["*"], "dtype": "float16"},
                               headers={"accept": "application/x-safetensors"}) as r:
+                status = r.status_code
                 for chunk in r.iter_raw():
                     nbytes += len(chunk)
+                    if len(head) < 2000:
+                        head += chunk[:2000]
             wall = time.perf_counter() - t0
             done.set()
             t.join()
             out["everything_T1024"] = {
+                "status": status, "error": head.decode(errors="replace") if status != 200 else None,
                 "floor_s": f, "run_s": wall, "ratio": wall / f, "response_bytes": nbytes,
                 "server_rss_growth_bytes": peak[0] - base,
                 "rss_growth_over_response": (peak[0] - base) / max(nbytes, 1),
