@@ -5,7 +5,10 @@ file (conftest.start_server's ``lag_log``):
 
 With ``ATTNSCOPE_TEST_HOLD=PATH`` (conftest.start_server's ``hold``) every job on the device
 slot first waits while PATH exists: a test holds the device for as long as it needs (a request
-past its deadline with its work still to do, on any hardware), then deletes the file.
+past its deadline with its work still to do, on any hardware), then deletes the file. A file
+holding an integer K lets the first K jobs that start while it exists through, then holds the
+rest (a client that
+has made progress and is certainly still running, whatever the hardware).
 """
 
 from __future__ import annotations
@@ -35,11 +38,22 @@ def _hold_the_device(path: str) -> None:
     from attnscope.service.serving.core.slot import DeviceSlot
 
     run = DeviceSlot.run
+    passed = [0]
+
+    def free_passes() -> int:
+        try:
+            with open(path, encoding="ascii") as f:
+                return int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return 0
 
     async def held_run(self, fn, *args, **kwargs):
         def held(*a):
-            while os.path.exists(path):  # the test's gate: an event, no bound on it here
-                time.sleep(0.01)
+            # the test's gate: an event, no bound on it here
+            if os.path.exists(path):  # jobs count from the moment the test closes the gate
+                while os.path.exists(path) and passed[0] >= free_passes():
+                    time.sleep(0.01)
+                passed[0] += 1
             return fn(*a)
 
         return await run(self, held, *args, **kwargs)
