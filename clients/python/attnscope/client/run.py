@@ -102,18 +102,38 @@ def _terms(keys: Sequence[str], terms) -> list[dict]:
     return out
 
 
-def logit_diff(*terms, reduce: str = "mean") -> dict:
-    """Terms ``(position, target, distractor)`` or ``(prompt, position, target, distractor)``;
-    targets as ids or one-token strings."""
+def _one(terms: tuple, fields: dict) -> tuple:
+    """The terms, or one term given by keywords (``position=-1, target=" the"``)."""
+    given = {k: v for k, v in fields.items() if v is not None}
+    if given:
+        if terms:
+            raise TypeError("give terms as positional tuples/dicts or one term as keywords, "
+                            "not both")
+        return (given,)
+    if not terms:
+        raise TypeError("give at least one term")
+    return terms
+
+
+def logit_diff(*terms, position=None, target=None, distractor=None, prompt=None,
+               reduce: str = "mean") -> dict:
+    """Terms ``(position, target, distractor)`` or ``(prompt, position, target, distractor)``
+    (or dicts), or one term by keywords; targets as ids or one-token strings."""
+    terms = _one(terms, dict(prompt=prompt, position=position, target=target,
+                             distractor=distractor))
     return {"kind": "logit_diff", "terms": _terms(("position", "target", "distractor"), terms),
             "reduce": reduce}
 
 
-def prob(*terms, reduce: str = "mean") -> dict:
+def prob(*terms, position=None, target=None, prompt=None, reduce: str = "mean") -> dict:
+    """Terms ``(position, target)`` / ``(prompt, position, target)`` or one by keywords."""
+    terms = _one(terms, dict(prompt=prompt, position=position, target=target))
     return {"kind": "prob", "terms": _terms(("position", "target"), terms), "reduce": reduce}
 
 
-def logprob(*terms, reduce: str = "mean") -> dict:
+def logprob(*terms, position=None, target=None, prompt=None, reduce: str = "mean") -> dict:
+    """Terms ``(position, target)`` / ``(prompt, position, target)`` or one by keywords."""
+    terms = _one(terms, dict(prompt=prompt, position=position, target=target))
     return {"kind": "logprob", "terms": _terms(("position", "target"), terms), "reduce": reduce}
 
 
@@ -122,8 +142,11 @@ def loss(*positions, prompt: int | None = None, reduce: str = "mean") -> dict:
             "reduce": reduce}
 
 
-def kl(*terms, reduce: str = "mean") -> dict:
-    """Terms ``(prompt, reference_prompt, position)``: KL(P_prompt || P_reference)."""
+def kl(*terms, prompt=None, reference_prompt=None, position=None, reduce: str = "mean") -> dict:
+    """Terms ``(prompt, reference_prompt, position)`` (or dicts, or one by keywords):
+    KL(P_prompt || P_reference)."""
+    terms = _one(terms, dict(prompt=prompt, reference_prompt=reference_prompt,
+                             position=position))
     return {"kind": "kl", "terms": _terms(("prompt", "reference_prompt", "position"), terms),
             "reduce": reduce}
 
