@@ -348,3 +348,14 @@ def test_breaker_findings_on_run(client, make_client, gpt2_runtime):
     kl = client.post("/v1/run", json={"token_lists": [[0, 5, 6, 7]] * 2, "metrics": {
         "kl": R.kl((0, 1, 1), (0, 1, 2), (0, 1, 3))}}).json()["metrics"]["kl"]
     assert all(v >= 0 for v in kl["values"]) and kl["value"] >= 0
+
+
+def test_metric_builders_take_one_term_by_keywords():
+    assert R.kl(prompt=1, reference_prompt=0, position=-1) == R.kl((1, 0, -1))
+    assert R.logit_diff(position=-1, target=" a", distractor=" b") == R.logit_diff((-1, " a", " b"))
+    assert R.prob(prompt=0, position=2, target=5) == R.prob((0, 2, 5))
+    assert R.logprob(position=2, target=5)["terms"] == [{"position": 2, "target": 5}]
+    with pytest.raises(TypeError):
+        R.kl()
+    with pytest.raises(TypeError):
+        R.prob((2, 5), position=3, target=1)
