@@ -387,6 +387,7 @@ async function renderLens() {
 
 async function renderDla() {
   ready("dla", false);
+  $("#dla-note").textContent = "";  // a failed request leaves no note of the last one
   if (!model.causal) { causalOnly("#dla"); ready("dla"); return; }
   const my = runId;
   let target = $("#dla-target").value, distractor = $("#dla-distractor").value;
@@ -398,8 +399,8 @@ async function renderDla() {
     const top = st.positions[st.positions.length - 1].top;
     target = top[0].id; tLabel = top[0].label;
     if (!distractor && top.length > 1) { distractor = top[1].id; dLabel = top[1].label; }
-    named = `target = the top prediction ${JSON.stringify(top[0].label)}` +
-      (top.length > 1 && !$("#dla-distractor").value ? `, distractor = the second ${JSON.stringify(top[1].label)}` : "");
+    named = `target = the top prediction \u201c${top[0].label}\u201d` +
+      (top.length > 1 && !$("#dla-distractor").value ? `, distractor = the second \u201c${top[1].label}\u201d` : "");
   }
   const body = { text: state.text, add_bos: state.addBos, target };
   if (distractor !== "" && distractor !== undefined) body.distractor = distractor;
@@ -407,10 +408,12 @@ async function renderDla() {
   if (my !== runId) return;
   const p = r.prompts[0], d = p.positions[0];
   const tl = tLabel, dl = d.distractor === null ? null : dLabel;
-  const dir = dl === null ? `logit(${JSON.stringify(tl)})` : `logit(${JSON.stringify(tl)}) \u2212 logit(${JSON.stringify(dl)})`;
+  const q = (label) => `\u201c${label}\u201d`;  // labels are already escaped (\n shown as \\n)
+  const dir = dl === null ? `logit(${q(tl)})` : `logit(${q(tl)}) \u2212 logit(${q(dl)})`;
   attributionBars($("#dla"), d, { order: $("#dla-order").value, direction: dir,
     title: `${model.id} \u00b7 ${dir} at position ${d.position} \u00b7 \u201c${shortText(state.text)}\u201d` });
-  $("#dla-note").textContent = (named ? `${named}; ` : "") + `${d.heads.length} layers x ${d.heads[0].length} heads; ${r.method}`;
+  $("#dla-note").textContent = (named ? `${named}; ` : "") + `${d.heads.length} layers x ${d.heads[0].length} heads ` +
+    `(darker bars: heads; lighter: MLPs, output biases, embeddings); ${r.method}`;
   ready("dla");
 }
 

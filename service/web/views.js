@@ -549,8 +549,9 @@ export function attributionBars(container, d, opts = {}) {
   if (opts.order === "value") items.sort((a, b) => Math.abs(b[1]) - Math.abs(a[1]));
   const vmax = Math.max(1e-12, ...items.map((x) => Math.abs(x[1])));
   const row = 15, lw = 86, bw = 420, vw = 64, top = 8;
-  const W = lw + bw + vw, H = top + items.length * row + 34;
-  const x = (v) => lw + bw / 2 + (v / vmax) * (bw / 2 - 4);
+  // a value column on each side of the bars: a negative bar's label never reaches the names
+  const W = lw + 2 * vw + bw, H = top + items.length * row + 34;
+  const x = (v) => lw + vw + bw / 2 + (v / vmax) * (bw / 2 - 4);
   const svg = el("svg", { width: W, height: H, class: "dla", role: "img",
     "aria-label": `direct logit attribution, ${items.length} components` });
   svg.append(el("line", { x1: x(0), y1: top - 4, x2: x(0), y2: top + items.length * row, class: "axisline" }));
