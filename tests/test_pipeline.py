@@ -120,8 +120,8 @@ def test_a_fresh_output_takes_any_settings(batch, tmp_path):
 
 def test_ctrl_c_ends_with_the_summary_and_how_to_resume(tmp_path):
     """The SIGINT lands while the batch is certainly running, on any hardware: the server's
-    device lets 3 jobs through and holds the 4th until the test lets go (an 80-item batch once
-    finished in 2.7 s, before its SIGINT)."""
+    device lets 3 jobs through and holds the 4th until the SIGINT is sent (an 80-item batch
+    once finished in 2.7 s, before its SIGINT)."""
     from conftest import start_server, stop_server
 
     hold = tmp_path / "hold"
@@ -150,9 +150,9 @@ def _ctrl_c_and_resume(live_server, tmp_path, hold):
         while len(_ids(out)) < 3:  # wait for the event: some items written
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)  # the 4th item waits at the device
+        proc.send_signal(signal.SIGINT)  # while the 4th item waits at the device
+        hold.unlink()  # the item in flight may now end (or be cancelled): unrecorded either way
         _, err = proc.communicate(timeout=120)
-        hold.unlink()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -160,7 +160,7 @@ def _ctrl_c_and_resume(live_server, tmp_path, hold):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "STOPPED: interrupted (Ctrl-C)" in err
     first = _ids(out)
-    assert len(first) == 3 and len(set(first)) == len(first)
+    assert 3 <= len(first) < n and len(set(first)) == len(first)
     assert f"done {len(first)}, skipped 0, failed 0 of {n}" in err
     hint = [l for l in err.splitlines() if "to resume, run" in l]
     assert len(hint) == 1 and f"attnscope batch {src} -o {out} -a verify -c 1" in hint[0]
