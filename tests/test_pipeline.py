@@ -144,8 +144,12 @@ def _ctrl_c_and_resume(live_server, tmp_path, hold):
            "-a", "verify", "-c", "1", "--no-progress"]
     env = {**os.environ, "ATTNSCOPE_BASE_URL": live_server.url}
     env.pop("ATTNSCOPE_URL", None)
+    # SIGINT back to its default in the child: a suite started in the background by a shell
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler (the batch
+    # ran to its end after the SIGINT: the failure seen on fresh clones, twice)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+                            env=env, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                      signal.SIG_DFL))
     try:
         while len(_ids(out)) < 3:  # wait for the event: some items written
             assert proc.poll() is None, proc.communicate()
