@@ -78,6 +78,20 @@ def tl_bridge(path):
     return _BRIDGES[key]
 
 
+def tl_hooked_bridge(path):
+    """A fresh TransformerLens 4.x bridge of a local checkpoint with every hook the hooked
+    forward serves: legacy names on the unprocessed weights (``enable_compatibility_mode(
+    no_processing=True)``, what the service serves), ``hook_result`` and the per-head split
+    q/k/v inputs on. Not shared: the tests that use it switch its options."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    b = TransformerBridge.boot_transformers(str(path), device="cpu")
+    b.enable_compatibility_mode(no_processing=True, disable_warnings=True)
+    b.set_use_attn_result(True)
+    b.set_use_split_qkv_input(True)
+    return b
+
+
 def induction_ids(seed: int = 0, n: int = 25, repeats: int = 4, bos: int = 0, vocab: int = 2048,
                   low: int = 5) -> list[int]:
     """BOS + ``n`` distinct random token ids (from ``low`` up) repeated ``repeats`` times."""

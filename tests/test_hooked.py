@@ -18,7 +18,7 @@ import torch
 from attnscope.service.errors import InvalidRequest
 from attnscope.service.runtime import hooked as K
 
-from interventions_reference import gpt2_small_dir
+from interventions_reference import gpt2_small_dir, tl_hooked_bridge
 
 pytest.importorskip("transformer_lens")
 
@@ -33,23 +33,12 @@ def _hf(path):
     return GPT2LMHeadModel.from_pretrained(str(path), attn_implementation="eager").eval()
 
 
-def _bridge(path):
-    """A bridge of our own (the shared one of interventions_reference stays unmodified)."""
-    from transformer_lens.model_bridge import TransformerBridge
-
-    b = TransformerBridge.boot_transformers(str(path), device="cpu")
-    b.enable_compatibility_mode(no_processing=True, disable_warnings=True)
-    b.set_use_attn_result(True)
-    b.set_use_split_qkv_input(True)
-    return b
-
-
 class Model:
     def __init__(self, path):
         self.path = path
         self.hf = _hf(path)
         self.parts = K.gpt2_parts(self.hf)
-        self.tl = _bridge(path)
+        self.tl = tl_hooked_bridge(path)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from interventions_reference import tl_hooked_bridge
 from conftest import assert_error
 
 from attnscope import schemas
@@ -41,13 +42,7 @@ L, NH = 2, 4
 
 @pytest.fixture(scope="module")
 def tl(bundled_dir):
-    from transformer_lens.model_bridge import TransformerBridge
-
-    b = TransformerBridge.boot_transformers(str(bundled_dir), device="cpu")
-    b.enable_compatibility_mode(no_processing=True, disable_warnings=True)
-    b.set_use_attn_result(True)
-    b.set_use_split_qkv_input(True)
-    return b
+    return tl_hooked_bridge(bundled_dir)
 
 
 @pytest.fixture(scope="module")
