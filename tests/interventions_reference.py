@@ -92,6 +92,19 @@ def tl_hooked_bridge(path):
     return b
 
 
+_BRIDGE_ALIASES = (".attn.q.", ".attn.k.", ".attn.v.", ".attn.o.", ".mlp.in.", ".mlp.out.",
+                   ".attn.hook_q_input", ".attn.hook_k_input", ".attn.hook_v_input")
+
+
+def tl_legacy_name(name: str) -> bool:
+    """Whether a hook of the bridge's cache is one of TransformerLens' legacy (HookedTransformer)
+    names, the ones the service serves: not the bridge's own aliases (``*.hook_in``/
+    ``hook_out``, ``attn.q.*``, ``attn.hook_hidden_states``, ``hook_unembed``, the attention
+    module's copies of the split inputs)."""
+    return not (name.endswith((".hook_in", ".hook_out", "attn.hook_hidden_states"))
+                or name == "hook_unembed" or any(s in name for s in _BRIDGE_ALIASES))
+
+
 def induction_ids(seed: int = 0, n: int = 25, repeats: int = 4, bos: int = 0, vocab: int = 2048,
                   low: int = 5) -> list[int]:
     """BOS + ``n`` distinct random token ids (from ``low`` up) repeated ``repeats`` times."""

@@ -18,13 +18,12 @@ import torch
 from attnscope.service.errors import InvalidRequest
 from attnscope.service.runtime import hooked as K
 
-from interventions_reference import gpt2_small_dir, tl_hooked_bridge
+from interventions_reference import gpt2_small_dir, tl_hooked_bridge, tl_legacy_name
 
 pytest.importorskip("transformer_lens")
 
 IDS = torch.tensor([[0, 5, 17, 99, 300, 12, 7, 8, 41, 250],
                     [0, 51, 17, 929, 300, 12, 7, 9, 41, 77]])
-_ALIAS_PARTS = (".attn.q.", ".attn.k.", ".attn.v.", ".attn.o.", ".mlp.in.", ".mlp.out.")
 
 
 def _hf(path):
@@ -51,15 +50,6 @@ def small(tmp_path_factory):
     return Model(gpt2_small_dir(tmp_path_factory.mktemp("hooked_small"), seed=3, n_positions=64))
 
 
-def _legacy(name: str) -> bool:
-    """TL's legacy (HookedTransformer) names, without the bridge's aliases."""
-    if name.endswith((".hook_in", ".hook_out")) or any(s in name for s in _ALIAS_PARTS):
-        return False
-    return not (name.endswith("attn.hook_hidden_states") or name == "hook_unembed"
-                or ".attn.hook_q_input" in name or ".attn.hook_k_input" in name
-                or ".attn.hook_v_input" in name)
-
-
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Max |a - b|; -inf entries must coincide."""
     a, b = a.detach(), b.detach()
@@ -71,7 +61,7 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def _tl_cache(m: Model, ids):
     with torch.no_grad():
         logits, cache = m.tl.run_with_cache(ids)
-    return logits, {k: v for k, v in cache.items() if _legacy(k)}
+    return logits, {k: v for k, v in cache.items() if tl_legacy_name(k)}
 
 
 def _check_full_cache(m: Model, ids, names=None):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from interventions_reference import tl_hooked_bridge
+from interventions_reference import tl_hooked_bridge, tl_legacy_name
 from conftest import assert_error
 
 from attnscope.client import Client, run as R
@@ -37,19 +37,6 @@ def tl(bundled_dir):
     return tl_hooked_bridge(bundled_dir)
 
 
-def _tl_legacy(cache) -> dict:
-    out = {}
-    for k, v in cache.items():
-        if k.endswith((".hook_in", ".hook_out")) or k == "hook_unembed" or \
-                k.endswith("attn.hook_hidden_states") or \
-                any(s in k for s in (".attn.q.", ".attn.k.", ".attn.v.", ".attn.o.", ".mlp.in.",
-                                     ".mlp.out.", ".attn.hook_q_input", ".attn.hook_k_input",
-                                     ".attn.hook_v_input")):
-            continue
-        out[k] = v
-    return out
-
-
 def _close(a: np.ndarray, b: torch.Tensor, name: str) -> None:
     b = b.detach().numpy()
     assert a.shape == b.shape, (name, a.shape, b.shape)
@@ -64,7 +51,7 @@ def test_every_cached_hook_equals_transformerlens_by_name_and_shape(api, tl):
                                                                "top_k": None})
     with torch.no_grad():
         logits, cache = tl.run_with_cache(torch.tensor([CLEAN, CORRUPT]))
-    ref = _tl_legacy(cache)
+    ref = {k: v for k, v in cache.items() if tl_legacy_name(k)}
     assert set(out.cache) == set(ref), set(out.cache) ^ set(ref)
     for name, t in ref.items():
         _close(out.cache[name], t, name)
