@@ -245,26 +245,83 @@ def gpt2_parts(model) -> GPT2Parts:
                      float(cfg.layer_norm_epsilon), ACT2FN[cfg.activation_function])
 
 
-def _as_parts(x) -> GPT2Parts:
-    return x if isinstance(x, GPT2Parts) else gpt2_parts(x)
+def _as_parts(x):
+    """:class:`GPT2Parts` or :class:`.hooked_families.FamilyParts` of ``x`` (parts, a Hugging
+    Face causal LM or an adapter holding one as ``.model``), by ``config.model_type``."""
+    from . import hooked_families as HF
+
+    if isinstance(x, (GPT2Parts, HF.FamilyParts)):
+        return x
+    m = x if hasattr(x, "config") else getattr(x, "model", x)
+    if getattr(getattr(m, "config", None), "model_type", None) in HF.FAMILIES:
+        return HF.family_parts(m)
+    return gpt2_parts(x)
+
+
+def parts(model):
+    """The hooked forward's parts of ``model`` (a Hugging Face GPT-2, Llama, Mistral, Qwen2,
+    Gemma, Gemma 2 or GPT-NeoX causal LM, or an adapter holding one as ``.model``): detached
+    views of its current parameters. Raises :class:`UnsupportedModelConfig` (422
+    ``unsupported_model_config``) naming what the forward does not implement."""
+    return _as_parts(model)
+
+
+def _sites(p):
+    """(per-layer sites in forward order, sites before the blocks, after them, axes, and
+    the sites whose head axis is the key/value heads) of ``p``."""
+    if isinstance(p, GPT2Parts):
+        return tuple(LAYER_SITES), ("embed", "pos_embed"), ("lnf_scale", "lnf_normalized"), \
+            _AXES, frozenset()
+    from . import hooked_families as HF
+
+    return p.layer_sites, ("embed",), ("lnf_scale", "lnf_normalized"), HF.AXES, HF.KV_SITES
+
+
+def embedding(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The residual stream entering block 0 ``[batch, pos, d_model]`` for ``input_ids``
+    ``[batch, pos]`` (GPT-2: ``wte[ids] + wpe[pos]``; Gemma: ``wte[ids] * sqrt(d_model)``; the
+    other rotary families ``wte[ids]``), as the forward computes it."""
+    p = _as_parts(model)
+    if isinstance(p, GPT2Parts):
+        T = input_ids.shape[1]
+        pos = torch.arange(T, device=input_ids.device).unsqueeze(0)
+        return F.embedding(input_ids, p.wte) + F.embedding(pos, p.wpe)
+    from . import hooked_families as HF
+
+    return HF.embed(p, input_ids)
+
+
+def _unembed(p, h: torch.Tensor) -> torch.Tensor:
+    """``lm_head`` (``F.linear`` with its weight), then Gemma 2's final soft-cap
+    ``tanh(logits / cap) * cap`` where the model has one."""
+    logits = F.linear(h, p.unembed)
+    cap = getattr(p, "final_softcap", None)
+    if cap is not None:
+        logits = logits / cap
+        logits = torch.tanh(logits)
+        logits = logits * cap
+    return logits
 
 
 def hook_points(model) -> list[HookPoint]:
     """Every hook point of ``model`` (:class:`GPT2Parts`, a ``GPT2LMHeadModel`` or an adapter) in
     forward order, with TL names, named axes and fixed sizes (``GET /v1/hooks``)."""
     p = _as_parts(model)
+    layer_sites, before, after, axes_of, kv_sites = _sites(p)
     sizes = {"1": 1, "head": p.n_heads, "d_head": p.d_head, "d_model": p.d_model,
              "d_mlp": p.d_mlp}
+    kv_sizes = dict(sizes, head=getattr(p, "n_kv_heads", p.n_heads))
 
     def hp(site, layer):
-        axes = _AXES[site]
+        axes = axes_of[site]
         name = p.names[site] if layer is None else f"blocks.{layer}.{p.names[site]}"
-        return HookPoint(name, axes, tuple(sizes.get(a) for a in axes), layer, site)
+        sz = kv_sizes if site in kv_sites else sizes
+        return HookPoint(name, axes, tuple(sz.get(a) for a in axes), layer, site)
 
-    out = [hp("embed", None), hp("pos_embed", None)]
+    out = [hp(s, None) for s in before]
     for layer in range(p.n_layers):
-        out += [hp(s, layer) for s in LAYER_SITES]
-    out += [hp("lnf_scale", None), hp("lnf_normalized", None)]
+        out += [hp(s, layer) for s in layer_sites]
+    out += [hp(s, None) for s in after]
     return out
 
 
@@ -1031,16 +1088,16 @@ def run(model, input_ids, *, cache: Mapping[str, CacheSelect | None] | None = No
         r = _Run(plan, grad is not None)
         x, h_final = _forward(p, r, ids, plan, start, resid_pre)
         if lpos is None:
-            logits = F.linear(h_final, p.unembed)  # [batch, pos, vocab], HF's lm_head
+            logits = _unembed(p, h_final)  # [batch, pos, vocab], HF's lm_head
             logits_at = lambda rows, pos: logits[rows, pos]  # noqa: E731
             out_logits = logits
             positions = list(range(T))
         else:
-            out_logits = F.linear(h_final[:, lpos], p.unembed)
+            out_logits = _unembed(p, h_final[:, lpos])
             positions = lpos.tolist()
 
             def logits_at(rows, pos):
-                return F.linear(h_final[rows, pos], p.unembed)
+                return _unembed(p, h_final[rows, pos])
         results = {n: _metric(m, checked[n], logits_at, ids) for n, m in (metrics or {}).items()}
         grads, gval = {}, None
         if grad is not None:
@@ -1089,6 +1146,10 @@ def _forward(p: GPT2Parts, r: _Run, ids: torch.Tensor, plan: _Plan, start: int =
              resid_pre: torch.Tensor | None = None):
     """Embeddings (or ``resid_pre`` at block ``start``), blocks, ln_f: returns (last residual,
     ln_f output [batch, pos, d_model])."""
+    if not isinstance(p, GPT2Parts):
+        from . import hooked_families as HF
+
+        return HF.forward(p, r, ids, plan, start, resid_pre)
     B, T = ids.shape
     g = plan.glob
     if resid_pre is None:
