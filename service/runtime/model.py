@@ -63,7 +63,16 @@ class Runtime:
         self.scaling = tuple(h.scaling for h in self._handles)
         #: a text forwarded alone gets its patterns written straight into its buffer
         #: (service/runtime/inplace_attention.py); else they are copied there
-        self.inplace_attention = inplace_attention.install(model, [h.attn for h in self._handles])
+        self.inplace_attention = inplace_attention.install(
+            model, [h.attn for h in self._handles], softmax_float32=adapter.softmax_float32)
+        if adapter.qkv_in_attention and not self.inplace_attention:
+            raise ModelLoadError(
+                f"{adapter.family}: q/k after rotary are recorded in the attention function, "
+                "which could not be installed (the attention implementation must be 'eager' "
+                "and the family's module must define eager_attention_forward)")
+        #: per layer, the key window (None = full attention) and the logit soft-cap
+        self.windows = tuple(h.window for h in self._handles)
+        self.softcaps = tuple(h.softcap for h in self._handles)
         self._tok_lock = threading.Lock()  # the tokenizer (not shared between threads)
         self._tok_cache_lock = threading.Lock()  # its LRU (also read on the event loop)
         self._tok_cache: OrderedDict[tuple[str, bool], TokenizedText] = OrderedDict()
@@ -316,8 +325,11 @@ class Runtime:
         hits = self.cache.get_all([it.input_ids for it in items])
         if hits is None:
             return None
-        return [ForwardResult(it, t, self.scaling, self.adapter.causal, cached=True)
-                for it, t in zip(items, hits)]
+        return [self._result(it, t, cached=True) for it, t in zip(items, hits)]
+
+    def _result(self, it: TokenizedText, t: ForwardTensors, cached: bool = False) -> ForwardResult:
+        return ForwardResult(it, t, self.scaling, self.adapter.causal, cached=cached,
+                             windows=self.windows, softcaps=self.softcaps)
 
     def forward_many(self, items: list[TokenizedText]) -> list[ForwardResult]:
         """Recorded forwards for several tokenized texts (cache first, then padded batches).
@@ -329,7 +341,7 @@ class Runtime:
         for i, it in enumerate(items):
             hit = self.cache.get(it.input_ids)
             if hit is not None:
-                results[i] = ForwardResult(it, hit, self.scaling, self.adapter.causal, cached=True)
+                results[i] = self._result(it, hit, cached=True)
             else:
                 todo.setdefault(it.input_ids, []).append(i)
         keys = list(todo)
@@ -339,13 +351,15 @@ class Runtime:
             with self._fwd_lock:
                 a = self.adapter
                 es = next(self.model.parameters()).element_size()
-                self.cache.reserve(sum(recorded_bytes(a.n_layers, a.n_heads, a.d_model, len(k), es)
+                qkv_w = (a.n_heads + 2 * a.n_kv_heads) * a.d_head
+                self.cache.reserve(sum(recorded_bytes(a.n_layers, a.n_heads, a.d_model, len(k), es,
+                                                      qkv_width=qkv_w)
                                        for k in chunk), len(chunk))
                 tensors = self._forward_batch(chunk)
             for key, t in zip(chunk, tensors):
                 self.cache.put(key, t)
                 for i in todo[key]:
-                    results[i] = ForwardResult(items[i], t, self.scaling, self.adapter.causal)
+                    results[i] = self._result(items[i], t)
         return results  # type: ignore[return-value]
 
     def _forward_batch(self, batch: list[tuple[int, ...]]) -> list[ForwardTensors]:
@@ -358,9 +372,12 @@ class Runtime:
         rec = _Recorder(self._handles, final_norm, bufs[0] if len(batch) == 1 else None)
         targets = {h.attn: bufs[0]["pattern"][i] for i, h in enumerate(self._handles)} \
             if self.inplace_attention and len(batch) == 1 else {}
+        # rotary families: q/k/v as the attention function receives them (after rotary)
+        slots = ({h.attn: rec.qkv[i] for i, h in enumerate(self._handles)}
+                 if self.adapter.qkv_in_attention else None)
         try:
             rec.attach()
-            with torch.inference_mode(), inplace_attention.recording(targets):
+            with torch.inference_mode(), inplace_attention.recording(targets, slots):
                 out = self.adapter.base()(**kwargs)
                 self.forward_count += 1
                 return [self._unpad(out, rec, b, mask[b], bufs[b]) for b in range(len(batch))]
@@ -419,11 +436,16 @@ class Runtime:
         widths = [getattr(m, "out_features", None) or m.nf for m in self._handles[0].qkv]
         bufs = []
         for n in lengths:
+            if a.qkv_in_attention:  # q [L, head, n, d_head]; k, v [L, kv_head, n, d_head]
+                qkv = [torch.empty(L, hh, n, a.d_head, dtype=dt)
+                       for hh in (a.n_heads, a.n_kv_heads, a.n_kv_heads)]
+            else:  # the q/k/v modules' outputs [L, n, width]
+                qkv = [torch.empty(L, n, w, dtype=dt) for w in widths]
             bufs.append(dict(
                 pattern=torch.empty(L, a.n_heads, n, n, dtype=dt),
                 hidden_states=torch.empty(L + 1, n, a.d_model, dtype=dt),
                 final_state=torch.empty(n, a.d_model, dtype=dt) if final_state else None,
-                qkv=[torch.empty(L, n, w, dtype=dt) for w in widths],  # the q/k/v modules' outputs
+                qkv=qkv,
                 attn_input=torch.empty(L, n, a.d_model, dtype=dt),
                 attn_output=torch.empty(L, n, a.d_model, dtype=dt),
             ))
@@ -463,9 +485,13 @@ class Runtime:
             attn = [x[b].index_select(-2, idx).index_select(-1, idx) for x in out.attentions]
         # the q/k/v modules' outputs, one [layer, pos, width] tensor each; q, k, v are views of
         # them split into heads (layer in the batch dimension)
-        raw = [fill(qkv_buf, (rows(rec.qkv[i][j][b], 0) for i in range(L)))
-               for j, qkv_buf in enumerate(buf["qkv"])]
-        q, k, v = self.adapter.split_qkv(raw)  # each [layer, head, pos, d_head]
+        if self.adapter.qkv_in_attention:  # [batch, head | kv_head, pos, d_head] per layer
+            q, k, v = (fill(qkv_buf, (rows(rec.qkv[i][j][b], 1) for i in range(L)))
+                       for j, qkv_buf in enumerate(buf["qkv"]))
+        else:
+            raw = [fill(qkv_buf, (rows(rec.qkv[i][j][b], 0) for i in range(L)))
+                   for j, qkv_buf in enumerate(buf["qkv"])]
+            q, k, v = self.adapter.split_qkv(raw)  # each [layer, head, pos, d_head]
         # the L+1 residual-stream states: HF's hidden_states[0..L-1] are the embeddings and the
         # blocks' outputs; its last is ln_f's OUTPUT (GPT-2), so state L is ln_f's input, and
         # ln_f's output is kept apart
@@ -510,7 +536,9 @@ class _Recorder:
         self.final_norm = final_norm
         self.buf = buf
         self.attn_in: list = [None] * L
-        self.qkv: list = [[None] * len(h.qkv) for h in handles]
+        # per layer [q, k, v] (hooked q/k/v modules' outputs; rotary families: filled by the
+        # attention function, service/runtime/inplace_attention.py)
+        self.qkv: list = [[None] * (len(h.qkv) or 3) for h in handles]
         self.attn_out: list = [None] * L
         self.last = None
         self._hooks: list = []
