@@ -77,6 +77,30 @@ class NotReady(AttnscopeError):
     status = 503
 
 
+class ShuttingDown(AttnscopeError):
+    """The server is draining (SIGTERM): a request arriving now, or whose job was stopped at
+    the end of the grace period, gets 503 with ``Retry-After`` (another replica answers)."""
+
+    type = "shutting_down"
+    status = 503
+    headers = {"Retry-After": "1", "Connection": "close"}
+
+
+class DeviceLimitExceeded(InvalidRequest):
+    """The request's estimated device work exceeds ``max_request_flops`` (checked before any
+    forward runs; the message names the estimate and the limit)."""
+
+    type = "device_limit_exceeded"
+
+
+class ClientClosed(AttnscopeError):
+    """The client went away while its job ran; the job was stopped. Never sent (nobody
+    listens); the access log records 499."""
+
+    type = "client_closed"
+    status = 499
+
+
 class Unauthorized(AttnscopeError):
     type = "unauthorized"
     status = 401

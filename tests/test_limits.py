@@ -328,3 +328,221 @@ def test_the_client_refuses_an_overlong_list_before_sending():
         with pytest.raises(RequestValidationError) as exc:
             c.attention(texts=["a"] * 5000)
     assert exc.value.param == "texts" and "at most 4096 items" in str(exc.value)
+
+
+# --- device time (issue 29 item 6): estimated and limited, cancelled at the deadline -------
+# or when the client goes away; the device slot and the memory budget are freed at once
+
+SEG = [1210, 45, 1600, 388, 1777, 90, 1402, 633]
+PAIR = {"clean_tokens": [0] + SEG + SEG, "corrupted_tokens": [0] + SEG[::-1] + SEG}
+LOSS = {"kind": "loss", "terms": [{"position": 10}]}
+
+
+def test_forward_flops_is_the_hand_count():
+    """One GPT-2-small layer at T tokens: 4 projections d x d and the MLP d x 4d per token,
+    the scores and weighted values T x T x d, each multiply-add 2 operations."""
+    from attnscope.service.serving.core.estimates import forward_flops
+
+    T, d, m = 128, 768, 3072
+    hand = 12 * (2 * T * (4 * d * d + 2 * d * m) + 2 * 2 * T * T * d)
+    assert forward_flops(T, 12, d, m) == hand
+    assert forward_flops(T, 12, d, m, rows=3, layers=4) == 3 * hand / 3
+    assert forward_flops(T, 12, d, m, logit_positions=2, d_vocab=100) == hand + 2 * 2 * d * 100
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/path-patch", {"pairs": [PAIR] * 8, "grid": True, "metric": LOSS}, "pairs"),
+    ("/v1/logit-lens", {"texts": ["a b c d e f"] * 4}, "texts"),
+    ("/v1/attention", {"texts": ["one two three four five"] * 3}, "texts"),
+])
+def test_device_limit_is_a_named_422_and_the_service_keeps_serving(make_client, gpt2_runtime,
+                                                                    path, body, param):
+    """Over max_request_flops: 422 device_limit_exceeded naming the limit and the estimate,
+    before any forward; with the limit off the same request is served."""
+    c = make_client(gpt2_runtime, max_request_flops=1e5)
+    before = gpt2_runtime.forward_count
+    r = c.post(path, json=body)
+    err = _err(r, 422, "device_limit_exceeded", param)
+    assert "max_request_flops" in err["message"] and "estimated" in err["message"]
+    assert gpt2_runtime.forward_count == before  # refused before any forward
+    assert c.app.state.slot.depth == 0 and c.app.state.engine.budget.in_use == 0
+    ok = make_client(gpt2_runtime, max_request_flops=0).post(path, json=body)
+    assert ok.status_code == 200, ok.text[:300]
+
+
+def test_device_estimate_grows_with_the_work(make_client, gpt2_runtime):
+    """The estimate named in the refusal: 8 pairs cost 8x one pair (path-patch grid), and 4
+    texts 4x one (logit lens), so the limit counts pairs x cells and texts x layers."""
+    c = make_client(gpt2_runtime, max_request_flops=1e3)
+
+    def estimate(path, body):
+        m = re.search(r"\(([0-9.e+]+) floating-point operations\)",
+                      c.post(path, json=body).json()["error"]["message"])
+        return float(m.group(1))
+
+    one = estimate("/v1/path-patch", {"pairs": [PAIR], "grid": True, "metric": LOSS})
+    eight = estimate("/v1/path-patch", {"pairs": [PAIR] * 8, "grid": True, "metric": LOSS})
+    assert eight == pytest.approx(8 * one, rel=1e-3)
+    one = estimate("/v1/logit-lens", {"text": "a b c d e f"})
+    four = estimate("/v1/logit-lens", {"texts": ["a b c d e f"] * 4})
+    assert four == pytest.approx(4 * one, rel=1e-3)
+
+
+def _spin_app(gpt2_runtime, **settings):
+    """The real app with one more endpoint from the table: a job that runs torch ops until it
+    is cancelled (``python`` true: a pure-Python loop calling ``checkpoint``). ``started`` is
+    set once the job has the device; without cancellation it would never end."""
+    import threading
+
+    import torch
+    from pydantic import BaseModel
+
+    from attnscope.service.app import create_app
+    from attnscope.service.config import Settings
+    from attnscope.service.serving.core.cancel import checkpoint
+    from attnscope.service.serving.core.engine import Plan
+    from attnscope.service.serving.core.table import Endpoint, default_table
+
+    class SpinRequest(BaseModel):
+        python: bool = False
+
+    class SpinResponse(BaseModel):
+        done: bool
+
+    started = threading.Event()
+    ended: list = []
+
+    def plan(rt, req, items):
+        def job(_):
+            started.set()
+            try:
+                x = torch.ones(4)
+                while True:
+                    if req.python:
+                        checkpoint()
+                    else:
+                        x = x * 1.0
+            except BaseException as exc:
+                ended.append(type(exc).__name__)
+                raise
+        return Plan([], job, response_bytes=1 << 20)
+
+    spin = Endpoint(path="/v1/spin", name="spin", request=SpinRequest, response=SpinResponse,
+                    summary="spin", description="spin", plan=plan, tokenize=False, order=999)
+    app = create_app(Settings(model="bundled", **settings), runtime=gpt2_runtime,
+                     endpoints=[*default_table(), spin])
+    return app, started, ended
+
+
+@pytest.mark.parametrize("python", [False, True])
+def test_a_job_past_its_deadline_is_stopped_and_frees_the_device(gpt2_runtime, python):
+    """A job that never ends by itself (torch ops forever, or a Python loop with
+    checkpoints) gets its 504 at request_timeout_s and is stopped there: the device slot,
+    the memory budget and the abandoned set empty, and the next request is served. Before
+    (issue 29) it ran to completion on the device thread (here: forever)."""
+    from fastapi.testclient import TestClient
+
+    app, started, ended = _spin_app(gpt2_runtime, request_timeout_s=0.5)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.post("/v1/spin", json={"python": python})
+        err = _err(r, 504, "timeout")
+        assert "request_timeout_s" in err["message"]
+        assert started.is_set() and ended == ["JobCancelled"]
+        # the in-process client returns once the handler has ended: nothing is left behind
+        assert app.state.slot.depth == 0 and app.state.engine.budget.in_use == 0
+        assert not app.state.abandoned and not app.state.jobs
+        _still_serving(c)
+
+
+def test_a_job_queued_past_its_deadline_never_starts(gpt2_runtime):
+    """The device is held until the queued request's 504 was sent; then its path-patch job
+    gets the device and stops at its first check: no hooked forward of it runs."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from attnscope.service.app import create_app
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import hooked as H
+
+    app = create_app(Settings(model="bundled", request_timeout_s=0.2), runtime=gpt2_runtime)
+    released = threading.Event()
+    calls = []
+    run = H.run
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return run(*a, **kw)
+
+    H.run = counted
+    try:
+        with TestClient(app, raise_server_exceptions=False) as c:
+            held = c.portal.start_task_soon(app.state.slot.run, released.wait, 300)
+            try:
+                while app.state.slot.depth < 1:
+                    threading.Event().wait(0.01)
+                holder = threading.Thread(target=lambda: (
+                    app.state.__dict__.setdefault("_r", []).append(c.post(
+                        "/v1/path-patch", json={"pairs": [PAIR] * 4, "grid": True,
+                                                "metric": LOSS}))))
+                holder.start()
+                while not app.state.abandoned:  # its 504 was sent while the device was held
+                    threading.Event().wait(0.01)
+            finally:
+                released.set()
+            holder.join()
+            held.result(timeout=300)
+            r = app.state._r[0]
+            _err(r, 504, "timeout")
+            assert calls == []  # stopped before its first hooked forward
+            assert app.state.slot.depth == 0 and app.state.engine.budget.in_use == 0
+            _still_serving(c)
+    finally:
+        H.run = run
+
+
+def test_a_client_that_goes_away_stops_its_job(gpt2_runtime):
+    """The ASGI conversation of a client that disconnects once its job has the device (the
+    server's receive() says http.disconnect): the job stops, the device and budget are free,
+    nothing is answered (499 in the access log)."""
+    import asyncio
+
+    app, started, ended = _spin_app(gpt2_runtime, request_timeout_s=0)
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            gone = asyncio.Event()
+            sent: list = []
+            body = b'{"python": false}'
+            first = True
+
+            async def receive():
+                nonlocal first
+                if first:
+                    first = False
+                    return {"type": "http.request", "body": body, "more_body": False}
+                await gone.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(msg):
+                sent.append(msg)
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                     "method": "POST", "scheme": "http", "path": "/v1/spin", "raw_path":
+                     b"/v1/spin", "query_string": b"", "root_path": "",
+                     "headers": [(b"content-type", b"application/json"),
+                                 (b"content-length", str(len(body)).encode())],
+                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+            task = asyncio.create_task(app(scope, receive, send))
+            while not started.is_set():
+                await asyncio.sleep(0.01)
+            gone.set()
+            await task
+            assert ended == ["JobCancelled"]
+            assert app.state.slot.depth == 0 and app.state.engine.budget.in_use == 0
+            assert not app.state.jobs
+            return sent
+
+    sent = asyncio.run(main())
+    # whatever the app tried to answer went to a client that was gone: never a 200
+    assert all(m.get("status") != 200 for m in sent if m["type"] == "http.response.start")

@@ -15,8 +15,9 @@ from attnscope.schemas.lens import (
 from ..analysis import lens as A
 from ..errors import InvalidRequest, NonFiniteValues, OutOfRange
 from ..runtime import hooked as H
+from .core.cancel import checkpoint
 from .core.engine import Plan
-from .core.estimates import tokens_bytes
+from .core.estimates import forward_flops, lens_flops, tokens_bytes
 from .core.table import Endpoint
 from .interventions import _single_token, check_lm
 from .run import parts
@@ -114,11 +115,13 @@ def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
     target = None if req.target is None else _token(rt, req.target, "target", V)
     n_states = L + 1 + (L if req.incl_mid else 0)
     per_prompt = []
-    est_job, est_body = 0, 0
+    est_job, est_body, flops = 0, 0, 0.0
     for i, it in enumerate(items):
         T = len(it)
         pos = _positions(req.positions, T, None, _where(req, i))
         per_prompt.append(pos)
+        flops += forward_flops(T, L, D, p.d_mlp, logit_positions=1, d_vocab=V) + \
+            lens_flops(T, n_states, len(pos), D, V)
         job = _forward_bytes(p, T) + p.wte.element_size() * n_states * T * D + 4 * 4 * T * V
         est_job = max(est_job, job)
         est_body += tokens_bytes(T) + n_states * (200 + len(pos) * (req.top_k + 1)
@@ -135,6 +138,7 @@ def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
     def job(_forwards) -> dict:
         prompts = []
         for it, pos in zip(items, per_prompt):
+            checkpoint()  # between prompts: a cancelled request stops here
             ids = torch.tensor([list(it.input_ids)], dtype=torch.long)
             cache = {h: None for h in hooks}
             if req.ln == "final":
@@ -151,6 +155,7 @@ def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
                                        dtype=torch.long)
             states = []
             for hook, label in zip(hooks, labels):
+                checkpoint()  # between states (layers)
                 logits = A.lens_logits(res.cache[hook][0], p.unembed, p.lnf_w, p.lnf_b, p.eps,
                                        req.ln, None if scale is None else scale[0])
                 st = A.lens_stats(logits, tid, pos, req.top_k, targets)
@@ -176,7 +181,8 @@ def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
                 "ln_description": A.LN_DESCRIPTION[req.ln], "weights": WEIGHTS_DOC,
                 "prompts": prompts}
 
-    return Plan([], job, int(est_job + est_body))
+    return Plan([], job, int(est_job + est_body), device_flops=flops,
+                device_param="texts" if len(items) > 1 else "text")
 
 
 # ------------------------------------------------------------------ direct logit attribution
@@ -211,7 +217,7 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
                 raise InvalidRequest(f"{param}: the distractor is the target (token {a}); the "
                                      "logit difference would be 0", param)
     per_prompt = []
-    est_job, est_body = 0, 0
+    est_job, est_body, flops = 0, 0, 0.0
     n_comp = 2 + L * Hn + 2 * L
     es = p.wte.element_size()
     for i, it in enumerate(items):
@@ -219,6 +225,8 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
         pos = _positions(req.positions, T, [T - 1], _where(req, i))
         per_prompt.append(pos)
         P = len(pos)
+        flops += forward_flops(T, L, D, p.d_mlp, logit_positions=P, d_vocab=V) + \
+            2.0 * n_comp * P * D * 2
         job = _forward_bytes(p, T) + es * T * Hn * D + es * P * n_comp * D + 8 * 3 * n_comp * P * D
         est_job = max(est_job, job)
         est_body += tokens_bytes(T) + P * (400 + 30 * n_comp)
@@ -229,6 +237,7 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
         prompts = []
         b_O = torch.stack([blk.proj_b for blk in p.blocks])  # [layer, d_model]
         for i, (it, pos) in enumerate(zip(items, per_prompt)):
+            checkpoint()
             ids = torch.tensor([list(it.input_ids)], dtype=torch.long)
             sel = H.CacheSelect(positions=pos)
             res = H.run(p, ids, cache={k: sel for k in comps}, logit_positions=pos)
@@ -270,7 +279,8 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
         return {"model": rt.model_ref(), "add_bos": bool(req.add_bos),
                 "method": A.DLA_DESCRIPTION, "weights": WEIGHTS_DOC, "prompts": prompts}
 
-    return Plan([], job, int(est_job + est_body))
+    return Plan([], job, int(est_job + est_body), device_flops=flops,
+                device_param="texts" if len(items) > 1 else "text")
 
 
 ENDPOINTS = [

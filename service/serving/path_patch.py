@@ -33,7 +33,9 @@ from attnscope.schemas import PathPatchRequest, PathPatchResponse
 from ..analysis import path_patch as A
 from ..errors import ContextLengthExceeded, InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
 from ..runtime import hooked as H
+from .core.cancel import checkpoint
 from .core.engine import Plan
+from .core.estimates import forward_flops
 from .core.table import Endpoint
 from .interventions import check_lm
 from .run import _f, add_bos_of, metric_of, parts
@@ -276,8 +278,12 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
         n_split = len({(r.layer, r.input) for r in heads_r})
     limit = _chunk_limit(rt)
     n_terms = max(len(x.terms) for x in pairs)
-    est, n_fwd, widest = 0, 0, 0
+    est, n_fwd, widest, flops = 0, 0, 0, 0.0
     sched = {}
+    if req.grid:
+        start_layers = list(range(1, L))
+    else:
+        start_layers = [min((r.layer for r in req.receivers if r.kind != "logits"), default=L)]
     for T, xs in groups.items():
         live = 3 * Hn * T * T + T * (8 * D + 2 * M)
         per_pair = es * (2 * live + 2 * T * Hn * D * len(res_layers) + T * Hn * D * len(res_layers)
@@ -295,6 +301,12 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
         sched[T] = (pc, rc)
         n_chunks = math.ceil(len(xs) / pc)
         n_fwd += n_chunks * (1 + sum(math.ceil(r / rc) for r in rows))
+        # device work: the base runs (2 rows a pair) and the patched rows from their start
+        dims = dict(n_layers=L, d_model=D, d_mlp=M, logit_positions=1, d_vocab=V)
+        flops += forward_flops(T, rows=2 * len(xs), **dims)
+        per_pair_rows = [r // pc for r in rows]
+        flops += sum(forward_flops(T, rows=len(xs) * r, layers=L - s, **dims)
+                     for r, s in zip(per_pair_rows, start_layers))
         widest = max(widest, rc)
         est = max(est, pc * per_pair + rc * (per_row + (es * 2 * T * D if kind == "kl" else 0)))
     # the response: tokens of both sides, statistics, the grid's three arrays
@@ -313,6 +325,7 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
         for T, xs in groups.items():
             pc, rc = sched[T]
             for a in range(0, len(xs), pc):
+                checkpoint()  # between chunks of pairs: a cancelled request stops here
                 chunk = xs[a:a + pc]
                 got = _base_runs(p, chunk, kind, reduce, res_layers, mlp_layers, pre_layers,
                                  mid_layers, final)
@@ -390,7 +403,7 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
             body["normalized"] = None if z is None else _f(z)
         return body
 
-    return Plan([], job, int(est), detail=detail)
+    return Plan([], job, int(est), detail=detail, device_flops=flops, device_param="pairs")
 
 
 # ------------------------------------------------------------------ the forwards
@@ -484,6 +497,7 @@ def _single(p: H.GPT2Parts, chunk, got, req, kind: str, reduce: str, rc: int) ->
         resid = got["resid_pre"][start]
     out = np.empty(n)
     for a in range(0, n, rc):
+        checkpoint()
         ks = list(range(a, min(n, a + rc)))
         ids, rp, terms, rows, B = _with_base_rows(kind, chunk, ks, T, got["ids"], resid)
         sel = list(range(B)) if len(ids) > B else None
@@ -527,6 +541,7 @@ def _grid_cells(p: H.GPT2Parts, chunk, got, kind: str, reduce: str, kinds: list[
         total = K * n * S * Hn
         base = got["resid_pre"][lr]  # [n, T, d_model]
         for a in range(0, total, rc):
+            checkpoint()  # between chunks of grid cells
             idx = np.arange(a, min(total, a + rc))
             k_i, j_i, s_i, h_i = np.unravel_index(idx, (K, n, S, Hn))
             pair_of_row = j_i.tolist()

@@ -19,7 +19,9 @@ recorded forwards))) -> response.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,8 +30,10 @@ from fastapi import Response
 
 from ...analysis._blas import torch_threads_for
 from ...encoding import respond
-from ...errors import BatchTooLarge, NotReady
+from ...errors import BatchTooLarge, ClientClosed, NotReady, ShuttingDown, Timeout
+from . import cancel
 from .budget import MemoryBudget, Ticket, default_budget
+from .estimates import check_device, forward_flops
 from .inputs import resolve_add_bos, with_add_bos
 from .memory import check_memory, release_memory
 from ...runtime.model import Runtime
@@ -45,7 +49,10 @@ class Plan:
     ``job(forwards) -> body``: runs on the device thread, ``forwards`` in ``items`` order; it
     returns the response body (a dict whose tensors went through ``encoding.encode_tensor``).
     ``response_bytes``: the estimated size of the response and the job's own tensors, in bytes
-    (counted with the forwards against ``max_request_bytes``). ``detail``: text added to a
+    (counted with the forwards against ``max_request_bytes``). ``device_flops``: the job's own
+    device work (floating-point operations; service/serving/core/estimates.py), counted with
+    the recorded forwards of ``items`` against ``max_request_flops`` (422 naming
+    ``device_param``, default ``text``/``texts``). ``detail``: text added to a
     memory refusal's text count (e.g. ", one of them the induction probe"). ``small_ops``: the
     job is many small torch ops; it runs them on one intra-op thread when its longest text has
     at most ``SMALL_JOB_TOKENS`` tokens (``analysis._blas.torch_threads_for``).
@@ -54,6 +61,8 @@ class Plan:
     items: list[TokenizedText]
     job: Callable[[list[ForwardResult]], Any]
     response_bytes: int = 0
+    device_flops: float = 0.0
+    device_param: str | None = None
     detail: str = ""
     status_code: int = 200
     headers: dict = field(default_factory=dict)
@@ -96,17 +105,21 @@ class Engine:
     async def serve(self, req, plan: Callable[[Runtime | None, Any, list[TokenizedText]], Plan],
                     *, check: Callable[[Runtime, Any], None] | None = None,
                     binary: bool = False, tokenize: bool = True,
-                    needs_model: bool = True) -> Response:
+                    needs_model: bool = True, request=None) -> Response:
         """Answer ``req`` with ``plan``'s job, in one device turn (module docstring).
 
         ``check(runtime, req)``: the feature's token-independent checks, made before
         tokenizing (cheapest first). ``tokenize=False``: the request has no ``text``/``texts`` (``items`` is empty).
         ``needs_model=False``: the plan may run before the model is loaded (it gets None for
-        the runtime). ``binary``: the response as one safetensors file.
+        the runtime). ``binary``: the response as one safetensors file. ``request``: the
+        Starlette request; its deadline (``request_timeout_s``) and its client's disconnect
+        cancel the job (service/serving/core/cancel.py).
 
         Raises (each becomes the error envelope): the plan's own 4xx checks,
         :class:`BatchTooLarge` / context-length 422s from tokenizing,
-        ``MemoryLimitExceeded`` (422), ``Overloaded`` (429), :class:`NotReady` (503).
+        ``MemoryLimitExceeded`` / ``DeviceLimitExceeded`` (422), ``Overloaded`` (429),
+        :class:`NotReady` / ``ShuttingDown`` (503), ``Timeout`` (504, the job stopped at the
+        deadline), ``ClientClosed`` (the client went away; never sent).
         """
         rt = self.runtime if needs_model else getattr(self._state, "runtime", None)
         req = self.resolve(rt, req)
@@ -114,13 +127,90 @@ class Engine:
             check(rt, req)
         items = await self.tokenize(rt, req) if tokenize else []
         p = plan(rt, req, items)
+        token = self.token_for(request)
         ticket = await self.admit(rt, p)  # held until the response's last byte (or cut)
         try:
-            body = with_add_bos(await self.run(rt, p, admitted=True), req)
+            async with self.watching(request, token):
+                body = await self.run(rt, p, admitted=True, token=token)
+            body = with_add_bos(body, req)
             return await respond(body, binary, p.status_code, p.headers, on_close=ticket.release)
         except BaseException:
             ticket.release()
             raise
+
+    # ------------------------------------------------------------------ cancelling
+    def token_for(self, request) -> cancel.CancelToken:
+        """A cancel token for ``request``'s job: its deadline (the TimeoutMiddleware's,
+        ``request_timeout_s``) when it has one. Raises ``ShuttingDown`` while draining."""
+        if getattr(self._state, "draining", False):
+            raise ShuttingDown("the service is shutting down; retry (another replica answers)")
+        deadline = None
+        if request is not None:
+            from ...encoding import DEADLINE_KEY
+
+            deadline = request.scope.get(DEADLINE_KEY)
+        return cancel.CancelToken(deadline)
+
+    @property
+    def jobs(self) -> set:
+        """The tokens of the jobs admitted and not finished (the drain cancels them)."""
+        jobs = getattr(self._state, "jobs", None)
+        if jobs is None:
+            jobs = self._state.jobs = set()
+        return jobs
+
+    def cancel_all(self, reason: str = cancel.SHUTDOWN) -> int:
+        """Cancel every job in flight (the server's drain); returns how many."""
+        jobs = list(self.jobs)
+        for t in jobs:
+            t.cancel(reason)
+        return len(jobs)
+
+    @asynccontextmanager
+    async def watching(self, request, token: cancel.CancelToken):
+        """While the body runs: ``token`` is in :attr:`jobs`, and a task waits for the
+        client's ``http.disconnect`` (the body was read already, so the next ``receive``
+        returns only when the connection ends) and cancels ``token``."""
+        jobs = self.jobs
+        jobs.add(token)
+        watcher = None
+        if request is not None:
+            receive = request.receive
+
+            async def watch():
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        token.cancel(cancel.DISCONNECT)
+                        return
+
+            watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            yield token
+        finally:
+            jobs.discard(token)
+            if watcher is not None:
+                watcher.cancel()
+                try:
+                    await watcher
+                except BaseException:  # noqa: BLE001 - its cancellation
+                    pass
+
+    def check_device(self, rt: Runtime | None, p: Plan) -> float:
+        """The device-work check of one request (422 ``device_limit_exceeded`` over
+        ``max_request_flops``): the recorded forwards of its items not in the cache plus the
+        job's own ``device_flops``. Returns the estimate."""
+        s = getattr(self._state, "settings", None) or getattr(rt, "settings", None)
+        limit = float(getattr(s, "max_request_flops", 0) or 0)
+        fwd = 0.0
+        if rt is not None and p.items and rt.cached_forwards(p.items) is None:
+            dims = model_dims(rt)
+            fwd = sum(forward_flops(len(it), **dims) for it in
+                      {it.input_ids: it for it in p.items}.values()
+                      if not in_cache(rt, it.input_ids))
+        return check_device(fwd, float(p.device_flops or 0), limit, len(p.items),
+                            max((len(it) for it in p.items), default=0), p.detail,
+                            p.device_param)
 
     @property
     def budget(self) -> MemoryBudget:
@@ -136,10 +226,12 @@ class Engine:
         return b
 
     async def admit(self, rt: Runtime | None, p: Plan) -> Ticket:
-        """The memory check of one request (422 over ``max_request_bytes``), then its room in
-        the global budget (waits; 429 ``overloaded`` with Retry-After when none comes)."""
+        """The memory check of one request (422 over ``max_request_bytes``), its device-work
+        check (422 over ``max_request_flops``), then its room in the global budget (waits;
+        429 ``overloaded`` with Retry-After when none comes)."""
         total = check_memory(rt, [len(it) for it in p.items], p.response_bytes,
                              limit=self.max_request_bytes, detail=p.detail)
+        self.check_device(rt, p)
         return await self.budget.acquire(total)
 
     @staticmethod
@@ -181,32 +273,76 @@ class Engine:
 
         return await anyio.to_thread.run_sync(work)
 
-    async def run(self, rt: Runtime | None, p: Plan, admitted: bool = False) -> Any:
+    async def run(self, rt: Runtime | None, p: Plan, admitted: bool = False,
+                  token: cancel.CancelToken | None = None) -> Any:
         """Memory check, then the forwards (cached or new) and ``p.job`` in one device turn.
 
         A request whose forwards are all cached is admitted like any other (429 when the
         queue is full) and its turn runs only the job. ``admitted``: :meth:`admit` was done
-        by the caller (who holds the ticket); else the budget is held for this turn only."""
+        by the caller (who holds the ticket); else the budget is held for this turn only.
+        ``token``: the turn runs under it (service/serving/core/cancel.py): a cancelled job
+        stops at its next torch op or checkpoint and its turn ends at once (504 ``timeout``,
+        503 ``shutting_down``, or ``ClientClosed``)."""
         if not admitted:
             ticket = await self.admit(rt, p)
             try:
-                return await self.run(rt, p, admitted=True)
+                return await self.run(rt, p, admitted=True, token=token)
             finally:
                 ticket.release()
+        try:
+            return await self._turn(rt, p, token)
+        except cancel.JobCancelled as exc:
+            raise stopped(exc.reason) from None
+
+    async def _turn(self, rt: Runtime | None, p: Plan, token) -> Any:
         hits = rt.cached_forwards(p.items) if (rt is not None and p.items) else None
         if hits is not None or not p.items:
-            return await self.slot.run(p.run_job, hits or [])
+            def job_only():
+                with cancel.running(token):
+                    return p.run_job(hits or [])
+
+            return await self.slot.run(job_only)
         metrics = getattr(self._state, "metrics", None)
         queued = time.perf_counter()
 
         def turn():
-            start = time.perf_counter()
-            forwards = rt.forward_many(p.items)
-            if metrics is not None:
-                metrics.queue_seconds.observe(start - queued)
-                metrics.device_seconds.observe(time.perf_counter() - start)
-            if not all(f.cached for f in forwards):
-                release_memory()  # the forward's transient tensors go back to the OS
-            return p.run_job(forwards)
+            with cancel.running(token):
+                start = time.perf_counter()
+                try:
+                    # every torch op of the forwards checks the token (cancel.py)
+                    forwards = rt.forward_many(p.items)
+                finally:
+                    if metrics is not None:
+                        metrics.queue_seconds.observe(start - queued)
+                        metrics.device_seconds.observe(time.perf_counter() - start)
+                    release_memory()  # the forward's transient tensors go back to the OS
+                return p.run_job(forwards)
 
         return await self.slot.run(turn)
+
+
+def in_cache(rt: Runtime, key) -> bool:
+    """Whether the forward cache holds ``key``'s forward now (no hit or miss counted)."""
+    data = getattr(getattr(rt, "cache", None), "_data", None)
+    return data is not None and key in data
+
+
+def stopped(reason: str) -> Exception:
+    """The request's error for a job stopped for ``reason`` (service/serving/core/cancel.py)."""
+    if reason == cancel.SHUTDOWN:
+        return ShuttingDown("the service is shutting down and stopped this request's work at "
+                            "the end of its grace period; retry (another replica answers)")
+    if reason == cancel.DISCONNECT:
+        return ClientClosed("the client went away; its work was stopped")
+    return Timeout("the request ran past its time limit (request_timeout_s); its work was "
+                   "stopped and the device given to the next request")
+
+
+def model_dims(rt: Runtime) -> dict:
+    """The resident model's sizes for :func:`~.estimates.forward_flops`: layers, d_model,
+    d_mlp (config ``n_inner`` / ``intermediate_size``, else 4 d_model)."""
+    a = rt.adapter
+    cfg = getattr(getattr(rt, "model", None), "config", None)
+    d_mlp = getattr(cfg, "n_inner", None) or getattr(cfg, "intermediate_size", None) or \
+        4 * a.d_model
+    return {"n_layers": a.n_layers, "d_model": a.d_model, "d_mlp": int(d_mlp)}

@@ -82,3 +82,72 @@ def scratch_bytes(n_heads: int, n_query: int, n_key: int, d_k: int, d_v: int, en
            + estimate_encoded_bytes(out, encoding, dtype, round_, row_len=max(d_v, 1)))
     pca = 8 * 4 * pca_rows * pca_cols
     return work + enc + pca + tokens_bytes(n_query + n_key)
+
+
+# ------------------------------------------------------------------ device work (issue 29)
+# Floating-point operations (a multiply-add = 2), the unit of ``max_request_flops``. Measured
+# here (2 shared CPU cores, float32): a GPT-2-small forward at T = 128 (22 GFLOP by
+# :func:`forward_flops`) took 232 ms, i.e. ~95 GFLOP/s; the breaker's logit lens over 32 x 256
+# tokens (9.6 TFLOP by :func:`lens_flops`) took 110 s, ~87 GFLOP/s.
+
+def forward_flops(T: int, n_layers: int, d_model: int, d_mlp: int, rows: int = 1,
+                  layers: int | None = None, logit_positions: int = 0, d_vocab: int = 0) -> float:
+    """One forward of ``rows`` prompts of ``T`` tokens through ``layers`` (default all) of a
+    transformer's blocks: per token and layer the q/k/v/output projections ``2 * 4 d^2`` and
+    the MLP ``2 * 2 d d_mlp``; per layer the scores and the weighted values ``2 * 2 T^2 d``;
+    plus the unembedding at ``logit_positions`` positions (``2 d V`` each)."""
+    n = n_layers if layers is None else layers
+    per_layer = T * (8 * d_model * d_model + 4 * d_model * d_mlp) + 4 * T * T * d_model
+    return float(rows) * (n * per_layer + 2.0 * logit_positions * d_model * d_vocab)
+
+
+def lens_flops(T: int, n_states: int, n_positions: int, d_model: int, d_vocab: int) -> float:
+    """The logit lens of one prompt: ``n_states`` residual states unembedded at every one of
+    its ``T`` positions (``2 d V`` each; the statistics read ``n_positions`` of them) plus a
+    log-softmax over the vocabulary (~5 V per position)."""
+    return float(n_states) * T * (2.0 * d_model * d_vocab + 5.0 * d_vocab)
+
+
+#: attention flow's pure-Python max-flow work, as FLOP-equivalents of this device's torch rate:
+#: one (text, flow layer of depth ``top``) at T tokens costs ~FLOW_S_16 seconds at T = 16 and
+#: 12 layers (bench/norms_rollout.py: ~1 s for 16 tokens, ~14 s for 24; it grows ~T^6)
+FLOW_S_16 = 1.0
+FLOW_FLOPS_PER_S = 9e10
+
+
+def flow_flops(T: int, depth: int) -> float:
+    """Attention flow for one text of ``T`` tokens up to a layer ``depth`` layers deep
+    (``top + 1``), FLOP-equivalents: ``FLOW_S_16 * (T/16)^6 * (depth/12)^2`` seconds at
+    ``FLOW_FLOPS_PER_S``. Texts x layers count: one term per text and flow layer."""
+    return FLOW_S_16 * (T / 16.0) ** 6 * (depth / 12.0) ** 2 * FLOW_FLOPS_PER_S
+
+
+def fmt_flops(x: float) -> str:
+    for unit, f in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if x >= f:
+            return f"{x / f:.3g} {unit}"
+    return f"{x:.3g} FLOP"
+
+
+def check_device(forwards: float, job: float, limit: float, n_texts: int = 0,
+                 longest: int = 0, detail: str = "", param: str | None = None) -> float:
+    """Refuse (422 ``device_limit_exceeded``, naming the estimate, its parts and the limit)
+    a request whose device work ``forwards + job`` (FLOP) exceeds ``limit``
+    (``max_request_flops``; 0 = none). Returns the estimate."""
+    from ...errors import DeviceLimitExceeded
+
+    total = float(forwards) + float(job)
+    if limit and total > limit:
+        parts = []
+        if forwards:
+            parts.append(f"recorded forwards {fmt_flops(forwards)} for {n_texts} "
+                         f"text{'s' if n_texts != 1 else ''}, longest {longest} tokens")
+        if job:
+            parts.append(f"the job {fmt_flops(job)}{detail}")
+        raise DeviceLimitExceeded(
+            f"this request needs an estimated {fmt_flops(total)} ({total:.4g} floating-point "
+            f"operations) of device work ({'; '.join(parts) or 'none'}); the limit is "
+            f"{fmt_flops(limit)} (max_request_flops = {limit:.4g}). Send fewer or shorter "
+            "texts or pairs, fewer positions, layers or variants",
+            param or ("texts" if n_texts > 1 else "text"))
+    return total

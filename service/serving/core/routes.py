@@ -252,10 +252,11 @@ def route_function(ep: Endpoint):
             req = ep.prepare(rt, req)
         if not ep.binary:
             return await engine.serve(req, ep.plan, check=ep.check, tokenize=ep.tokenize,
-                                      needs_model=ep.needs_model)
+                                      needs_model=ep.needs_model, request=request)
         binary = wants_binary(request.headers.get("accept"))
         return await engine.serve(req, partial(ep.plan, binary=binary), check=ep.check,
-                                  binary=binary, tokenize=ep.tokenize, needs_model=ep.needs_model)
+                                  binary=binary, tokenize=ep.tokenize, needs_model=ep.needs_model,
+                                  request=request)
 
     params = [inspect.Parameter("engine", inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                 annotation=EngineDep),
