@@ -81,6 +81,13 @@ class Settings(BaseSettings):
         "the process may use (cgroup limit or MemTotal) minus its RSS with the model loaded, "
         "minus cache_bytes, minus 10% of that memory. -1 = no global budget.",
     )
+    max_request_flops: float = Field(
+        1e13, ge=0, description="Most device work one request may need, floating-point "
+        "operations, as estimated from the forwards it runs (tokens x layers x d_model, d_mlp) "
+        "and its job's own work (service/serving/core/estimates.py); beyond it 422 "
+        "'device_limit_exceeded' before any forward. The default is ~110 s of a 2-core CPU "
+        "(~90 GFLOP/s measured); raise it on a GPU. 0 = no limit.",
+    )
     budget_wait_s: float = Field(
         5.0, ge=0, description="Most seconds a request waits for room in the memory budget "
         "before 429.",
