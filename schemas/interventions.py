@@ -9,7 +9,7 @@ attention-weighted values before the output projection (TransformerLens ``hook_z
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, model_validator
 
@@ -21,6 +21,11 @@ from .common import (
     TOKEN_LISTS_DOC, TOKENS_DOC, TokenIds, add_bos_echo, add_bos_field, one_input,
 )
 from .common import BYTES_DOC, LABEL_DOC, PARTIAL_DOC
+
+#: most components ablated together in one /v1/ablate request
+MAX_COMPONENTS = 4096
+#: most entries of a direction vector (d_model, d_mlp or d_head of any served model)
+MAX_VECTOR = 1 << 16
 
 Index = Annotated[int, Field(ge=0)]
 HeadRef = Annotated[list[Index], Field(min_length=2, max_length=2)]
@@ -41,6 +46,10 @@ class TopToken(LenientModel):
     prob: float = Field(description="Probability in [0, 1] (softmax of the logits).")
     logit: float = Field(description="Raw LM-head logit.")
 
+
+# run.py imports TopToken from here: its Metric is imported once TopToken exists (the package's
+# __init__ imports this module first, so the order holds for every import path)
+from .run import Metric  # noqa: E402
 
 # ------------------------------------------------------------------------ predictions
 class PredictionsRequest(TextOrTexts):
@@ -85,7 +94,7 @@ class PredictionsResponse(LenientModel):
 
 # ------------------------------------------------------------------------ ablation
 AblationMethod = Literal["zero", "mean", "resample"]
-ScanMetric = Literal["loss", "kl", "logit_diff"]
+ScanMetric = Literal["loss", "kl", "logit_diff", "metric"]
 
 
 class LogitDiffOptions(StrictModel):
@@ -98,6 +107,72 @@ class LogitDiffOptions(StrictModel):
         None, description="Position whose logits are read (predicting the next token); null = "
         "the last position."
     )
+
+
+class HeadComponent(StrictModel):
+    """An attention head: its output z (``blocks.{layer}.attn.hook_z[:, :, head]``)."""
+
+    kind: Literal["head"] = Field(description="'head'.")
+    layer: Index = Field(..., description="The head's layer (0-based).")
+    head: Index = Field(..., description="The head (0-based).")
+
+
+class MLPComponent(StrictModel):
+    """A whole MLP layer: its output ``blocks.{layer}.hook_mlp_out`` ``[pos, d_model]``."""
+
+    kind: Literal["mlp"] = Field(description="'mlp'.")
+    layer: Index = Field(..., description="The MLP's layer (0-based).")
+
+
+class AttnComponent(StrictModel):
+    """A whole attention layer: its output ``blocks.{layer}.hook_attn_out`` ``[pos, d_model]``
+    (every head and b_O)."""
+
+    kind: Literal["attn"] = Field(description="'attn'.")
+    layer: Index = Field(..., description="The attention layer (0-based).")
+
+
+class NeuronComponent(StrictModel):
+    """MLP neurons: ``blocks.{layer}.mlp.hook_post[..., neuron]`` (after the activation
+    function), each set to 0, to its mean or to the resample text's value."""
+
+    kind: Literal["neuron"] = Field(description="'neuron'.")
+    layer: Index = Field(..., description="The MLP's layer (0-based).")
+    neurons: Annotated[list[Index], Field(min_length=1, max_length=MAX_VECTOR)] = Field(
+        ..., description="Neuron indices (each < d_mlp, each once).")
+
+
+class DirectionComponent(StrictModel):
+    """A direction at a hook: the component of each vector of the hook's last axis along the
+    unit vector ``u = vector / |vector|`` is removed (zero: ``x - (x . u) u``, projection out),
+    or set to its mean ``x - (x . u) u + mean(x . u) u`` (mean over the text's or the
+    reference texts' positions) or to the resample text's ``(x_r . u) u``."""
+
+    kind: Literal["direction"] = Field(description="'direction'.")
+    hook: str = Field(..., min_length=1, max_length=200,
+                      description="A per-layer TransformerLens hook name (``blocks.3.hook_resid_"
+                      "post``, ``blocks.0.attn.hook_z``, ``blocks.1.mlp.hook_post``, ...), not "
+                      "the pattern or scores.")
+    vector: Annotated[list[float], Field(min_length=1, max_length=MAX_VECTOR)] = Field(
+        ..., description="The direction: as many entries as the hook's last axis (d_model, "
+        "d_mlp, d_head); normalised to unit length (a zero vector is 422).")
+    positions: list[Index] | None = Field(
+        None, max_length=MAX_POSITIONS, fail_fast=True,
+        description="Positions where the direction is ablated (each once); null = all.")
+
+
+Component = Annotated[
+    Union[HeadComponent, MLPComponent, AttnComponent, NeuronComponent, DirectionComponent],
+    Field(discriminator="kind"),
+]
+
+DECLARED_METRIC_DOC = (
+    "A declared metric (/v1/run's: logit_diff / prob / logprob / loss / kl with their terms, "
+    "reduce 'mean' or 'sum'), read on each run alone: every term's ``prompt`` is null or 0 (the "
+    "run measured); a 'kl' term names two runs, 0 = the run measured and 1 = the reference "
+    "run ({reference}): ``prompt`` 1, ``reference_prompt`` 0 is KL(P_reference ‖ P_run). A "
+    "'loss' term's target is the {loss_text} token at position + 1. Positions negative from "
+    "the end.")
 
 
 class AblateRequest(TensorOptions):
@@ -114,8 +189,18 @@ class AblateRequest(TensorOptions):
     heads: list[HeadRef] | None = Field(
         None, max_length=MAX_HEAD_PAIRS, fail_fast=True,
         description="Heads to ablate together, as [layer, head] pairs (0-based, each "
-        f"once; at most {MAX_HEAD_PAIRS}); required unless scan."
+        f"once; at most {MAX_HEAD_PAIRS}); required unless scan or components."
     )
+    components: list[Component] | None = Field(
+        None, min_length=1, max_length=MAX_COMPONENTS,
+        description="Components ablated together (with ``heads``, if given): heads, whole "
+        "MLPs (``hook_mlp_out``), whole attention layers (``hook_attn_out``), MLP neurons "
+        "(``mlp.hook_post[..., n]``) and directions at a hook (projection out of a unit "
+        "vector), each by ``method``. Not with scan.")
+    metric: Metric | None = Field(
+        None, description=DECLARED_METRIC_DOC.format(
+            reference="the clean, unablated run", loss_text="text's own") + " Reported "
+        "clean and ablated (``metric``); with scan and scan_metric 'metric', the scan's.")
     method: AblationMethod = Field(
         "zero", description="'zero': z set to 0 (TransformerLens hook_z); 'mean': z replaced by "
         "its mean over the text's positions, or over reference_texts' positions; 'resample': z "
@@ -157,7 +242,8 @@ class AblateRequest(TensorOptions):
     )
     scan_metric: ScanMetric = Field(
         "loss", description="scan: 'loss' = mean loss at positions; 'kl' = mean KL(clean ‖ "
-        "ablated) over positions; 'logit_diff' (needs logit_diff)."
+        "ablated) over positions; 'logit_diff' (needs logit_diff); 'metric' (the declared "
+        "``metric``)."
     )
 
     @model_validator(mode="after")
@@ -165,10 +251,13 @@ class AblateRequest(TensorOptions):
         one_input(self, "text")
         one_input(self, "reference_texts", required=False)
         one_input(self, "resample_text", required=False)
-        if self.scan and self.heads is not None:
-            raise ValueError("scan ablates every head alone: leave heads null")
-        if not self.scan and self.heads is None:
-            raise ValueError("heads is required (a list of [layer, head] pairs) unless scan is true")
+        if self.scan and (self.heads is not None or self.components is not None):
+            raise ValueError("scan ablates every head alone: leave heads and components null")
+        if not self.scan and self.heads is None and self.components is None:
+            raise ValueError("heads is required (a list of [layer, head] pairs) unless scan is "
+                             "true or components are given")
+        if self.scan_metric == "metric" and self.scan and self.metric is None:
+            raise ValueError("scan_metric 'metric' needs metric (a declared metric)")
         if self.heads is not None and len(self.heads) == 0:
             raise ValueError("heads must hold at least one [layer, head] pair")
         resample = "resample_text" if self.resample_text is not None else "resample_tokens"
@@ -235,9 +324,32 @@ class AblateResponse(LenientModel):
         None, description="include_patterns: patterns after the ablation [layer, head, query_pos, key_pos]."
     )
     scan: AblateScan | None = Field(None, description="scan: the effect grid.")
+    components: list[dict[str, Any]] | None = Field(
+        None, description="The components ablated (``heads`` as head components first), as "
+        "resolved: kind, layer, head / neurons / hook, and for directions the unit vector's "
+        "norm before normalising.")
+    metric: "DeclaredMetricValues | None" = Field(
+        None, description="The declared metric (if asked) on the clean and the ablated run.")
 
+
+class DeclaredMetricValues(LenientModel):
+    kind: str = Field(description="The declared metric's kind.")
+    reduce: str = Field(description="'mean' or 'sum' of its terms.")
+    clean: float = Field(description="On the clean (unablated) run.")
+    ablated: float | None = Field(None, description="On the ablated run (not in a scan).")
+    resample: float | None = Field(
+        None, description="method 'resample': on the resample text's own run.")
+    normalized: float | None = Field(
+        None, description="method 'resample': (ablated - resample) / (clean - resample), the "
+        "share of the clean behaviour kept (1 = ablating changed nothing, 0 = as far as the "
+        "resample text's run; Wang et al. 2022); null otherwise or when clean == resample.")
+
+
+AblateResponse.model_rebuild()
 
 # ------------------------------------------------------------------------ patching
+PatchHook = Literal["z", "q", "k", "v", "pattern", "resid_pre", "resid_mid", "resid_post",
+                    "attn_out", "mlp_out"]
 class PatchRequest(StrictModel):
     """Activation patching clean -> corrupted (TransformerLens ``patching``): the clean run's
     head outputs (and residual stream) patched into the corrupted run one at a time."""
@@ -258,9 +370,11 @@ class PatchRequest(StrictModel):
         None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
         description=TOKENS_DOC.format(text="corrupted_text"))
     add_bos: bool | None = add_bos_field()
-    metric: Literal["logit_diff", "loss"] = Field(
+    metric: Union[Literal["logit_diff", "loss"], Metric] = Field(
         "logit_diff", description="'logit_diff': logit[target] - logit[distractor] at "
-        "logit_diff.position; 'loss': mean loss of the clean text's next tokens at positions."
+        "logit_diff.position; 'loss': mean loss of the clean text's next tokens at positions; "
+        "or " + DECLARED_METRIC_DOC.format(reference="the clean run", loss_text="clean "
+                                           "text's")
     )
     logit_diff: LogitDiffOptions | None = Field(None, description="Metric 'logit_diff': the tokens.")
     positions: list[Index] | None = Field(
@@ -275,7 +389,27 @@ class PatchRequest(StrictModel):
     )
     per_position: bool = Field(False, description="Also the [layer, head, pos] grid (one position patched at a time).")
     residual: bool = Field(False, description="Also residual-stream patching [layer, pos] (resid_pre; exact only).")
-
+    hook: PatchHook | None = Field(
+        None, description="Patch at this hook of every layer instead -> ``grid`` shaped as "
+        "TransformerLens 4.3's ``get_act_patch_*`` returns it: 'resid_pre' / 'resid_mid' / "
+        "'resid_post' / 'attn_out' / 'mlp_out' ``[layer, pos]`` (one position patched at a "
+        "time); 'z' / 'q' / 'k' / 'v' ``[layer, head]`` (one head at every position) or, "
+        "``by_position``, ``[layer, pos, head]``; 'pattern' ``[layer, head]`` or ``[layer, "
+        "head, dest_pos]``. Null: the head grid ``heads`` (z) as before.")
+    by_position: bool = Field(
+        False, description="hook 'z'/'q'/'k'/'v'/'pattern': one (position, head) cell at a time "
+        "(TL ``..._by_pos``). Position hooks are always by position.")
+    patch_layers: list[Index] | None = Field(
+        None, max_length=MAX_POSITIONS, fail_fast=True,
+        description="hook: the layers computed (each once); the others' cells are null. Null = "
+        "all.")
+    patch_heads: list[Index] | None = Field(
+        None, max_length=MAX_POSITIONS, fail_fast=True,
+        description="hook with a head axis: the heads computed; the others' cells are null.")
+    patch_positions: list[Index] | None = Field(
+        None, max_length=MAX_POSITIONS, fail_fast=True,
+        description="hook: by position (and position hooks), the positions computed (others "
+        "null); for a head's all-position patch, the positions patched together. Null = all.")
     @model_validator(mode="after")
     def _consistent(self):
         one_input(self, "clean_text")
@@ -284,6 +418,19 @@ class PatchRequest(StrictModel):
             raise ValueError("metric 'logit_diff' needs logit_diff {target, distractor}")
         if self.metric != "loss" and self.positions is not None:
             raise ValueError("positions applies to metric 'loss' only")
+        if not isinstance(self.metric, str) and self.logit_diff is not None:
+            raise ValueError("logit_diff applies to metric 'logit_diff' only (a declared metric "
+                             "names its tokens in its terms)")
+        if self.hook is not None and (self.per_position or self.residual):
+            raise ValueError("per_position and residual belong to the head grid: with hook, use "
+                             "by_position (or hook 'resid_pre')")
+        if self.hook is None:
+            for f in ("patch_layers", "patch_heads", "patch_positions"):
+                if getattr(self, f) is not None:
+                    raise ValueError(f"{f} selects cells of a hook's grid: give hook")
+            if self.by_position:
+                raise ValueError("by_position applies to a hook's grid: give hook (or use "
+                                 "per_position for the head grid)")
         if self.residual and self.method == "attribution":
             raise ValueError("residual patching is exact only (method 'exact')")
         return self
@@ -294,16 +441,19 @@ class PatchResponse(LenientModel):
     add_bos: bool = add_bos_echo()
     clean_tokens: list[Token] = Field(description="The clean text's tokens.")
     corrupted_tokens: list[Token] = Field(description="The corrupted text's tokens (same count).")
-    metric: Literal["logit_diff", "loss"] = Field(description="The metric, as requested.")
+    metric: str = Field(description="The metric's kind, as requested ('logit_diff', 'loss', "
+                        "or a declared metric's kind).")
     method: Literal["exact", "attribution"] = Field(description="The method, as requested.")
     logit_diff: LogitDiff | None = Field(None, description="The metric's tokens and position.")
     clean_value: float = Field(description="The metric on the clean run.")
     corrupted_value: float = Field(description="The metric on the corrupted run.")
-    heads: list[list[float | None]] = Field(
-        description="[layer][head]: normalised metric (patched - corrupted) / (clean - "
-        "corrupted) with that head's z patched at every position; null when clean == corrupted."
-    )
-    heads_raw: list[list[float | None]] = Field(description="[layer][head]: the patched metric itself.")
+    heads: list[list[float | None]] | None = Field(
+        None, description="[layer][head]: normalised metric (patched - corrupted) / (clean - "
+        "corrupted) with that head's z patched at every position; null when clean == corrupted. "
+        "Null when hook is given (see grid).")
+    heads_raw: list[list[float | None]] | None = Field(
+        None, description="[layer][head]: the patched metric itself.")
+    grid: "PatchGrid | None" = Field(None, description="hook: the grid at that hook.")
     heads_per_position: list[list[list[float | None]]] | None = Field(
         None, description="per_position: [layer][head][pos] normalised."
     )
@@ -313,3 +463,23 @@ class PatchResponse(LenientModel):
     approximation: str | None = Field(
         None, description="method 'attribution': what the numbers are (a linear approximation)."
     )
+
+
+class PatchGrid(LenientModel):
+    hook: str = Field(description="The hook, as requested ('z', 'q', ..., 'resid_pre').")
+    hook_name: str = Field(description="Its TransformerLens name, ``blocks.{layer}.<suffix>``.")
+    function: str = Field(description="The TransformerLens 4.3 ``patching`` function whose "
+                          "result this grid equals (same metric, same axes).")
+    axes: list[str] = Field(description="The grid's axes, TL's order, e.g. ['layer', 'pos', "
+                            "'head'].")
+    shape: list[int] = Field(description="Their sizes.")
+    raw: list[Any] = Field(description="Nested lists in ``axes`` order: the patched run's metric "
+                           "(exact) or corrupted + sum grad * (clean - corrupted) (attribution); "
+                           "null for cells not computed (patch_layers / heads / positions).")
+    normalized: list[Any] = Field(description="(raw - corrupted) / (clean - corrupted) per cell "
+                                  "(0 = no change, 1 = the clean value restored; Wang et al. "
+                                  "2022; Heimersheim & Nanda 2024); null where undefined.")
+    n_forwards: int = Field(description="Patched forwards run for the grid (0 for attribution).")
+
+
+PatchResponse.model_rebuild()

@@ -350,8 +350,11 @@ export interface paths {
         /**
          * The resident model
          * @description Identity and shape of the resident model: id, revision, architecture, causal or not,
-         *     n_layers, n_heads, d_model, d_head, n_ctx, vocab size, device, dtype, and whether the
-         *     bundled checkpoint was loaded as a fallback for the requested model.
+         *     n_layers, n_heads, n_kv_heads, d_model, d_head, n_ctx, vocab size, device, dtype, and whether the
+         *     bundled checkpoint was loaded as a fallback for the requested model; ``attention``: how the
+         *     family builds attention (positions learned or rotary, rotary_dim/fraction, rope theta and
+         *     scaling, key/value heads and the query-head -> key/value-head map, sliding windows per layer,
+         *     attention and final logit soft-caps, norm kind, parallel residual, q/k/v bias, scaling).
          */
         get: operations["model_v1_model_get"];
         put?: never;
@@ -675,6 +678,11 @@ export interface components {
              */
             add_bos?: boolean | null;
             /**
+             * Components
+             * @description Components ablated together (with ``heads``, if given): heads, whole MLPs (``hook_mlp_out``), whole attention layers (``hook_attn_out``), MLP neurons (``mlp.hook_post[..., n]``) and directions at a hook (projection out of a unit vector), each by ``method``. Not with scan.
+             */
+            components?: (components["schemas"]["HeadComponent"] | components["schemas"]["MLPComponent"] | components["schemas"]["AttnComponent"] | components["schemas"]["NeuronComponent"] | components["schemas"]["DirectionComponent"])[] | null;
+            /**
              * Dtype
              * @description Element type for encoding 'base64' (ignored for 'json').
              * @default float32
@@ -690,7 +698,7 @@ export interface components {
             encoding?: "json" | "base64";
             /**
              * Heads
-             * @description Heads to ablate together, as [layer, head] pairs (0-based, each once; at most 16384); required unless scan.
+             * @description Heads to ablate together, as [layer, head] pairs (0-based, each once; at most 16384); required unless scan or components.
              */
             heads?: number[][] | null;
             /**
@@ -715,6 +723,11 @@ export interface components {
              * @enum {string}
              */
             method?: "zero" | "mean" | "resample";
+            /**
+             * Metric
+             * @description A declared metric (/v1/run's: logit_diff / prob / logprob / loss / kl with their terms, reduce 'mean' or 'sum'), read on each run alone: every term's ``prompt`` is null or 0 (the run measured); a 'kl' term names two runs, 0 = the run measured and 1 = the reference run (the clean, unablated run): ``prompt`` 1, ``reference_prompt`` 0 is KL(P_reference ‖ P_run). A 'loss' term's target is the text's own token at position + 1. Positions negative from the end. Reported clean and ablated (``metric``); with scan and scan_metric 'metric', the scan's.
+             */
+            metric?: (components["schemas"]["LogitDiffMetric"] | components["schemas"]["ProbMetric"] | components["schemas"]["LogProbMetric"] | components["schemas"]["LossMetric"] | components["schemas"]["KLMetric"]) | null;
             /**
              * Positions
              * @description Positions to report / score (each < token count, once; at most 131072); null = all.
@@ -753,11 +766,11 @@ export interface components {
             scan?: boolean;
             /**
              * Scan Metric
-             * @description scan: 'loss' = mean loss at positions; 'kl' = mean KL(clean ‖ ablated) over positions; 'logit_diff' (needs logit_diff).
+             * @description scan: 'loss' = mean loss at positions; 'kl' = mean KL(clean ‖ ablated) over positions; 'logit_diff' (needs logit_diff); 'metric' (the declared ``metric``).
              * @default loss
              * @enum {string}
              */
-            scan_metric?: "loss" | "kl" | "logit_diff";
+            scan_metric?: "loss" | "kl" | "logit_diff" | "metric";
             /**
              * Text
              * @description The text to run (or tokens).
@@ -783,6 +796,13 @@ export interface components {
              * @default false
              */
             add_bos?: boolean;
+            /**
+             * Components
+             * @description The components ablated (``heads`` as head components first), as resolved: kind, layer, head / neurons / hook, and for directions the unit vector's norm before normalising.
+             */
+            components?: {
+                [key: string]: unknown;
+            }[] | null;
             /**
              * Heads
              * @description The heads ablated together (null in a scan).
@@ -811,6 +831,8 @@ export interface components {
              * @enum {string}
              */
             method: "zero" | "mean" | "resample";
+            /** @description The declared metric (if asked) on the clean and the ablated run. */
+            metric?: components["schemas"]["DeclaredMetricValues"] | null;
             model: components["schemas"]["ModelRef"];
             /**
              * Patterns
@@ -854,7 +876,7 @@ export interface components {
              * @description The scan metric, as requested.
              * @enum {string}
              */
-            metric: "loss" | "kl" | "logit_diff";
+            metric: "loss" | "kl" | "logit_diff" | "metric";
         } & {
             [key: string]: unknown;
         };
@@ -947,6 +969,91 @@ export interface components {
              * @description ``[d]``: d = the hook's last axis (d_model, d_head, d_mlp, key_pos or 1).
              */
             vector: components["schemas"]["Base64Input"] | number[] | number[][] | number[][][] | number[][][][] | number[][][][][];
+        };
+        /**
+         * AttentionFacts
+         * @description How the resident model's attention is built (what changes a pattern's definition).
+         */
+        AttentionFacts: {
+            /**
+             * Attn Logit Softcap
+             * @description Attention logit soft-cap c (Gemma 2: scores -> c * tanh(scores / c) before the mask); null without.
+             */
+            attn_logit_softcap?: number | null;
+            /**
+             * Final Logit Softcap
+             * @description Final logit soft-cap (Gemma 2: logits -> c * tanh(logits / c)); null without.
+             */
+            final_logit_softcap?: number | null;
+            /**
+             * Kv Head Of Query Head
+             * @description For query head h, the key/value head it reads: h // (n_heads // n_kv_heads) (Hugging Face's repeat_kv). Recorded k/v (and hook_k/hook_v) are on the key/value heads.
+             */
+            kv_head_of_query_head: number[];
+            /**
+             * N Kv Heads
+             * @description Key/value heads per layer (= n_heads without grouped-query attention).
+             */
+            n_kv_heads: number;
+            /**
+             * Norm
+             * @description Normalisation: 'layernorm', 'rmsnorm' (x / rms(x) * w) or 'rmsnorm_1p' (Gemma: x / rms(x) * (1 + w)).
+             */
+            norm: string;
+            /**
+             * Parallel Residual
+             * @description Attention and MLP read the same residual stream and are added together (GPT-NeoX use_parallel_residual).
+             */
+            parallel_residual: boolean;
+            /**
+             * Positions
+             * @description 'learned_absolute' (GPT-2, BERT: position embeddings added to the input) or 'rotary' (RoPE, Su et al. 2021: q and k rotated by position inside each attention layer; served q/k are after rotary).
+             */
+            positions: string;
+            /**
+             * Qkv Bias
+             * @description The q/k/v projections have biases.
+             */
+            qkv_bias: boolean;
+            /**
+             * Rope Scaling
+             * @description The config's rope parameters beyond theta (rope_type, factor, ...) when not the default rope; null otherwise.
+             */
+            rope_scaling?: {
+                [key: string]: unknown;
+            } | null;
+            /**
+             * Rope Theta
+             * @description RoPE base theta; null without rotary.
+             */
+            rope_theta?: number | null;
+            /**
+             * Rotary Dim
+             * @description Dimensions of each head that rotate (the first rotary_dim of d_head; the rest pass); null without rotary.
+             */
+            rotary_dim?: number | null;
+            /**
+             * Rotary Fraction
+             * @description rotary_dim / d_head (GPT-NeoX's rotary_pct, e.g. 0.25); null without rotary.
+             */
+            rotary_fraction?: number | null;
+            /**
+             * Scaling
+             * @description Per layer, the q.k multiplier (1/sqrt(d_head); GPT-2 may divide by layer+1; Gemma 2: query_pre_attn_scalar**-0.5).
+             */
+            scaling: number[];
+            /**
+             * Sliding Window
+             * @description Largest sliding key window of any layer (a query sees its `window` latest keys, itself included); null when every layer attends to all earlier keys.
+             */
+            sliding_window?: number | null;
+            /**
+             * Sliding Window Layers
+             * @description Per layer, its sliding window or null (full attention); null when no layer has one (Mistral: every layer; Gemma 2: alternate layers).
+             */
+            sliding_window_layers?: (number | null)[] | null;
+        } & {
+            [key: string]: unknown;
         };
         /**
          * AttentionRequest
@@ -1085,6 +1192,23 @@ export interface components {
             tokens: components["schemas"]["Token"][];
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * AttnComponent
+         * @description A whole attention layer: its output ``blocks.{layer}.hook_attn_out`` ``[pos, d_model]``
+         *     (every head and b_O).
+         */
+        AttnComponent: {
+            /**
+             * @description 'attn'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "attn";
+            /**
+             * Layer
+             * @description The attention layer (0-based).
+             */
+            layer: number;
         };
         /**
          * Base64Input
@@ -1417,6 +1541,70 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /** DeclaredMetricValues */
+        DeclaredMetricValues: {
+            /**
+             * Ablated
+             * @description On the ablated run (not in a scan).
+             */
+            ablated?: number | null;
+            /**
+             * Clean
+             * @description On the clean (unablated) run.
+             */
+            clean: number;
+            /**
+             * Kind
+             * @description The declared metric's kind.
+             */
+            kind: string;
+            /**
+             * Normalized
+             * @description method 'resample': (ablated - resample) / (clean - resample), the share of the clean behaviour kept (1 = ablating changed nothing, 0 = as far as the resample text's run; Wang et al. 2022); null otherwise or when clean == resample.
+             */
+            normalized?: number | null;
+            /**
+             * Reduce
+             * @description 'mean' or 'sum' of its terms.
+             */
+            reduce: string;
+            /**
+             * Resample
+             * @description method 'resample': on the resample text's own run.
+             */
+            resample?: number | null;
+        } & {
+            [key: string]: unknown;
+        };
+        /**
+         * DirectionComponent
+         * @description A direction at a hook: the component of each vector of the hook's last axis along the
+         *     unit vector ``u = vector / |vector|`` is removed (zero: ``x - (x . u) u``, projection out),
+         *     or set to its mean ``x - (x . u) u + mean(x . u) u`` (mean over the text's or the
+         *     reference texts' positions) or to the resample text's ``(x_r . u) u``.
+         */
+        DirectionComponent: {
+            /**
+             * Hook
+             * @description A per-layer TransformerLens hook name (``blocks.3.hook_resid_post``, ``blocks.0.attn.hook_z``, ``blocks.1.mlp.hook_post``, ...), not the pattern or scores.
+             */
+            hook: string;
+            /**
+             * @description 'direction'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "direction";
+            /**
+             * Positions
+             * @description Positions where the direction is ablated (each once); null = all.
+             */
+            positions?: number[] | null;
+            /**
+             * Vector
+             * @description The direction: as many entries as the hook's last axis (d_model, d_mlp, d_head); normalised to unit length (a zero vector is 422).
+             */
+            vector: number[];
+        };
         /** ErrorBody */
         ErrorBody: {
             /**
@@ -1507,6 +1695,27 @@ export interface components {
             qk_singular_values: number[];
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * HeadComponent
+         * @description An attention head: its output z (``blocks.{layer}.attn.hook_z[:, :, head]``).
+         */
+        HeadComponent: {
+            /**
+             * Head
+             * @description The head (0-based).
+             */
+            head: number;
+            /**
+             * @description 'head'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "head";
+            /**
+             * Layer
+             * @description The head's layer (0-based).
+             */
+            layer: number;
         };
         /** HeadDiff */
         HeadDiff: {
@@ -1905,6 +2114,11 @@ export interface components {
              * @description The request's heads, as given ([layer, head] pairs); null = every head.
              */
             selected_heads?: number[][] | null;
+            /**
+             * Sink Is Bos
+             * @description Per text, whether the token at sink_position is the tokenizer's BOS token (false with add_bos false, for a tokenizer without BOS such as Qwen2's, and for encoders: then the sink scores measure attention to the text's first token, which the model may or may not use as a sink).
+             */
+            sink_is_bos?: boolean[];
             /**
              * Sink Position
              * @description The key position the sink scores measure: 0 (BOS with add_bos, [CLS] for encoders, else the text's first token).
@@ -2738,6 +2952,22 @@ export interface components {
             [key: string]: unknown;
         };
         /**
+         * MLPComponent
+         * @description A whole MLP layer: its output ``blocks.{layer}.hook_mlp_out`` ``[pos, d_model]``.
+         */
+        MLPComponent: {
+            /**
+             * @description 'mlp'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "mlp";
+            /**
+             * Layer
+             * @description The MLP's layer (0-based).
+             */
+            layer: number;
+        };
+        /**
          * MLPReceiver
          * @description An MLP's input as a receiver: the residual stream entering ``blocks.{layer}.ln2``,
          *     changed for the MLP only (TransformerLens 4.3's bridge: ``blocks.{layer}.mlp.hook_in``, ln2's
@@ -2859,6 +3089,8 @@ export interface components {
              * @description Hugging Face architecture class, e.g. GPT2LMHeadModel.
              */
             architecture: string;
+            /** @description How attention is built: positions, rotary, key/value heads, sliding windows, soft-caps, norm, parallel residual. */
+            attention?: components["schemas"]["AttentionFacts"] | null;
             /**
              * Attn Implementation
              * @description Hugging Face attention implementation the model runs with ('eager': the only one that returns attention patterns).
@@ -2907,7 +3139,7 @@ export interface components {
             fallback_reason?: string | null;
             /**
              * Family
-             * @description Adapter family: 'gpt2' or 'bert'.
+             * @description Adapter family: 'gpt2', 'bert', 'llama', 'mistral', 'qwen2', 'gemma', 'gemma2' or 'gpt_neox' (Pythia).
              */
             family: string;
             /**
@@ -2925,6 +3157,11 @@ export interface components {
              * @description Attention heads per layer.
              */
             n_heads: number;
+            /**
+             * N Kv Heads
+             * @description Key/value heads per layer (fewer than n_heads under grouped-query attention).
+             */
+            n_kv_heads?: number | null;
             /**
              * N Layers
              * @description Number of transformer blocks.
@@ -2965,6 +3202,28 @@ export interface components {
             revision: string;
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * NeuronComponent
+         * @description MLP neurons: ``blocks.{layer}.mlp.hook_post[..., neuron]`` (after the activation
+         *     function), each set to 0, to its mean or to the resample text's value.
+         */
+        NeuronComponent: {
+            /**
+             * @description 'neuron'. (enum property replaced by openapi-typescript)
+             * @enum {string}
+             */
+            kind: "neuron";
+            /**
+             * Layer
+             * @description The MLP's layer (0-based).
+             */
+            layer: number;
+            /**
+             * Neurons
+             * @description Neuron indices (each < d_mlp, each once).
+             */
+            neurons: number[];
         };
         /**
          * NormsRequest
@@ -3079,6 +3338,11 @@ export interface components {
              * @default false
              */
             add_bos?: boolean;
+            /**
+             * Kv Head Of Query Head
+             * @description Grouped-query attention (fewer key/value heads than query heads): for query head h, the key/value head whose value vectors its f_h uses, h // (n_heads // n_kv_heads); f_h(x) = (x W_V^g + b_V^g) W_O^h with g that head, so the query heads of one group share ||x W_V^g|| but not W_O^h. Null without grouped-query attention.
+             */
+            kv_head_of_query_head?: number[] | null;
             model: components["schemas"]["ModelRef"];
             /** @description For a 'text' or 'tokens' request. */
             norms?: components["schemas"]["NormsResult"] | null;
@@ -3157,6 +3421,51 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /** PatchGrid */
+        PatchGrid: {
+            /**
+             * Axes
+             * @description The grid's axes, TL's order, e.g. ['layer', 'pos', 'head'].
+             */
+            axes: string[];
+            /**
+             * Function
+             * @description The TransformerLens 4.3 ``patching`` function whose result this grid equals (same metric, same axes).
+             */
+            function: string;
+            /**
+             * Hook
+             * @description The hook, as requested ('z', 'q', ..., 'resid_pre').
+             */
+            hook: string;
+            /**
+             * Hook Name
+             * @description Its TransformerLens name, ``blocks.{layer}.<suffix>``.
+             */
+            hook_name: string;
+            /**
+             * N Forwards
+             * @description Patched forwards run for the grid (0 for attribution).
+             */
+            n_forwards: number;
+            /**
+             * Normalized
+             * @description (raw - corrupted) / (clean - corrupted) per cell (0 = no change, 1 = the clean value restored; Wang et al. 2022; Heimersheim & Nanda 2024); null where undefined.
+             */
+            normalized: unknown[];
+            /**
+             * Raw
+             * @description Nested lists in ``axes`` order: the patched run's metric (exact) or corrupted + sum grad * (clean - corrupted) (attribution); null for cells not computed (patch_layers / heads / positions).
+             */
+            raw: unknown[];
+            /**
+             * Shape
+             * @description Their sizes.
+             */
+            shape: number[];
+        } & {
+            [key: string]: unknown;
+        };
         /**
          * PatchRequest
          * @description Activation patching clean -> corrupted (TransformerLens ``patching``): the clean run's
@@ -3177,6 +3486,12 @@ export interface components {
              */
             add_bos?: boolean | null;
             /**
+             * By Position
+             * @description hook 'z'/'q'/'k'/'v'/'pattern': one (position, head) cell at a time (TL ``..._by_pos``). Position hooks are always by position.
+             * @default false
+             */
+            by_position?: boolean;
+            /**
              * Clean Text
              * @description The clean prompt (the behaviour to restore); or clean_tokens.
              */
@@ -3196,6 +3511,11 @@ export interface components {
              * @description Instead of corrupted_text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
              */
             corrupted_tokens?: number[] | null;
+            /**
+             * Hook
+             * @description Patch at this hook of every layer instead -> ``grid`` shaped as TransformerLens 4.3's ``get_act_patch_*`` returns it: 'resid_pre' / 'resid_mid' / 'resid_post' / 'attn_out' / 'mlp_out' ``[layer, pos]`` (one position patched at a time); 'z' / 'q' / 'k' / 'v' ``[layer, head]`` (one head at every position) or, ``by_position``, ``[layer, pos, head]``; 'pattern' ``[layer, head]`` or ``[layer, head, dest_pos]``. Null: the head grid ``heads`` (z) as before.
+             */
+            hook?: ("z" | "q" | "k" | "v" | "pattern" | "resid_pre" | "resid_mid" | "resid_post" | "attn_out" | "mlp_out") | null;
             /** @description Metric 'logit_diff': the tokens. */
             logit_diff?: components["schemas"]["LogitDiffOptions"] | null;
             /**
@@ -3207,11 +3527,25 @@ export interface components {
             method?: "exact" | "attribution";
             /**
              * Metric
-             * @description 'logit_diff': logit[target] - logit[distractor] at logit_diff.position; 'loss': mean loss of the clean text's next tokens at positions.
+             * @description 'logit_diff': logit[target] - logit[distractor] at logit_diff.position; 'loss': mean loss of the clean text's next tokens at positions; or A declared metric (/v1/run's: logit_diff / prob / logprob / loss / kl with their terms, reduce 'mean' or 'sum'), read on each run alone: every term's ``prompt`` is null or 0 (the run measured); a 'kl' term names two runs, 0 = the run measured and 1 = the reference run (the clean run): ``prompt`` 1, ``reference_prompt`` 0 is KL(P_reference ‖ P_run). A 'loss' term's target is the clean text's token at position + 1. Positions negative from the end.
              * @default logit_diff
-             * @enum {string}
              */
-            metric?: "logit_diff" | "loss";
+            metric?: ("logit_diff" | "loss") | (components["schemas"]["LogitDiffMetric"] | components["schemas"]["ProbMetric"] | components["schemas"]["LogProbMetric"] | components["schemas"]["LossMetric"] | components["schemas"]["KLMetric"]);
+            /**
+             * Patch Heads
+             * @description hook with a head axis: the heads computed; the others' cells are null.
+             */
+            patch_heads?: number[] | null;
+            /**
+             * Patch Layers
+             * @description hook: the layers computed (each once); the others' cells are null. Null = all.
+             */
+            patch_layers?: number[] | null;
+            /**
+             * Patch Positions
+             * @description hook: by position (and position hooks), the positions computed (others null); for a head's all-position patch, the positions patched together. Null = all.
+             */
+            patch_positions?: number[] | null;
             /**
              * Per Position
              * @description Also the [layer, head, pos] grid (one position patched at a time).
@@ -3263,11 +3597,13 @@ export interface components {
              * @description The metric on the corrupted run.
              */
             corrupted_value: number;
+            /** @description hook: the grid at that hook. */
+            grid?: components["schemas"]["PatchGrid"] | null;
             /**
              * Heads
-             * @description [layer][head]: normalised metric (patched - corrupted) / (clean - corrupted) with that head's z patched at every position; null when clean == corrupted.
+             * @description [layer][head]: normalised metric (patched - corrupted) / (clean - corrupted) with that head's z patched at every position; null when clean == corrupted. Null when hook is given (see grid).
              */
-            heads: (number | null)[][];
+            heads?: (number | null)[][] | null;
             /**
              * Heads Per Position
              * @description per_position: [layer][head][pos] normalised.
@@ -3277,7 +3613,7 @@ export interface components {
              * Heads Raw
              * @description [layer][head]: the patched metric itself.
              */
-            heads_raw: (number | null)[][];
+            heads_raw?: (number | null)[][] | null;
             /** @description The metric's tokens and position. */
             logit_diff?: components["schemas"]["LogitDiff"] | null;
             /**
@@ -3288,10 +3624,9 @@ export interface components {
             method: "exact" | "attribution";
             /**
              * Metric
-             * @description The metric, as requested.
-             * @enum {string}
+             * @description The metric's kind, as requested ('logit_diff', 'loss', or a declared metric's kind).
              */
-            metric: "logit_diff" | "loss";
+            metric: string;
             model: components["schemas"]["ModelRef"];
             /**
              * Residual
@@ -3942,6 +4277,11 @@ export interface components {
              * @enum {string}
              */
             sink: "keep" | "drop";
+            /**
+             * Sliding Windows
+             * @description Per layer, the sliding key window of a model that has one (Mistral; Gemma 2 on alternate layers; null entries: full attention), else null. A windowed layer's pattern is 0 outside its window, so its discard candidates are only the keys inside it (query_pos - window < key_pos <= query_pos); rollout still reaches earlier tokens through the layers below (R_l is a product), as the model does.
+             */
+            sliding_windows?: (number | null)[] | null;
         } & {
             [key: string]: unknown;
         };

@@ -147,3 +147,73 @@ def attribution(grad_z: torch.Tensor, z_clean: torch.Tensor, z_corrupted: torch.
     prod = _f(grad_z) * (_f(z_clean) - _f(z_corrupted))  # [layer, pos, head, d_head]
     per = prod.sum(-1).transpose(1, 2)  # [layer, head, pos]
     return per if per_position else per.sum(-1)
+
+
+# ------------------------------------------------------------------ declared metrics
+#: the run roles of a declared metric's KL terms: 0 = the run measured, 1 = the reference run
+#: (the clean run of /v1/patch, the unablated run of /v1/ablate)
+RUN, REFERENCE = 0, 1
+
+
+@dataclass(frozen=True)
+class DeclaredMetric:
+    """A metric declared by a request, resolved against one prompt of T tokens.
+
+    ``kind``: 'logit_diff' | 'prob' | 'logprob' | 'loss' | 'kl'; ``terms``: per term
+    ``(position, target, distractor)`` / ``(position, target)`` / ``(position, next_id)`` /
+    ``(run_a, run_b, position)`` (KL(P_a ‖ P_b), runs :data:`RUN` / :data:`REFERENCE`), every
+    position in ``0..T-1``; ``reduce``: 'mean' (TransformerLens / IOI convention) or 'sum' of
+    the terms' values. ``positions``: the sorted distinct positions the terms read (the logits
+    a forward needs). Units: logits (logit_diff), probability in [0, 1], nats (logprob,
+    loss, kl)."""
+
+    kind: str
+    terms: tuple
+    reduce: str = "mean"
+
+    @property
+    def positions(self) -> list[int]:
+        return sorted({t[2] if self.kind == "kl" else t[0] for t in self.terms})
+
+    def values(self, logits: torch.Tensor, reference_logp: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The metric ``[batch]`` of logits ``[batch, len(positions), vocab]`` (read at
+        :attr:`positions`, in that order); ``reference_logp`` ``[len(positions), vocab]``: the
+        reference run's log-probabilities there (KL terms only). float32 at least."""
+        col = {p: i for i, p in enumerate(self.positions)}
+        lg = _f(logits)
+        if self.kind == "kl":
+            lp = log_softmax(lg)
+            ref = reference_logp.to(lp.device)[None].expand_as(lp)
+            runs = (lp, ref)
+            vals = [kl_divergence(runs[a][:, col[p]], runs[b][:, col[p]]).clamp(min=0)
+                    for a, b, p in self.terms]
+        elif self.kind == "logit_diff":
+            vals = [lg[:, col[p], t] - lg[:, col[p], d] for p, t, d in self.terms]
+        else:
+            lp = log_softmax(lg)
+            vals = [lp[:, col[t[0]], t[1]] for t in self.terms]
+            if self.kind == "prob":
+                vals = [v.exp() for v in vals]
+            elif self.kind == "loss":
+                vals = [-v for v in vals]
+        v = torch.stack(vals, dim=-1)
+        return v.mean(-1) if self.reduce == "mean" else v.sum(-1)
+
+
+def patch_attribution(grad: torch.Tensor, act_clean: torch.Tensor, act_corrupted: torch.Tensor,
+                      keep: Sequence[int]) -> torch.Tensor:
+    """Attribution patching at any hook (Nanda 2023; Kramár et al. 2024, AtP): the first-order
+    estimate of the metric's change when the clean activation replaces the corrupted one in
+    a cell, ``sum grad * (act_clean - act_corrupted)`` over every axis NOT in ``keep``.
+
+    ``grad``: d(metric)/d(activation) on the corrupted run, the hook's shape without batch
+    (``[pos, d_model]``, ``[pos, head, d_head]``, ``[head, query_pos, key_pos]``); the two
+    activations the same shape; ``keep``: the axes that index the grid's cells, in the
+    order the result has them (e.g. ``(1,)`` -> ``[head]``, ``(0, 1)`` -> ``[pos, head]``).
+    In the metric's units, not normalised; exact for a metric linear in the activation."""
+    prod = _f(grad) * (_f(act_clean) - _f(act_corrupted))
+    drop = [a for a in range(prod.ndim) if a not in keep]
+    out = prod.sum(dim=drop) if drop else prod
+    order = sorted(keep)
+    return out.permute([order.index(a) for a in keep]) if list(keep) != order else out

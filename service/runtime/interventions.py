@@ -332,3 +332,186 @@ def served_logits(rt, input_ids: Sequence[int]) -> torch.Tensor | None:
     except InvalidRequest:
         return None
     return hooked.run(p, _ids(input_ids, 1, p.device)).logits[0]
+
+
+# ------------------------------------------------------------------ patching at any hook
+#: /v1/patch ``hook`` -> (TL name suffix of ``blocks.{l}.<suffix>``, kind of cells):
+#: 'pos' hooks ``[batch, pos, d]`` patch one position at a time (TL ``layer_pos_patch_setter``);
+#: 'head' hooks ``[batch, pos, head, d]`` one head (all positions, or one position);
+#: 'pattern' ``[batch, head, query_pos, key_pos]`` one head (all rows, or one query row).
+PATCH_HOOKS: dict[str, tuple[str, str]] = {
+    "resid_pre": ("hook_resid_pre", "pos"),
+    "resid_mid": ("hook_resid_mid", "pos"),
+    "resid_post": ("hook_resid_post", "pos"),
+    "attn_out": ("hook_attn_out", "pos"),
+    "mlp_out": ("hook_mlp_out", "pos"),
+    "z": ("attn.hook_z", "head"),
+    "q": ("attn.hook_q", "head"),
+    "k": ("attn.hook_k", "head"),
+    "v": ("attn.hook_v", "head"),
+    "pattern": ("attn.hook_pattern", "pattern"),
+}
+
+#: the TransformerLens 4.3 ``patching`` function each (hook, by_position) grid equals
+TL_FUNCTIONS: dict[tuple[str, bool], str] = {
+    **{(h, True): f"get_act_patch_{h}" for h in ("resid_pre", "resid_mid", "attn_out",
+                                                   "mlp_out")},
+    ("resid_post", True): "(none in TransformerLens: the resid_pre setter on hook_resid_post)",
+    ("z", False): "get_act_patch_attn_head_out_all_pos",
+    ("z", True): "get_act_patch_attn_head_out_by_pos",
+    **{(h, False): f"get_act_patch_attn_head_{h}_all_pos" for h in ("q", "k", "v", "pattern")},
+    **{(h, True): f"get_act_patch_attn_head_{h}_by_pos" for h in ("q", "k", "v", "pattern")},
+}
+
+
+def patch_hook_name(hook: str, layer: int) -> str:
+    """The TL name ``blocks.{layer}.<suffix>`` of a /v1/patch ``hook``."""
+    return f"blocks.{layer}.{PATCH_HOOKS[hook][0]}"
+
+
+def patch_grid_axes(hook: str, by_position: bool) -> tuple[str, ...]:
+    """The grid's axes, TL's order: ``(layer, pos)`` for position hooks; ``(layer, head)``
+    (all positions) or ``(layer, pos, head)`` (by position) for z/q/k/v; ``(layer, head)`` or
+    ``(layer, head, dest_pos)`` for the pattern."""
+    kind = PATCH_HOOKS[hook][1]
+    if kind == "pos":
+        return ("layer", "pos")
+    if kind == "head":
+        return ("layer", "pos", "head") if by_position else ("layer", "head")
+    return ("layer", "head", "dest_pos") if by_position else ("layer", "head")
+
+
+def _cells(kind: str, by_position: bool, T: int, H: int, heads: Sequence[int] | None,
+           positions: Sequence[int] | None):
+    """The cells of one layer: ``(index in the layer's grid, mask of the hook's leading axes
+    without batch)`` pairs, as a list of grid indices and one bool mask ``[n, *lead]``."""
+    hs = list(range(H)) if heads is None else list(heads)
+    ps = list(range(T)) if positions is None else list(positions)
+    if kind == "pos":
+        idx = [(p,) for p in ps]
+        mask = torch.zeros(len(idx), T, dtype=torch.bool)
+        mask[torch.arange(len(idx)), torch.tensor(ps)] = True
+        return idx, mask
+    if kind == "head":
+        if by_position:
+            idx = [(p, h) for p in ps for h in hs]
+            mask = torch.zeros(len(idx), T, H, dtype=torch.bool)
+            n = torch.arange(len(idx))
+            mask[n, torch.tensor([p for p, _ in idx]), torch.tensor([h for _, h in idx])] = True
+        else:
+            idx = [(h,) for h in hs]
+            mask = torch.zeros(len(idx), T, H, dtype=torch.bool)
+            for i, h in enumerate(hs):
+                mask[i, ps, h] = True  # every position (or the chosen ones), together
+        return idx, mask
+    # pattern: leading axes [head, query_pos]
+    if by_position:
+        idx = [(h, d) for h in hs for d in ps]
+        mask = torch.zeros(len(idx), H, T, dtype=torch.bool)
+        n = torch.arange(len(idx))
+        mask[n, torch.tensor([h for h, _ in idx]), torch.tensor([d for _, d in idx])] = True
+    else:
+        idx = [(h,) for h in hs]
+        mask = torch.zeros(len(idx), H, T, dtype=torch.bool)
+        for i, h in enumerate(hs):
+            mask[i, h, ps] = True
+    return idx, mask
+
+
+def patch_grid_shape(rt, hook: str, by_position: bool, T: int) -> tuple[int, ...]:
+    a = rt.adapter
+    size = {"layer": a.n_layers, "pos": T, "dest_pos": T, "head": a.n_heads}
+    return tuple(size[x] for x in patch_grid_axes(hook, by_position))
+
+
+def patch_cells(rt, hook: str, by_position: bool, T: int, layers=None, heads=None,
+                positions=None) -> int:
+    """How many patched forwards (rows) a grid needs."""
+    L = len(range(rt.adapter.n_layers) if layers is None else layers)
+    idx, _ = _cells(PATCH_HOOKS[hook][1], by_position, T, rt.adapter.n_heads, heads, positions)
+    return L * len(idx)
+
+
+def hook_runs(rt, ids: Sequence[int], hooks: Sequence[str],
+              positions: Sequence[int] = (-1,)) -> hooked.RunResult:
+    """One hooked forward of one prompt from its token ids, caching ``hooks`` (TL names),
+    logits ``[1, len(positions), vocab]`` at ``positions``."""
+    p = lm_parts(rt)
+    return hooked.run(p, _ids(ids, 1, p.device), cache={h: None for h in hooks},
+                      logit_positions=list(positions))
+
+
+def hook_patch_grid(rt, clean_ids: Sequence[int], corrupted_ids: Sequence[int], hook: str,
+                    by_position: bool, metric, positions: Sequence[int],
+                    layers: Sequence[int] | None = None, heads: Sequence[int] | None = None,
+                    patch_positions: Sequence[int] | None = None, max_rows: int = 1 << 30,
+                    progress=None) -> torch.Tensor:
+    """Activation patching clean -> corrupted at any hook of :data:`PATCH_HOOKS`, equal to
+    TransformerLens 4.3's ``get_act_patch_*`` of the same name (:data:`TL_FUNCTIONS`).
+
+    The clean run caches ``blocks.*.<hook>``, the corrupted run ``blocks.*.hook_resid_pre``;
+    for each layer l the cells (one position; one head at every position; one (position,
+    head); one head's pattern, or one query row of it) are rows of hooked forwards that start
+    from the corrupted run's residual stream entering l, with ``Set`` of the clean activation
+    under a per-row mask, at most ``max_rows`` rows a forward. ``metric(logits [rows,
+    len(positions), vocab]) -> [rows]`` reads the logits at ``positions``. ``layers`` /
+    ``heads`` / ``patch_positions``: the cells computed (by position: the positions of the
+    grid; all positions: the positions patched together; null = all); the rest stay NaN.
+    ``progress(done, total)`` is called after each forward. Returns the raw metric grid
+    (float32, CPU), shaped :func:`patch_grid_shape` (axes :func:`patch_grid_axes`)."""
+    a = rt.adapter
+    L, Hn, T = a.n_layers, a.n_heads, len(clean_ids)
+    suffix, kind = PATCH_HOOKS[hook]
+    lyrs = list(range(L)) if layers is None else list(layers)
+    clean = hook_runs(rt, clean_ids, [f"blocks.{lyr}.{suffix}" for lyr in lyrs])
+    corr = hook_runs(rt, corrupted_ids, [f"blocks.{lyr}.hook_resid_pre" for lyr in lyrs])
+    idx, mask = _cells(kind, by_position, T, Hn, heads, patch_positions)
+    dev = lm_parts(rt).device
+    mask = mask.to(dev)
+    out = torch.full(patch_grid_shape(rt, hook, by_position, T), float("nan"))
+    index = torch.tensor(idx, dtype=torch.long)  # [n, k] grid indices within a layer
+    total = len(lyrs) * ((len(idx) + max_rows - 1) // max_rows)
+    done = 0
+    for layer in lyrs:
+        name = f"blocks.{layer}.{suffix}"
+        value = clean.cache[name][0]
+        resid = corr.cache[f"blocks.{layer}.hook_resid_pre"]
+        vals = []
+        for s in range(0, len(idx), max_rows):
+            m = mask[s:s + max_rows]
+            edit = hooked.Set(hook=name, value=value, mask=m)
+            run = run_variants(rt, corrupted_ids, resid.expand(m.shape[0], -1, -1), layer,
+                               [edit], positions)
+            vals.append(metric(run.logits).float().cpu())
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        v = torch.cat(vals)
+        out[(torch.full((len(idx),), layer),) + tuple(index.T)] = v
+    return out
+
+
+def hook_attribution(rt, clean_ids: Sequence[int], corrupted_ids: Sequence[int], hook: str,
+                     grad_metric, with_clean_row: bool = False):
+    """The ingredients of attribution patching at any hook of :data:`PATCH_HOOKS` (Nanda 2023;
+    Kramár et al. 2024, AtP): one clean forward caching every layer's ``blocks.{l}.<hook>``,
+    and one forward of the corrupted prompt (row 0; with ``with_clean_row`` the clean prompt
+    as row 1, for a KL term against it) caching the same hooks and differentiating
+    ``grad_metric`` (a hooked metric) with respect to them in one backward.
+
+    Returns ``(value, grads, clean, corrupted)``: the metric's value on the corrupted run (0-d)
+    and per layer lists of the gradient, the clean and the corrupted activation, each the
+    hook's shape without batch (``[pos, d_model]``, ``[pos, head, d_head]``, ``[head,
+    query_pos, key_pos]``). The analysis reduces them to cells
+    (``analysis.interventions.patch_attribution``)."""
+    p = lm_parts(rt)
+    L = p.n_layers
+    names = [patch_hook_name(hook, layer) for layer in range(L)]
+    clean = hook_runs(rt, clean_ids, names)
+    rows = [list(corrupted_ids)] + ([list(clean_ids)] if with_clean_row else [])
+    ids = torch.tensor(rows, dtype=torch.long, device=p.device)
+    res = hooked.run(p, ids, cache={n: None for n in names}, logit_positions=[-1],
+                     grad=hooked.GradRequest(metric=grad_metric, hooks=names))
+    grads = [res.grads[n][0].detach() for n in names]
+    return (res.grad_value, grads, [clean.cache[n][0] for n in names],
+            [res.cache[n][0] for n in names])

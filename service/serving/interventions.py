@@ -357,6 +357,8 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
         raise InvalidRequest(
             f"{clean} has {n_tokens(T)} and {corrupted} has {len(corr_t)}; activation "
             "patching needs the same token count (pad or reword one of them)", corrupted)
+    if req.hook is not None or not isinstance(req.metric, str):
+        return _hook_patch_plan(rt, req, clean_t, corr_t, clean)
     ids = clean_t.input_ids
     ld = None
     if req.metric == "logit_diff":
@@ -438,6 +440,238 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
         return body
 
     return Plan([clean_t] if attribution else [clean_t, corr_t], job, est, detail=detail)
+
+
+# ------------------------------------------------------------------ declared metrics
+def declared_metric(rt, m, T: int, ids, param: str) -> A.DeclaredMetric:
+    """A request's declared metric (schemas.run ``Metric``) resolved for one prompt of ``T``
+    tokens whose next tokens are ``ids`` (a loss term's target): positions in range (negative
+    from the end), token texts single tokens, ids in the vocabulary, every term's prompt
+    null/0 (a KL term's runs 0 = measured, 1 = reference); 422 naming the term otherwise."""
+    V = _vocab(rt)
+    terms = []
+    for i, t in enumerate(m.terms):
+        tp = f"{param}.terms.{i}"
+        if m.kind == "kl":
+            for f in ("prompt", "reference_prompt"):
+                if getattr(t, f) not in (0, 1):
+                    raise InvalidRequest(f"{tp}.{f}: {getattr(t, f)} is not a run here (0 = the "
+                                         "run measured, 1 = the reference run)", f"{tp}.{f}")
+        elif t.prompt not in (None, 0):
+            raise InvalidRequest(f"{tp}.prompt: {t.prompt}; each run is read alone (null or 0)",
+                                 f"{tp}.prompt")
+        if not -T <= t.position < T:
+            raise OutOfRange(f"{tp}.position = {t.position} is out of range for {n_tokens(T)} "
+                             f"(valid {-T}..{T - 1})", f"{tp}.position")
+        pos = t.position % T
+        toks = []
+        for name in ("target", "distractor"):
+            ref = getattr(t, name, None)
+            if ref is None:
+                continue
+            tid = _single_token(rt, ref, f"{tp}.{name}") if isinstance(ref, str) else int(ref)
+            if not 0 <= tid < V:
+                raise OutOfRange(f"{tp}.{name} = {tid} is out of range (token ids 0..{V - 1})",
+                                 f"{tp}.{name}")
+            toks.append(tid)
+        if m.kind == "kl":
+            terms.append((t.prompt, t.reference_prompt, pos))
+        elif m.kind == "loss":
+            if pos >= T - 1:
+                raise InvalidRequest(f"{tp}.position: {pos} has no next token (the loss at a "
+                                     f"position predicts the next; the last is {T - 2})",
+                                     f"{tp}.position")
+            terms.append((pos, int(ids[pos + 1])))
+        else:
+            terms.append((pos, *toks))
+    return A.DeclaredMetric(m.kind, tuple(terms), m.reduce)
+
+
+def _legacy_metric(rt, req, T: int, ids, clean: str) -> A.DeclaredMetric:
+    """/v1/patch's 'logit_diff' / 'loss' as a declared metric (same numbers)."""
+    if req.metric == "logit_diff":
+        tgt, dis, pos = _logit_diff_tokens(rt, req.logit_diff, T, clean)
+        return A.DeclaredMetric("logit_diff", ((pos, tgt, dis),))
+    P = [p for p in _positions(req.positions, T, "positions", clean) if p + 1 < T]
+    if not P:
+        raise InvalidRequest("metric 'loss' needs a position with a next token (not only the "
+                             "last)", "positions")
+    return A.DeclaredMetric("loss", tuple((p, int(ids[p + 1])) for p in P))
+
+
+def _hooked_metric(dm: A.DeclaredMetric):
+    """The hooked forward's metric for the gradient of attribution patching, on a batch whose
+    row 0 is the run measured and row 1 the reference (clean) run; the sign to apply (a loss
+    is the negative log-probability of the clean text's next token)."""
+    if dm.kind == "logit_diff":
+        return hooked.LogitDiff(terms=[(0, p, t, d) for p, t, d in dm.terms], reduce=dm.reduce), 1
+    if dm.kind == "prob":
+        return hooked.Prob(terms=[(0, p, t) for p, t in dm.terms], reduce=dm.reduce), 1
+    if dm.kind == "logprob":
+        return hooked.LogProb(terms=[(0, p, t) for p, t in dm.terms], reduce=dm.reduce), 1
+    if dm.kind == "loss":
+        return hooked.LogProb(terms=[(0, p, t) for p, t in dm.terms], reduce=dm.reduce), -1
+    return hooked.KL(terms=list(dm.terms), reduce=dm.reduce), 1
+
+
+def _check_sel(values, size: int, field: str, what: str) -> list[int] | None:
+    if values is None:
+        return None
+    if len(values) == 0:
+        raise InvalidRequest(f"{field} must hold at least one {what} (or be null for all)", field)
+    check_distinct(values, field)
+    for i, v in enumerate(values):
+        check_index(v, size, what, f"{field}[{i}]", f"{field}.{i}")
+    return list(values)
+
+
+#: most rows of one batch of patched forwards (the memory estimate may lower it)
+PATCH_CHUNK_BYTES = 512 << 20
+
+
+def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan:
+    """/v1/patch with ``hook`` or a declared metric: every cell of TransformerLens'
+    ``get_act_patch_*`` grid at that hook (``I.hook_patch_grid``, exact) or its attribution
+    estimate (``I.hook_attribution``), the metric raw and normalised. Without ``hook`` (a
+    declared metric on the head grid): z at every position, plus ``per_position`` /
+    ``residual`` as before."""
+    a = rt.adapter
+    T = len(clean_t)
+    ids = clean_t.input_ids
+    dm = (_legacy_metric(rt, req, T, ids, clean) if isinstance(req.metric, str)
+          else declared_metric(rt, req.metric, T, ids, "metric"))
+    P = dm.positions
+    attribution = req.method == "attribution"
+    hook = req.hook or "z"
+    kind = I.PATCH_HOOKS[hook][1]
+    if req.patch_heads is not None and kind == "pos":
+        raise InvalidRequest(f"patch_heads: hook {hook!r} has no head axis", "patch_heads")
+    layers = _check_sel(req.patch_layers, a.n_layers, "patch_layers", "layer")
+    heads = _check_sel(req.patch_heads, a.n_heads, "patch_heads", "head")
+    ppos = _check_sel(req.patch_positions, T, "patch_positions", "position")
+    grids = [(hook, req.by_position if kind != "pos" else True, "grid")]
+    if req.hook is None:  # the head grid's fields, on the declared metric
+        grids = [("z", False, "heads")]
+        if req.per_position:
+            grids.append(("z", True, "heads_per_position"))
+        if req.residual:
+            grids.append(("resid_pre", True, "residual"))
+    es = max(4, next(rt.model.parameters()).element_size())
+    if attribution:
+        est = I.variant_batch_bytes(rt, 2, T, len(P), grad=True) * 2
+        n_rows = 0
+        detail = ", plus the attribution forward and backward"
+        rows_per = 1
+    else:
+        per_row = I.variant_batch_bytes(rt, 1, T, len(P)) + es * 2 * T * a.d_model
+        limit = int(getattr(rt.settings, "max_request_bytes", 0) or 0)
+        budget = min(PATCH_CHUNK_BYTES, limit // 2) if limit else PATCH_CHUNK_BYTES
+        rows_per = max(1, budget // max(per_row, 1))
+        n_rows = sum(I.patch_cells(rt, h, b, T, layers, heads if I.PATCH_HOOKS[h][1] != "pos"
+                                   else None, ppos) for h, b, _ in grids)
+        widest = min(rows_per, max(I.patch_cells(rt, h, b, T, None, heads if I.PATCH_HOOKS[h][1]
+                                                 != "pos" else None, ppos) // a.n_layers
+                                   for h, b, _ in grids))
+        est = per_row * widest + 2 * I.variant_batch_bytes(rt, 1, T, len(P)) \
+            + es * T * a.d_model * a.n_layers * 4
+        detail = (f", plus {n_rows} patched forward rows in batches of up to {widest} (est. "
+                  f"{est} bytes)")
+    cells = sum(math.prod(I.patch_grid_shape(rt, h, b, T)) for h, b, _ in grids)
+    est += 2 * 16 * cells + 4 * 4 * cells  # the grids (float32) and their JSON numbers
+
+    def job(_forwards) -> dict:
+        p = I.lm_parts(rt)
+        ref = I.hook_runs(rt, clean_t.input_ids, [], P)
+        c_logits = _finite(ref.logits, "the model's logits hold")  # [1, P, vocab]
+        ref_logp = A.log_softmax(c_logits[0])
+        c_val = _finite(float(dm.values(c_logits, ref_logp)[0]), "the clean run's metric is")
+        k_logits = _finite(I.hook_runs(rt, corr_t.input_ids, [], P).logits,
+                           "the model's logits hold")
+        k_val = _finite(float(dm.values(k_logits, ref_logp)[0]), "the corrupted run's metric is")
+
+        def metric(lg):
+            return dm.values(lg, ref_logp)
+
+        body: dict = {
+            "model": rt.model_ref(),
+            "clean_tokens": [t.as_dict() for t in clean_t.tokens],
+            "corrupted_tokens": [t.as_dict() for t in corr_t.tokens],
+            "metric": dm.kind, "method": req.method,
+            "logit_diff": None, "clean_value": _num(c_val), "corrupted_value": _num(k_val),
+            "heads": None, "heads_raw": None, "heads_per_position": None, "residual": None,
+            "grid": None, "approximation": ATTRIBUTION_NOTE if attribution else None,
+        }
+        if req.metric == "logit_diff":
+            pos, tgt, dis = dm.terms[0]
+            body["logit_diff"] = {"target": _tokref(rt, tgt), "distractor": _tokref(rt, dis),
+                                  "position": pos, "clean": _num(c_val), "ablated": None}
+        for h, by_pos, field in grids:
+            hkind = I.PATCH_HOOKS[h][1]
+            hs = heads if hkind != "pos" else None
+            if attribution:
+                gm, sign = _hooked_metric(dm)
+                _, grads, acts_c, acts_k = I.hook_attribution(
+                    rt, clean_t.input_ids, corr_t.input_ids, h, gm,
+                    with_clean_row=dm.kind == "kl")
+                together = hkind != "pos" and not by_pos and ppos is not None
+                keep = {("pos", True): (0,), ("head", False): (1,), ("head", True): (0, 1),
+                        ("pattern", False): (0,), ("pattern", True): (0, 1)}[(hkind, by_pos)]
+                if together:  # the chosen positions patched together: their cells summed
+                    keep = (0, 1)
+                per = torch.stack([A.patch_attribution(g, c, k, keep).cpu()
+                                   for g, c, k in zip(grads, acts_c, acts_k)])
+                if together:
+                    per = (per[:, ppos].sum(1) if hkind == "head" else per[:, :, ppos].sum(2))
+                raw = k_val + sign * per
+                raw = _mask_cells(raw, hkind, by_pos, layers, hs, ppos)
+                n_fwd = 0
+            else:
+                raw = I.hook_patch_grid(rt, clean_t.input_ids, corr_t.input_ids, h, by_pos,
+                                        metric, P, layers, hs, ppos, max_rows=rows_per)
+                n_fwd = math.ceil(I.patch_cells(rt, h, by_pos, T, None, hs, ppos)
+                                  / a.n_layers / rows_per) * len(layers or range(a.n_layers))
+            computed = ~torch.isnan(raw) if (layers or hs or ppos) else None
+            if computed is not None:
+                _finite(raw[computed], "the patched metric grid holds")
+            else:
+                _finite(raw, "the patched metric grid holds")
+            normed = A.normalized(raw, c_val, k_val)
+            if field == "grid":
+                body["grid"] = {
+                    "hook": h, "hook_name": I.patch_hook_name(h, 0).replace("blocks.0.",
+                                                                            "blocks.{layer}."),
+                    "function": I.TL_FUNCTIONS[(h, by_pos)],
+                    "axes": list(I.patch_grid_axes(h, by_pos)), "shape": list(raw.shape),
+                    "raw": _grid(raw), "normalized": _grid(normed), "n_forwards": n_fwd}
+            elif field == "heads":
+                body["heads"], body["heads_raw"] = _grid(normed), _grid(raw)
+            elif field == "heads_per_position":  # [layer, pos, head] -> [layer, head, pos]
+                body["heads_per_position"] = _grid(normed.transpose(1, 2))
+            else:
+                body["residual"] = _grid(normed)
+        return body
+
+    return Plan([], job, est, detail=detail)
+
+
+def _mask_cells(raw: torch.Tensor, kind: str, by_pos: bool, layers, heads, positions):
+    """NaN outside the requested layers / heads / positions (attribution computes every cell
+    in one backward; the grid reports the ones asked, as the exact method does)."""
+    out = raw.clone()
+    axes = I.patch_grid_axes({"pos": "resid_pre", "head": "z", "pattern": "pattern"}[kind],
+                             by_pos)
+    for name, sel in (("layer", layers), ("head", heads),
+                      ("pos", positions if (kind == "pos" or by_pos) else None),
+                      ("dest_pos", positions if by_pos else None)):
+        if sel is None or name not in axes:
+            continue
+        ax = axes.index(name)
+        drop = torch.ones(out.shape[ax], dtype=torch.bool)
+        drop[list(sel)] = False
+        idx = [slice(None)] * out.ndim
+        idx[ax] = drop
+        out[tuple(idx)] = float("nan")
+    return out
 
 
 ENDPOINTS = [

@@ -1,0 +1,359 @@
+"""/v1/patch ``hook``: activation patching at every hook of the hooked forward, each grid equal
+to TransformerLens 4.3's ``get_act_patch_*`` of the same name (TransformerBridge on the same
+local weights; the metric TL's tutorials use), attribution patching at each hook equal to a
+gradient computed through TL's own hooks, declared metrics raw and normalised, cell subsets,
+and bad input. resid_mid: TL 4.3's bridge aliases ``hook_resid_mid`` to ``ln2.hook_in`` (an
+edit there reaches the MLP's input only), so its reference is an explicit loop on the bridge
+that patches the residual stream itself (HookedTransformer's meaning, the service's)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_error
+from interventions_reference import induction_ids, tl_bridge
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+pytest.importorskip("transformer_lens")
+
+SEG = 6
+
+
+@pytest.fixture(scope="module")
+def pair():
+    clean = induction_ids(0, SEG, 2)
+    other = induction_ids(100, SEG, 1)
+    corrupted = clean[: 1 + SEG] + other[1:]
+    return clean, corrupted
+
+
+@pytest.fixture(scope="module")
+def bridge(bundled_dir):
+    return tl_bridge(bundled_dir)
+
+
+@pytest.fixture(scope="module")
+def clean_cache(bridge, pair):
+    _, cache = bridge.run_with_cache(torch.tensor([pair[0]]))
+    return cache
+
+
+def _ld_request(pair, **kw):
+    clean, corrupted = pair
+    T = len(clean)
+    return {"clean_tokens": clean, "corrupted_tokens": corrupted,
+            "metric": {"kind": "logit_diff", "terms": [
+                {"position": T - 2, "target": clean[-1], "distractor": corrupted[-1]}]}, **kw}
+
+
+def _tl_metric(pair):
+    clean, corrupted = pair
+    T = len(clean)
+
+    def m(logits):
+        return logits[0, T - 2, clean[-1]] - logits[0, T - 2, corrupted[-1]]
+    return m
+
+
+def _arr(nested):
+    return np.array([[np.nan if v is None else v for v in row] if isinstance(row, list) and
+                     row and not isinstance(row[0], list) else row for row in nested], dtype=object)
+
+
+def _np(nested) -> np.ndarray:
+    def conv(x):
+        if isinstance(x, list):
+            return [conv(y) for y in x]
+        return np.nan if x is None else x
+    return np.array(conv(nested), dtype=np.float64)
+
+
+def _tl_resid_mid(bridge, corrupted, cache, metric):
+    """Residual-stream patching at resid_mid on the bridge: attn_out at position p is set so
+    that resid_mid[p] = clean resid_mid[p] (resid_mid = resid_pre + attn_out)."""
+    L, T = bridge.cfg.n_layers, len(corrupted)
+    out = torch.empty(L, T)
+    for layer in range(L):
+        for p in range(T):
+            seen = {}
+
+            def grab(x, hook):
+                seen["pre"] = x.detach().clone()
+                return x
+
+            def setter(x, hook, p=p, layer=layer):
+                x = x.clone()
+                x[:, p] = cache[f"blocks.{layer}.hook_resid_mid"][:, p] - seen["pre"][:, p]
+                return x
+            with torch.no_grad():
+                lg = bridge.run_with_hooks(torch.tensor([corrupted]), fwd_hooks=[
+                    (f"blocks.{layer}.hook_resid_pre", grab),
+                    (f"blocks.{layer}.hook_attn_out", setter)])
+            out[layer, p] = metric(lg)
+    return out
+
+
+_GAP: dict = {}
+
+
+def _tl_gap(bridge, client, pair) -> float:
+    """TL's clean gap: the largest |logit| difference between the bridge's unpatched runs and
+    Hugging Face's (which the service equals bit for bit) on the two prompts; the bound is
+    ``max(1e-5, 2 x gap)`` as for /v1/run's interventions (README, "every hook vs TL")."""
+    if "gap" not in _GAP:
+        from transformers import GPT2LMHeadModel
+
+        from attnscope.service.config import BUNDLED_MODEL_DIR
+
+        hf = GPT2LMHeadModel.from_pretrained(BUNDLED_MODEL_DIR, attn_implementation="eager")
+        with torch.no_grad():
+            _GAP["gap"] = max(float((bridge(torch.tensor([x])) - hf(
+                torch.tensor([x]), use_cache=False).logits).abs().max()) for x in pair)
+    return _GAP["gap"]
+
+
+CASES = [("z", False), ("z", True), ("q", False), ("q", True), ("k", False), ("k", True),
+         ("v", False), ("v", True), ("pattern", False), ("pattern", True), ("resid_pre", True),
+         ("resid_mid", True), ("resid_post", True), ("attn_out", True), ("mlp_out", True)]
+
+
+@pytest.mark.parametrize("hook,by_pos", CASES)
+def test_grid_equals_transformerlens(client, bridge, clean_cache, pair, hook, by_pos):
+    from transformer_lens import patching
+
+    clean, corrupted = pair
+    r = client.post("/v1/patch", json=_ld_request(pair, hook=hook, by_position=by_pos,
+                                                  add_bos=False))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    g = body["grid"]
+    ours = _np(g["raw"])
+    metric = _tl_metric(pair)
+    corr = torch.tensor([corrupted])
+    if hook == "resid_mid":
+        ref = _tl_resid_mid(bridge, corrupted, clean_cache, metric)
+    elif hook == "resid_post":
+        ref = patching.generic_activation_patch(
+            bridge, corr, clean_cache, metric, patch_setter=patching.layer_pos_patch_setter,
+            activation_name="resid_post", index_axis_names=("layer", "pos"))
+    else:
+        assert g["function"].startswith("get_act_patch_")
+        ref = getattr(patching, g["function"])(bridge, corr, clean_cache, metric)
+    ref = ref.detach().double().numpy()
+    assert ours.shape == ref.shape == tuple(g["shape"])
+    # TL's own float32 rounding: its unpatched runs differ from ours (HF bit for bit) by a
+    # gap; a cell may differ by that much twice (README "every hook vs TL")
+    gap = _tl_gap(bridge, client, pair)
+    assert np.abs(ours - ref).max() <= max(1e-5, 2 * gap), (hook, by_pos, gap,
+                                                          np.abs(ours - ref).max())
+    assert np.abs(ref).max() > 0.1  # the grid is not trivially zero
+    c, k = body["clean_value"], body["corrupted_value"]
+    assert np.allclose(_np(g["normalized"]), (ours - k) / (c - k), atol=1e-5, equal_nan=True)
+
+
+def test_resid_mid_is_not_the_bridges_mlp_input_alias(client, bridge, clean_cache, pair):
+    """The planted fault for the resid_mid reference: TL 4.3's own get_act_patch_resid_mid on
+    the bridge (an edit of ln2.hook_in, the MLP's input only) differs from the residual-stream
+    patch we serve, so the comparison above can tell the two apart."""
+    from transformer_lens import patching
+
+    r = client.post("/v1/patch", json=_ld_request(pair, hook="resid_mid", add_bos=False))
+    ours = _np(r.json()["grid"]["raw"])
+    alias = patching.get_act_patch_resid_mid(bridge, torch.tensor([pair[1]]), clean_cache,
+                                             _tl_metric(pair)).double().numpy()
+    assert np.abs(ours - alias).max() > 1e-2
+
+
+def test_planted_wrong_hook_fails(client, bridge, clean_cache, pair):
+    """A grid at q compared with TL's k grid is far off: the comparison tells hooks apart."""
+    from transformer_lens import patching
+
+    r = client.post("/v1/patch", json=_ld_request(pair, hook="q", by_position=True,
+                                                  add_bos=False))
+    ours = _np(r.json()["grid"]["raw"])
+    ref = patching.get_act_patch_attn_head_k_by_pos(bridge, torch.tensor([pair[1]]),
+                                                    clean_cache, _tl_metric(pair))
+    assert np.abs(ours - ref.double().numpy()).max() > 1e-2
+
+
+@pytest.mark.parametrize("hook,by_pos", [("z", True), ("pattern", True), ("resid_pre", True),
+                                         ("k", False), ("mlp_out", True)])
+def test_attribution_equals_gradient_through_transformerlens(client, bridge, clean_cache, pair,
+                                                              hook, by_pos):
+    """Attribution at each hook = corrupted + sum grad * (clean - corrupted), the gradient
+    taken by autograd through TL's bridge hooks on the corrupted run."""
+    from transformer_lens.utilities import get_act_name
+
+    clean, corrupted = pair
+    r = client.post("/v1/patch", json=_ld_request(pair, hook=hook, by_position=by_pos,
+                                                  method="attribution", add_bos=False))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ours = _np(body["grid"]["raw"])
+    name = {"pattern": "pattern", "z": "z", "k": "k", "resid_pre": "resid_pre",
+            "mlp_out": "mlp_out"}[hook]
+    L = bridge.cfg.n_layers
+    acts = {}
+
+    def keep(n):
+        def fn(x, hook):
+            x.retain_grad()
+            acts[n] = x
+            return x
+        return fn
+    names = [get_act_name(name, layer) for layer in range(L)]
+    lg = bridge.run_with_hooks(torch.tensor([corrupted]),
+                               fwd_hooks=[(n, keep(n)) for n in names])
+    m = _tl_metric(pair)(lg)
+    m.backward()
+    rows = []
+    for n in names:
+        prod = (acts[n].grad * (clean_cache[n] - acts[n]).detach())[0]
+        if hook in ("resid_pre", "mlp_out"):
+            rows.append(prod.sum(-1))
+        elif hook == "pattern":
+            rows.append(prod.sum(-1))  # [head, dest]
+        elif by_pos:
+            rows.append(prod.sum(-1))  # [pos, head]
+        else:
+            rows.append(prod.sum((0, 2)))  # [head]
+    ref = float(m) + torch.stack(rows).double().numpy()
+    assert ours.shape == ref.shape
+    assert np.abs(ours - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+    assert abs(body["corrupted_value"] - float(m)) <= 1e-5
+
+
+def test_subsets_equal_the_full_grid(client, pair):
+    full = _np(client.post("/v1/patch", json=_ld_request(
+        pair, hook="v", by_position=True, add_bos=False)).json()["grid"]["raw"])
+    r = client.post("/v1/patch", json=_ld_request(
+        pair, hook="v", by_position=True, add_bos=False, patch_layers=[1], patch_heads=[0, 2],
+        patch_positions=[3, 9]))
+    assert r.status_code == 200, r.text
+    sub = _np(r.json()["grid"]["raw"])
+    assert sub.shape == full.shape
+    want = np.full_like(full, np.nan)
+    for p in (3, 9):
+        for h in (0, 2):
+            want[1, p, h] = full[1, p, h]
+    assert np.array_equal(np.isnan(sub), np.isnan(want))
+    assert np.nanmax(np.abs(sub - want)) <= 1e-6
+
+
+def test_all_pos_subset_patches_the_positions_together(client, pair, bridge, clean_cache):
+    """hook z (all positions) with patch_positions: each head's z at those positions patched
+    together, equal to a TL hook loop doing the same."""
+    clean, corrupted = pair
+    ps = [8, 10, 11]
+    r = client.post("/v1/patch", json=_ld_request(pair, hook="z", add_bos=False,
+                                                  patch_positions=ps))
+    ours = _np(r.json()["grid"]["raw"])
+    L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
+    ref = np.empty((L, H))
+    for layer in range(L):
+        for h in range(H):
+            def setter(x, hook, h=h, layer=layer):
+                x = x.clone()
+                x[:, ps, h] = clean_cache[f"blocks.{layer}.attn.hook_z"][:, ps, h]
+                return x
+            with torch.no_grad():
+                lg = bridge.run_with_hooks(torch.tensor([corrupted]),
+                                           fwd_hooks=[(f"blocks.{layer}.attn.hook_z", setter)])
+            ref[layer, h] = float(_tl_metric(pair)(lg))
+    assert np.abs(ours - ref).max() <= 1e-5
+
+
+@pytest.mark.parametrize("metric", [
+    {"kind": "prob", "terms": [{"position": -2, "target": "T"}]},
+    {"kind": "logprob", "terms": [{"position": -2, "target": "T"}], "reduce": "sum"},
+    {"kind": "loss", "terms": [{"position": 7}, {"position": 9}, {"position": 11}]},
+    {"kind": "kl", "terms": [{"prompt": 1, "reference_prompt": 0, "position": -2}]},
+])
+def test_declared_metrics_equal_transformerlens(client, bridge, clean_cache, pair, metric):
+    """Declared metrics on the resid_pre grid, against TL's get_act_patch_resid_pre with the
+    same metric written on TL's logits; the normalised values from raw, clean, corrupted."""
+    from transformer_lens import patching
+
+    clean, corrupted = pair
+    T = len(clean)
+    metric = {**metric, "terms": [
+        {**t, **({"target": clean[-1]} if t.get("target") == "T" else {})}
+        for t in metric["terms"]]}
+    r = client.post("/v1/patch", json={"clean_tokens": clean, "corrupted_tokens": corrupted,
+                                       "metric": metric, "hook": "resid_pre"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    with torch.no_grad():
+        clean_lp = torch.log_softmax(bridge(torch.tensor([clean]))[0, T - 2], -1)
+
+    def tl_metric(logits):
+        lp = torch.log_softmax(logits[0], -1)
+        k = metric["kind"]
+        if k == "prob":
+            return lp[T - 2, clean[-1]].exp()
+        if k == "logprob":
+            return lp[T - 2, clean[-1]]
+        if k == "loss":
+            return -torch.stack([lp[p, clean[p + 1]] for p in (7, 9, 11)]).mean()
+        return (clean_lp.exp() * (clean_lp - lp[T - 2])).sum()
+    ref = patching.get_act_patch_resid_pre(bridge, torch.tensor([corrupted]), clean_cache,
+                                           tl_metric).double().numpy()
+    ours = _np(body["grid"]["raw"])
+    assert np.abs(ours - ref).max() <= 1e-5 * max(1, np.abs(ref).max())
+    c, k = body["clean_value"], body["corrupted_value"]
+    assert abs(c - float(tl_metric(bridge(torch.tensor([clean])).detach()))) <= 1e-5
+    if metric["kind"] == "kl":
+        assert c == 0.0 and k > 0
+    assert np.allclose(_np(body["grid"]["normalized"]), (ours - k) / (c - k), atol=1e-4)
+
+
+def test_declared_metric_without_hook_equals_legacy_head_grid(client, pair):
+    """A declared loss on the head grid (no hook) gives the legacy 'loss' request's numbers
+    (recorded forwards, z masks): heads, heads_raw, heads_per_position [layer, head, pos] and
+    residual [layer, pos]."""
+    clean, corrupted = pair
+    common = {"clean_tokens": clean, "corrupted_tokens": corrupted, "per_position": True,
+              "residual": True}
+    legacy = client.post("/v1/patch", json={**common, "metric": "loss", "positions": [7, 9, 11]})
+    declared = client.post("/v1/patch", json={**common, "metric": {
+        "kind": "loss", "terms": [{"position": p} for p in (7, 9, 11)]}})
+    assert legacy.status_code == declared.status_code == 200, declared.text
+    lg, d = legacy.json(), declared.json()
+    assert d["grid"] is None and d["metric"] == "loss"
+    assert abs(lg["clean_value"] - d["clean_value"]) <= 1e-6
+    assert abs(lg["corrupted_value"] - d["corrupted_value"]) <= 1e-6
+    for f in ("heads", "heads_raw", "heads_per_position", "residual"):
+        assert np.allclose(_np(lg[f]), _np(d[f]), atol=1e-5, equal_nan=True), f
+    assert _np(d["heads_per_position"]).shape == (2, 4, len(clean))
+
+
+def test_bad_input(client, pair):
+    clean, corrupted = pair
+    base = _ld_request(pair)
+    assert_error(client.post("/v1/patch", json={**base, "hook": "hook_nope"}), 422)
+    assert_error(client.post("/v1/patch", json={**base, "hook": "resid_pre",
+                                                "patch_heads": [0]}), 422, param="patch_heads")
+    assert_error(client.post("/v1/patch", json={**base, "hook": "z", "patch_heads": [9]}), 422,
+                 param="patch_heads.0")
+    assert_error(client.post("/v1/patch", json={**base, "hook": "z", "patch_layers": [1, 1]}),
+                 422, param="patch_layers.1")
+    assert_error(client.post("/v1/patch", json={**base, "hook": "z",
+                                                "patch_positions": [len(clean)]}),
+                 422, param="patch_positions.0")
+    assert_error(client.post("/v1/patch", json={**base, "patch_layers": [0]}), 422)
+    assert_error(client.post("/v1/patch", json={**base, "hook": "z", "per_position": True}), 422)
+    bad = {**base, "metric": {"kind": "logit_diff", "terms": [
+        {"position": 99, "target": 1, "distractor": 2}]}}
+    assert_error(client.post("/v1/patch", json=bad), 422, param="metric.terms.0.position")
+    bad = {**base, "metric": {"kind": "prob", "terms": [{"prompt": 2, "position": 1,
+                                                         "target": 1}]}}
+    assert_error(client.post("/v1/patch", json=bad), 422, param="metric.terms.0.prompt")
+    bad = {**base, "metric": {"kind": "loss", "terms": [{"position": -1}]}}
+    assert_error(client.post("/v1/patch", json=bad), 422, param="metric.terms.0.position")
+    bad = {**base, "corrupted_tokens": corrupted[:-1], "hook": "z"}
+    assert_error(client.post("/v1/patch", json=bad), 422, param="corrupted_tokens")
+    assert client.get("/healthz").status_code == 200
