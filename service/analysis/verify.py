@@ -38,8 +38,53 @@ BERT (``BertModel``; ``nn.Linear`` weights stored ``[d_out, d_in]``: ``y = x @ W
     h_{l+1} = LN(output.dense(act(intermediate.dense(a))) + a; output.LayerNorm)  # act = hidden_act
     final = h_L                                                       # no final LayerNorm
 
+Rotary families (``llama``, ``mistral``, ``qwen2``, ``gemma``, ``gemma2``: ``*Model``, weights
+``embed_tokens``, ``layers.{l}.self_attn.{q,k,v,o}_proj``, ``layers.{l}.mlp.{gate,up,down}_proj``,
+``norm``; ``gpt_neox``: ``embed_in``, ``layers.{l}.attention.query_key_value`` / ``dense``,
+``layers.{l}.mlp.dense_h_to_4h`` / ``dense_4h_to_h``, ``final_layer_norm``). ``nn.Linear``;
+a bias wherever the state dict holds one (Qwen2's q/k/v, ``attention_bias``, ``mlp_bias``)::
+
+    h_0 = embed[ids]                    (Gemma, Gemma 2: * sqrt(d_model))
+    RMS(x; w) = x / sqrt(mean(x^2) + eps) * w      (Zhang & Sennrich 2019; Gemma: * (1 + w))
+    q = x W_q^T [H, T, d_head];  k, v = x W_{k,v}^T [H_kv, T, d_head]   (GPT-NeoX: one fused
+        query_key_value whose output is [T, H, 3*d_head], q | k | v within each head)
+    RoPE (Su et al. 2021), on the first r = int(d_head * partial_rotary_factor) dims of q and k
+        (GPT-NeoX rotary_pct, Black et al. 2022), in the half-split ("rotate_half") layout:
+        for j < r/2, angle = pos * f_j, f_j = theta^(-2j/r) (rope_parameters.rope_theta):
+        (x_j, x_{j+r/2}) -> (x_j cos - x_{j+r/2} sin, x_{j+r/2} cos + x_j sin); dims >= r pass.
+        rope_type 'linear': f_j / factor; 'llama3': f_j / factor where its wavelength
+        2 pi / f_j > original_max_position_embeddings / low_freq_factor, f_j where it is
+        < original_max / high_freq_factor, else (1 - s) f_j / factor + s f_j with
+        s = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    GQA (Ainslie et al. 2023): query head h reads key/value head h // (H / H_kv) (Hugging Face's
+        repeat_kv: each kv head serves a block of consecutive query heads)
+    scores_h = q_h k_{kv(h)}^T * s      s = d_head^-0.5 (Gemma 2: query_pre_attn_scalar^-0.5)
+    soft-cap (Gemma 2, attn_logit_softcapping c): scores = c * tanh(scores / c), before the mask
+    mask: key > query hidden; sliding window w (Beltagy et al. 2020, Jiang et al. 2023): also
+        key <= query - w hidden (w keys visible, the query's own included). Per layer: Mistral
+        every layer (config.sliding_window); Qwen2 and Gemma 2 the layers whose
+        layer_types[l] == 'sliding_attention'
+    pattern = softmax(scores);  a = concat_h(pattern_h v_{kv(h)}) W_o^T
+    Llama, Mistral, Qwen2, Gemma:  r = h + a(RMS(h; input_layernorm));
+                                   h' = r + mlp(RMS(r; post_attention_layernorm))
+    Gemma 2:  r = h + RMS(a(RMS(h; input_layernorm)); post_attention_layernorm)
+              h' = r + RMS(mlp(RMS(r; pre_feedforward_layernorm)); post_feedforward_layernorm)
+    mlp(x) = down(act(gate(x)) * up(x))   (SwiGLU with silu, GeGLU with a GELU; Shazeer 2020)
+    GPT-NeoX: LN(x) as GPT-2's; mlp(x) = dense_4h_to_h(act(dense_h_to_4h(x)));
+              use_parallel_residual: h' = h + a(LN(h; input_layernorm)) + mlp(LN(h; post_attention_layernorm))
+              else r = h + a(LN(h; input_layernorm)); h' = r + mlp(LN(r; post_attention_layernorm))
+    final = RMS(h_L; norm) (GPT-NeoX: LN(h_L; final_layer_norm));  logits = final W_U^T,
+        Gemma 2 final_logit_softcapping c: c * tanh(logits / c)
+
+Float32 where Hugging Face computes the rotary angles: its rotary embedding computes
+``pos * f_j`` and the cos/sin in float32 whatever the model's dtype; here they are float64
+(a float32 served model differs by ~1 float32 ulp of the angle, ~1e-7 relative at T = 20).
+
 A config switch this recomputation does not implement (an activation without a formula here,
-``add_cross_attention``, ``position_embedding_type`` other than ``absolute``, a decoder BERT)
+``add_cross_attention``, ``position_embedding_type`` other than ``absolute``, a decoder BERT, a
+rope_type other than default/linear/llama3, rope parameters per layer type, partial rotary
+outside GPT-NeoX, a layer type other than full/sliding attention, bidirectional Gemma
+attention, kv heads that do not divide the query heads)
 raises :class:`UnsupportedModelConfig` naming the key (HTTP 422): never a pass.
 
 Comparison and tolerances. Differences are ``max |served - recomputed|``, computed in float64:
@@ -125,11 +170,15 @@ ACTIVATIONS = {
 class ScratchModel:
     """What the recomputation reads: plain data, extracted by the runtime's adapter.
 
-    ``family``: ``"gpt2"`` or ``"bert"``. ``config``: the model config as plain values
+    ``family``: ``"gpt2"``, ``"bert"`` or a rotary family (:data:`ROTARY_FAMILIES`; where the
+    adapter names the family otherwise, ``config["model_type"]`` decides). ``config``: the model
+    config as plain values
     (``PretrainedConfig.to_dict()``). ``weights``: the base model's parameters by their
     Hugging Face state-dict names without the head prefix (``"wte.weight"``,
-    ``"h.0.attn.c_attn.weight"``, ``"encoder.layer.0.attention.self.query.weight"``, ...), any
-    dtype and device; read, never written (each is cast to float64 when used).
+    ``"h.0.attn.c_attn.weight"``, ``"encoder.layer.0.attention.self.query.weight"``,
+    ``"layers.0.self_attn.q_proj.weight"``, ...) and a causal LM's ``"lm_head.weight"``
+    ``[vocab, d_model]``, any dtype and device; read, never written (each is cast to float64
+    when used).
     """
 
     family: str
@@ -158,23 +207,124 @@ class ServedForward(Protocol):
 
 
 # ------------------------------------------------------------------ support check
+#: Rotary-position families recomputed here (config ``model_type`` values).
+ROTARY_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gpt_neox")
+#: rope_type values with a formula here (Hugging Face ``rope_parameters["rope_type"]``).
+ROPE_TYPES = ("default", "linear", "llama3")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def family_of(m: ScratchModel) -> str:
+    """The architecture the recomputation follows: ``m.family`` for GPT-2 and BERT, else the
+    config's ``model_type`` where it is a rotary family (an adapter may call Mistral
+    ``llama``), else ``m.family``."""
+    if m.family in ("gpt2", "bert"):
+        return m.family
+    mt = m.config.get("model_type")
+    return mt if mt in ROTARY_FAMILIES else m.family
+
+
+def _refuse(key, value, what):
+    raise UnsupportedModelConfig(
+        f"the from-scratch verification does not implement config.{key} = {value!r} "
+        f"({what}); mode 'recorded_qkv' still checks the attention step", "mode")
+
+
+def rope_parameters(c: Mapping[str, object]) -> dict:
+    """The config's rotary parameters as one flat dict (``rope_type``, ``rope_theta``,
+    ``partial_rotary_factor`` and the scaling keys): transformers 5's ``rope_parameters``, else
+    the older ``rope_scaling`` / ``rope_theta`` / ``rotary_emb_base`` / ``rotary_pct`` keys.
+    Raises :class:`UnsupportedModelConfig` for rope parameters per layer type."""
+    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if not isinstance(rp, Mapping) or any(isinstance(v, Mapping) for v in rp.values()):
+        _refuse("rope_parameters", rp, "rotary parameters per layer type")
+    out = dict(rp)
+    out["rope_type"] = rp.get("rope_type", rp.get("type", "default")) or "default"
+    theta = rp.get("rope_theta", c.get("rope_theta", c.get("rotary_emb_base", 10000.0)))
+    out["rope_theta"] = float(theta)
+    prf = rp.get("partial_rotary_factor",
+                 c.get("partial_rotary_factor", c.get("rotary_pct", 1.0)))
+    out["partial_rotary_factor"] = float(1.0 if prf is None else prf)
+    return out
+
+
+def head_dim(m: ScratchModel) -> int:
+    """d_head: the config's ``head_dim`` (Gemma: not d_model / H), else d_model / H
+    (GPT-NeoX always d_model / H, as Hugging Face's ``head_size``)."""
+    c = m.config
+    d_model = int(c.get("n_embd") or c.get("hidden_size"))
+    if family_of(m) in ROTARY_FAMILIES and family_of(m) != "gpt_neox" and c.get("head_dim"):
+        return int(c["head_dim"])
+    return d_model // m.n_heads
+
+
+def n_kv_heads(m: ScratchModel) -> int:
+    """Key/value heads (grouped-query attention): ``num_key_value_heads``, default H."""
+    if family_of(m) not in ROTARY_FAMILIES or family_of(m) == "gpt_neox":
+        return m.n_heads
+    return int(m.config.get("num_key_value_heads") or m.n_heads)
+
+
+def kv_head_map(m: ScratchModel) -> list[int]:
+    """For each query head h the key/value head it reads: ``h // (H / H_kv)`` (Hugging Face's
+    ``repeat_kv``, = ``repeat_interleave`` over the kv heads; Ainslie et al. 2023)."""
+    rep = m.n_heads // n_kv_heads(m)
+    return [h // rep for h in range(m.n_heads)]
+
+
+def rotary_dim(m: ScratchModel) -> int:
+    """Rotated dims per head: ``int(d_head * partial_rotary_factor)`` (GPT-NeoX ``rotary_pct``;
+    the other families rotate every dim)."""
+    return int(head_dim(m) * rope_parameters(m.config)["partial_rotary_factor"])
+
+
+def rope_inv_freq(m: ScratchModel, device=None) -> torch.Tensor:
+    """The rotary inverse frequencies ``f_j`` ``[rotary_dim / 2]`` float64 (formula: module
+    docstring; rope_type default / linear / llama3; Su et al. 2021)."""
+    rp = rope_parameters(m.config)
+    r = rotary_dim(m)
+    f = 1.0 / rp["rope_theta"] ** (torch.arange(0, r, 2, dtype=torch.float64, device=device) / r)
+    kind = rp["rope_type"]
+    if kind == "linear":
+        f = f / float(rp["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(rp["factor"]), float(rp["low_freq_factor"]), float(rp["high_freq_factor"])
+        old = float(rp.get("original_max_position_embeddings")
+                    or m.config.get("max_position_embeddings"))
+        wavelen = 2 * math.pi / f
+        smooth = (old / wavelen - lo) / (hi - lo)
+        f = torch.where(wavelen > old / lo, f / factor,
+                        torch.where(wavelen < old / hi, f, (1 - smooth) * f / factor + smooth * f))
+    return f
+
+
+def layer_windows(m: ScratchModel) -> list[int | None]:
+    """Per layer the sliding window w (``key > query - w`` visible) or None (full causal):
+    Mistral ``sliding_window`` on every layer; Qwen2, Gemma 2 where ``layer_types[l] ==
+    'sliding_attention'``; the other families none."""
+    c, fam, L = m.config, family_of(m), m.n_layers
+    w = c.get("sliding_window")
+    if fam == "mistral":
+        return [int(w) if w else None] * L
+    if fam in ("qwen2", "gemma2"):
+        types = c.get("layer_types") or ["full_attention"] * L
+        return [int(w) if t == "sliding_attention" and w else None for t in types[:L]]
+    return [None] * L
+
+
 def check_supported(m: ScratchModel) -> None:
     """Raise :class:`UnsupportedModelConfig` (422) naming the first config switch the
     recomputation does not implement; return None when every switch is implemented."""
     c = m.config
-
-    def refuse(key, value, what):
-        raise UnsupportedModelConfig(
-            f"the from-scratch verification does not implement config.{key} = {value!r} "
-            f"({what}); mode 'recorded_qkv' still checks the attention step", "mode")
-
-    if m.family == "gpt2":
+    refuse = _refuse
+    fam = family_of(m)
+    if fam == "gpt2":
         act = c.get("activation_function", "gelu_new")
         if act not in ACTIVATIONS:
             refuse("activation_function", act, f"implemented: {sorted(ACTIVATIONS)}")
         if c.get("add_cross_attention"):
             refuse("add_cross_attention", True, "cross-attention blocks")
-    elif m.family == "bert":
+    elif fam == "bert":
         act = c.get("hidden_act", "gelu")
         if not isinstance(act, str) or act not in ACTIVATIONS:
             refuse("hidden_act", act, f"implemented: {sorted(ACTIVATIONS)}")
@@ -185,18 +335,50 @@ def check_supported(m: ScratchModel) -> None:
             refuse("is_decoder", True, "a causal BERT decoder")
         if c.get("add_cross_attention"):
             refuse("add_cross_attention", True, "cross-attention blocks")
+    elif fam in ROTARY_FAMILIES:
+        key = "hidden_activation" if fam == "gemma2" else "hidden_act"
+        act = c.get(key) or (c.get("hidden_act") if fam == "gemma2" else None)
+        if not isinstance(act, str) or act not in ACTIVATIONS:
+            refuse(key, act, f"implemented: {sorted(ACTIVATIONS)}")
+        rp = rope_parameters(c)
+        if rp["rope_type"] not in ROPE_TYPES:
+            refuse("rope_parameters.rope_type", rp["rope_type"], f"implemented: {list(ROPE_TYPES)}")
+        for k in {"linear": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(rp["rope_type"], ()):
+            if not isinstance(rp.get(k), (int, float)):
+                refuse(f"rope_parameters.{k}", rp.get(k), f"rope_type {rp['rope_type']!r} needs a number")
+        if fam != "gpt_neox" and rp["partial_rotary_factor"] != 1.0:
+            refuse("rope_parameters.partial_rotary_factor", rp["partial_rotary_factor"],
+                   f"partial rotary is GPT-NeoX's only; {fam} rotates every dim")
+        r = rotary_dim(m)
+        if r % 2 or not 0 < r <= head_dim(m):
+            refuse("rope_parameters.partial_rotary_factor", rp["partial_rotary_factor"],
+                   f"rotary dim {r} of d_head {head_dim(m)} must be even and positive")
+        H_kv = n_kv_heads(m)
+        if H_kv <= 0 or m.n_heads % H_kv:
+            refuse("num_key_value_heads", H_kv, f"must divide num_attention_heads = {m.n_heads}")
+        if fam in ("qwen2", "gemma2"):
+            bad = [t for t in (c.get("layer_types") or []) if t not in _LAYER_TYPES]
+            if bad:
+                refuse("layer_types", bad[0], f"implemented: {list(_LAYER_TYPES)}")
+        if fam in ("gemma", "gemma2") and c.get("use_bidirectional_attention"):
+            refuse("use_bidirectional_attention", True, "bidirectional Gemma attention")
+        if c.get("add_cross_attention"):
+            refuse("add_cross_attention", True, "cross-attention blocks")
     else:
-        refuse("model_type", m.family, "implemented: gpt2, bert")
+        refuse("model_type", m.family, f"implemented: gpt2, bert, {', '.join(ROTARY_FAMILIES)}")
 
 
 def layer_scale(m: ScratchModel, layer: int) -> float:
     """The q.k multiplier of ``layer`` the config implies (GPT-2: 1/sqrt(d_head) when
     ``scale_attn_weights``, else 1, divided by layer+1 when ``scale_attn_by_inverse_layer_idx``;
-    BERT: 1/sqrt(d_head))."""
-    d_model = int(m.config.get("n_embd") or m.config.get("hidden_size"))
-    d_head = d_model // m.n_heads
-    if m.family == "bert":
-        return d_head ** -0.5
+    BERT and the rotary families: 1/sqrt(d_head); Gemma 2: ``query_pre_attn_scalar^-0.5``)."""
+    fam = family_of(m)
+    if fam == "gemma2":
+        return float(m.config.get("query_pre_attn_scalar") or head_dim(m)) ** -0.5
+    if fam == "bert" or fam in ROTARY_FAMILIES:
+        return head_dim(m) ** -0.5
+    d_head = head_dim(m)
     s = d_head ** -0.5 if m.config.get("scale_attn_weights", True) else 1.0
     if m.config.get("scale_attn_by_inverse_layer_idx", False):
         s /= float(layer + 1)
@@ -210,12 +392,16 @@ class LayerState:
 
     layer: int
     scale: float
-    q: torch.Tensor  # [head, pos, d_head]
-    k: torch.Tensor
-    v: torch.Tensor
+    q: torch.Tensor  # [head, pos, d_head], the projection's output (before RoPE)
+    k: torch.Tensor  # [kv_head, pos, d_head] (kv_head = head without GQA), before RoPE
+    v: torch.Tensor  # [kv_head, pos, d_head]
     pattern: torch.Tensor  # [head, query_pos, key_pos]
     attn_output: torch.Tensor  # [pos, d_model], after the output projection, pre-residual
     output: torch.Tensor  # [pos, d_model], the block's output (hidden state layer+1)
+    q_rot: torch.Tensor | None = None  # [head, pos, d_head] after RoPE (None: absolute positions)
+    k_rot: torch.Tensor | None = None  # [kv_head, pos, d_head] after RoPE
+    window: int | None = None  # the sliding window of this layer (None: full causal / bidirectional)
+    softcap: float | None = None  # the attention-logit soft-cap of this layer (Gemma 2)
 
 
 @dataclass
@@ -227,6 +413,8 @@ class Recomputation:
     layers: Iterator[LayerState]
     mask: str  # "causal" or "bidirectional"
     final: list = field(default_factory=list)  # [final_state [pos, d_model]] once layers are done
+    final_logit_softcap: float | None = None  # Gemma 2: logits = c * tanh(final W_U^T / c)
+    kv_map: list[int] | None = None  # query head -> key/value head (None: one kv head per head)
 
 
 def compute_device(weights: Mapping[str, torch.Tensor]) -> torch.device:
@@ -241,13 +429,37 @@ def _layer_norm(x, w, b, eps):
     return (x - mu) / torch.sqrt(var + eps) * w + b
 
 
-def _attend(q, k, v, scale, causal):
-    """q, k, v ``[head, pos, d_head]`` -> (pattern ``[head, q, k]``, z ``[pos, head*d_head]``)."""
+def _rms_norm(x, w, eps, one_plus=False):
+    """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * w`` (Gemma: ``* (1 + w)``)."""
+    y = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * (1.0 + w) if one_plus else y * w
+
+
+def _rope(x, cos, sin, r):
+    """RoPE on the first ``r`` dims of ``x`` ``[head, pos, d_head]`` in the half-split layout:
+    dim j pairs with dim j + r/2, rotated by angle ``pos * f_j`` (``cos``, ``sin``
+    ``[pos, r/2]``); dims >= r unchanged (partial rotary)."""
+    half = r // 2
+    a, b, rest = x[..., :half], x[..., half:r], x[..., r:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
+
+
+def _attend(q, k, v, scale, causal, *, kv_map=None, window=None, softcap=None):
+    """q ``[head, pos, d_head]``, k, v ``[kv_head, pos, d_head]`` -> (pattern ``[head, q, k]``,
+    z ``[pos, head*d_head]``); query head h reads kv head ``kv_map[h]`` (default h)."""
     H, T, dh = q.shape
+    if kv_map is not None:  # GQA: each query head's key/value head
+        idx = torch.as_tensor(kv_map, device=q.device)
+        k, v = k[idx], v[idx]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # 1. compare queries and keys
-    if causal:  # 2. a query never sees a later key
-        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
+    if softcap is not None:  # 1b. Gemma 2: scores squashed into (-c, c)
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal:  # 2. a query never sees a later key (nor, in a window w, one w or more back)
+        qi = torch.arange(T, device=q.device)
+        hidden = qi[None, :] > qi[:, None]
+        if window is not None:
+            hidden |= qi[None, :] <= qi[:, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
     pattern = torch.softmax(scores, dim=-1)  # 3. post-softmax pattern, rows sum to 1
     z = torch.matmul(pattern, v).transpose(0, 1).reshape(T, H * dh)  # 4. heads concatenated
     return pattern, z
@@ -259,19 +471,27 @@ def recompute(
     position_ids: Sequence[int] | None = None,
     *,
     scales: Sequence[float] | None = None,
+    kv_map: Sequence[int] | None = None,
 ) -> Recomputation:
     """The forward of ``input_ids`` from scratch in float64 (formulas: module docstring).
 
     Args:
         m: weights and config (see :class:`ScratchModel`); :func:`check_supported` first.
         input_ids: the T token ids as served (framing included).
-        position_ids: default ``0..T-1`` (the served forward's, unpadded).
+        position_ids: default ``0..T-1`` (the served forward's, unpadded; RoPE's positions).
         scales: override the per-layer q.k multiplier (tests: a recomputation that ignores a
             config switch); default :func:`layer_scale`.
+        kv_map: override the key/value head of each query head (tests: a wrong GQA mapping);
+            default :func:`kv_head_map`.
 
     Returns a :class:`Recomputation` whose ``layers`` iterator computes one layer per step.
+
+    Raises:
+        UnsupportedModelConfig: a config switch not implemented (:func:`check_supported`).
     """
     check_supported(m)
+    if family_of(m) in ROTARY_FAMILIES:
+        return _recompute_rotary(m, input_ids, position_ids, scales, kv_map)
     W = m.weights
     dev = compute_device(W)
     f64 = torch.float64
@@ -288,7 +508,7 @@ def recompute(
     scales = [layer_scale(m, i) for i in range(m.n_layers)] if scales is None else list(scales)
     out = Recomputation(embeddings=None, layers=iter(()), mask="")  # filled below
 
-    if m.family == "gpt2":
+    if family_of(m) == "gpt2":
         eps = float(c.get("layer_norm_epsilon", 1e-5))
         act = ACTIVATIONS[c.get("activation_function", "gelu_new")]
         # gather the rows first: the [vocab, d_model] matrix is never cast whole
@@ -349,6 +569,108 @@ def recompute(
     return out
 
 
+def _recompute_rotary(m, input_ids, position_ids, scales, kv_map) -> Recomputation:
+    """:func:`recompute` for :data:`ROTARY_FAMILIES` (formulas: module docstring)."""
+    W, c, fam = m.weights, m.config, family_of(m)
+    dev = compute_device(W)
+    f64 = torch.float64
+    pre = "model." if "embed_tokens.weight" not in W and "model.embed_tokens.weight" in W else ""
+    if fam == "gpt_neox" and "embed_in.weight" not in W and "gpt_neox.embed_in.weight" in W:
+        pre = "gpt_neox."
+
+    def w(name):
+        return W[pre + name].detach().to(dev, f64)
+
+    def lin(x, name):  # nn.Linear: y = x @ W^T (+ b where the state dict has one)
+        y = x @ w(name + ".weight").t()
+        return y + w(name + ".bias") if pre + name + ".bias" in W else y
+
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=dev)
+    T = len(ids)
+    pos = (torch.arange(T, device=dev) if position_ids is None
+           else torch.as_tensor(list(position_ids), dtype=torch.long, device=dev)).to(f64)
+    H, H_kv, dh, r = m.n_heads, n_kv_heads(m), head_dim(m), rotary_dim(m)
+    kv = list(kv_head_map(m) if kv_map is None else kv_map)
+    scales = [layer_scale(m, i) for i in range(m.n_layers)] if scales is None else list(scales)
+    windows = layer_windows(m)
+    gemma = fam in ("gemma", "gemma2")
+    softcap = c.get("attn_logit_softcapping") if fam == "gemma2" else None
+    softcap = float(softcap) if softcap else None
+    act = ACTIVATIONS[c.get("hidden_activation") if fam == "gemma2" and c.get("hidden_activation")
+                      else c.get("hidden_act")]
+    angle = pos[:, None] * rope_inv_freq(m, dev)[None, :]  # [pos, r/2]
+    cos, sin = angle.cos(), angle.sin()
+
+    emb_name = "embed_in.weight" if fam == "gpt_neox" else "embed_tokens.weight"
+    E = W[pre + emb_name].detach()
+    h = E[ids.to(E.device)].to(dev, f64)  # the rows first: [vocab, d_model] is never cast whole
+    if gemma:
+        h = h * math.sqrt(float(c["hidden_size"]))
+    if fam == "gpt_neox":
+        eps = float(c.get("layer_norm_eps", 1e-5))
+
+        def norm(x, name):
+            return _layer_norm(x, w(name + ".weight"), w(name + ".bias"), eps)
+    else:
+        eps = float(c.get("rms_norm_eps", 1e-6))
+
+        def norm(x, name):
+            return _rms_norm(x, w(name + ".weight"), eps, one_plus=gemma)
+
+    out = Recomputation(embeddings=h, layers=iter(()), mask="causal", kv_map=kv)
+    if fam == "gemma2" and c.get("final_logit_softcapping"):
+        out.final_logit_softcap = float(c["final_logit_softcapping"])
+
+    def heads(x, n):  # [pos, n * d_head] -> [n, pos, d_head]
+        return x.reshape(T, n, dh).transpose(0, 1)
+
+    def layers():
+        x_res = h
+        for i in range(m.n_layers):
+            p = f"layers.{i}."
+            x = norm(x_res, p + "input_layernorm")
+            if fam == "gpt_neox":  # fused: [pos, head, 3 * d_head], q | k | v within each head
+                qkv = lin(x, p + "attention.query_key_value").reshape(T, H, 3 * dh).transpose(0, 1)
+                q, k, v = qkv.split(dh, dim=-1)
+                o_name = p + "attention.dense"
+            else:
+                q = heads(lin(x, p + "self_attn.q_proj"), H)
+                k = heads(lin(x, p + "self_attn.k_proj"), H_kv)
+                v = heads(lin(x, p + "self_attn.v_proj"), H_kv)
+                o_name = p + "self_attn.o_proj"
+            q_rot, k_rot = _rope(q, cos, sin, r), _rope(k, cos, sin, r)
+            pattern, z = _attend(q_rot, k_rot, v, scales[i], True,
+                                 kv_map=None if kv == list(range(H)) else kv,
+                                 window=windows[i], softcap=softcap)
+            a = lin(z, o_name)
+            if fam == "gpt_neox":
+                if c.get("use_parallel_residual", True):
+                    y = norm(x_res, p + "post_attention_layernorm")
+                    x_new = x_res + a + lin(act(lin(y, p + "mlp.dense_h_to_4h")), p + "mlp.dense_4h_to_h")
+                else:
+                    r_ = x_res + a
+                    y = norm(r_, p + "post_attention_layernorm")
+                    x_new = r_ + lin(act(lin(y, p + "mlp.dense_h_to_4h")), p + "mlp.dense_4h_to_h")
+            else:
+                if fam == "gemma2":
+                    r_ = x_res + norm(a, p + "post_attention_layernorm")
+                    y = norm(r_, p + "pre_feedforward_layernorm")
+                else:
+                    r_ = x_res + a
+                    y = norm(r_, p + "post_attention_layernorm")
+                y = lin(act(lin(y, p + "mlp.gate_proj")) * lin(y, p + "mlp.up_proj"), p + "mlp.down_proj")
+                if fam == "gemma2":
+                    y = norm(y, p + "post_feedforward_layernorm")
+                x_new = r_ + y
+            x_res = x_new
+            yield LayerState(i, scales[i], q, k, v, pattern, a, x_res, q_rot=q_rot, k_rot=k_rot,
+                             window=windows[i], softcap=softcap)
+        out.final.append(norm(x_res, "final_layer_norm" if fam == "gpt_neox" else "norm"))
+
+    out.layers = layers()
+    return out
+
+
 # ------------------------------------------------------------------ the comparison
 def _maxdiff(served: torch.Tensor, ref: torch.Tensor, dims=None) -> torch.Tensor:
     """max |served - ref| in float64 (NaN if either holds a NaN), over all or over ``dims``."""
@@ -384,6 +706,7 @@ def verify_from_scratch(
     *,
     position_ids: Sequence[int] | None = None,
     scales: Sequence[float] | None = None,
+    kv_map: Sequence[int] | None = None,
     logits: torch.Tensor | None = None,
 ) -> dict:
     """Compare a served forward with the float64 recomputation, layer by layer, then the
@@ -397,7 +720,7 @@ def verify_from_scratch(
         layers: layers to report (default all); every layer is recomputed regardless (each
             needs the one before), the embeddings and the final state are always checked.
         tolerance: overrides BOTH tolerances of the dtype (pattern absolute, states relative).
-        position_ids, scales: see :func:`recompute` (tests plant faults with them).
+        position_ids, scales, kv_map: see :func:`recompute` (tests plant faults with them).
         logits: the served next-token logits ``[pos, vocab]`` of ``input_ids`` (the hooked
             forward's, what /v1/predictions, /v1/ablate, /v1/patch and /v1/run read), compared
             with ``final @ W_U^T`` in float64 (``W_U`` = the weights' ``lm_head.weight``
@@ -410,8 +733,11 @@ def verify_from_scratch(
     ``state_tolerance`` (relative), ``dtype``, ``compute_dtype`` "float64", ``mask``,
     ``failed_layers``, ``failing_layer`` (first, or None; -1 never: the embeddings fail as
     ``"embeddings"`` in the message and layer 0), ``message``, ``embeddings`` and ``final``
-    state diffs, and per layer ``{layer, scale, pattern_max_abs_diff, heads: [{head,
-    pattern_max_abs_diff}], q/k/v/output/hidden _max_abs_diff, hidden_scale, passed}``.
+    state diffs, ``architecture`` (:func:`architecture`), and per layer ``{layer, scale,
+    window, softcap, pattern_max_abs_diff, heads: [{head, pattern_max_abs_diff}],
+    q/k/v/output/hidden _max_abs_diff, hidden_scale, passed}`` (q, k compared after RoPE for
+    the rotary families, k and v on their key/value heads ``[kv_head, pos, d_head]``; a served
+    tensor of another shape is a NaN difference, a failure).
     Differences are the true maxima (0 only where they are exactly 0).
 
     Raises:
@@ -423,8 +749,9 @@ def verify_from_scratch(
     want = set(range(m.n_layers) if layers is None else layers)
     T = len(input_ids)
     with torch.inference_mode():
-        rc = recompute(m, input_ids, position_ids, scales=scales)
+        rc = recompute(m, input_ids, position_ids, scales=scales, kv_map=kv_map)
         checks: list[tuple[int, str, torch.Tensor, torch.Tensor | None]] = []  # layer, what, diff, scale
+        extras: dict[int, dict] = {}  # layer -> its window and soft-cap
         checks.append((-1, "embeddings", _maxdiff(served.hidden_states[0], rc.embeddings),
                        _scale(rc.embeddings)))
         per_layer: list[tuple[LayerState, torch.Tensor]] = []
@@ -433,10 +760,18 @@ def verify_from_scratch(
             if i in want:
                 head_d = _maxdiff(served.pattern[i], st.pattern, dims=(-2, -1))  # [head]
                 per_layer.append((st.layer, st.scale, head_d))
-                for name, ref in (("q", st.q), ("k", st.k), ("v", st.v),
+                extras[i] = {"window": st.window, "softcap": st.softcap}
+                # rotary families record q and k AFTER RoPE, k and v on the key/value heads
+                # (service/runtime/adapters.py); GPT-2/BERT the projections' outputs
+                q_ref = st.q if st.q_rot is None else st.q_rot
+                k_ref = st.k if st.k_rot is None else st.k_rot
+                for name, ref in (("q", q_ref), ("k", k_ref), ("v", st.v),
                                   ("attention output", st.attn_output)):
-                    checks.append((i, name, _maxdiff(getattr(served, _FIELD[name])[i], ref),
-                                   _scale(ref)))
+                    got = getattr(served, _FIELD[name])[i]
+                    if name in ("k", "v") and rc.kv_map is not None and got.shape[0] != ref.shape[0]:
+                        ref = ref[torch.as_tensor(rc.kv_map, device=ref.device)]  # served per query head
+                    checks.append((i, name, _maxdiff(got, ref) if got.shape == ref.shape
+                                   else _nan(ref), _scale(ref)))
             # every block output is checked (a fault upstream of a reported layer is named)
             checks.append((i, "hidden state", _maxdiff(served.hidden_states[i + 1], st.output),
                            _scale(st.output)))
@@ -446,7 +781,8 @@ def verify_from_scratch(
             checks.append((m.n_layers, "final state", _maxdiff(fs, final), _scale(final)))
         unembed = m.weights.get("lm_head.weight")
         if logits is not None and unembed is not None:
-            checks.append((m.n_layers + 1, "logits", *_logits_diff(logits, final, unembed)))
+            checks.append((m.n_layers + 1, "logits",
+                           *_logits_diff(logits, final, unembed, softcap=rc.final_logit_softcap)))
         # one transfer of every number (no device sync per layer)
         flat = torch.cat([torch.cat([d.reshape(-1), s.reshape(-1)]) for _, _, d, s in checks]
                          + [hd.reshape(-1) for _, _, hd in per_layer]).cpu().tolist()
@@ -480,7 +816,7 @@ def verify_from_scratch(
         if bad_heads:
             h = bad_heads[0]
             what.append(f"pattern of head {h} differs by {_fmt(heads[h])} (heads failing: {bad_heads})")
-        row = {"layer": layer, "scale": scale,
+        row = {"layer": layer, "scale": scale, **extras.get(layer, {}),
                "pattern_max_abs_diff": _num(max(heads) if not any(map(math.isnan, heads)) else math.nan),
                "heads": [{"head": h, "pattern_max_abs_diff": _num(d)} for h, d in enumerate(heads)]}
         for name in ("q", "k", "v", "attention output", "hidden state"):
@@ -558,21 +894,58 @@ def verify_from_scratch(
         "final": final_out,
         "logits": logits_out,
         "layers": layers_out,
+        "architecture": architecture(m, rc.final_logit_softcap),
     }
 
 
+def architecture(m: ScratchModel, final_logit_softcap: float | None = None) -> dict:
+    """What the recomputation implemented for this model (schemas/verify.py
+    ``RecomputedArchitecture``): family, positions, rotary facts, kv heads and the query ->
+    key/value head map, the norm, the MLP, the residual form, soft-caps and windows."""
+    fam = family_of(m)
+    rotary = fam in ROTARY_FAMILIES
+    rp = rope_parameters(m.config) if rotary else {}
+    c = m.config
+    return {
+        "family": fam,
+        "positions": "rotary" if rotary else "learned_absolute",
+        "rope_theta": rp.get("rope_theta"),
+        "rope_type": rp.get("rope_type"),
+        "rotary_dim": rotary_dim(m) if rotary else None,
+        "d_head": head_dim(m),
+        "n_kv_heads": n_kv_heads(m),
+        "kv_head_of_query_head": kv_head_map(m),
+        "norm": ("layernorm" if fam in ("gpt2", "bert", "gpt_neox") else
+                 "rmsnorm_1p" if fam in ("gemma", "gemma2") else "rmsnorm"),
+        "embed_scale": math.sqrt(float(c["hidden_size"])) if fam in ("gemma", "gemma2") else None,
+        "mlp": "gated" if rotary and fam != "gpt_neox" else "plain",
+        "parallel_residual": bool(fam == "gpt_neox" and c.get("use_parallel_residual", True)),
+        "sliding_window_layers": layer_windows(m) if rotary else [None] * m.n_layers,
+        "attn_logit_softcap": (float(c["attn_logit_softcapping"]) if fam == "gemma2"
+                               and c.get("attn_logit_softcapping") else None),
+        "final_logit_softcap": final_logit_softcap,
+    }
+
+
+def _nan(ref: torch.Tensor) -> torch.Tensor:  # a served tensor of another shape: never a pass
+    return torch.tensor(math.nan, dtype=torch.float64, device=ref.device)
+
+
 def _logits_diff(served: torch.Tensor, final: torch.Tensor, unembed: torch.Tensor,
-                 chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+                 chunk: int = 8192, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(max |served - final @ W_U^T|, max |final @ W_U^T|)`` in float64 (0-d tensors):
     ``served`` ``[pos, vocab]`` logits, ``final`` ``[pos, d_model]`` float64 (the recomputed
     ln_f output), ``unembed`` ``W_U`` ``[vocab, d_model]``, cast to float64 ``chunk`` vocabulary
-    rows at a time (never the whole matrix: 309 MB for GPT-2's)."""
+    rows at a time (never the whole matrix: 309 MB for GPT-2's); ``softcap`` c (Gemma 2's
+    final_logit_softcapping): the recomputed logits are ``c * tanh(logits / c)``."""
     nan = torch.tensor(math.nan, dtype=torch.float64, device=final.device)
     if tuple(served.shape) != (final.shape[0], unembed.shape[0]):  # never a pass
         return nan, nan
     diffs, scales = [], []
     for a in range(0, unembed.shape[0], chunk):
         ref = final @ unembed[a:a + chunk].detach().to(final.device, torch.float64).t()
+        if softcap is not None:
+            ref = softcap * torch.tanh(ref / softcap)
         diffs.append(_maxdiff(served[:, a:a + chunk], ref))
         scales.append(_scale(ref))
     return torch.stack(diffs).max(), torch.stack(scales).max()
