@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import InvalidRequest
 from . import hooked
@@ -68,7 +67,7 @@ def lm_parts(rt):
         )
     head = rt.model.get_output_embeddings() if hasattr(rt.model, "get_output_embeddings") else None
     base = rt.adapter.base()
-    if head is None or not hasattr(base, "ln_f"):
+    if head is None or not any(hasattr(base, n) for n in ("ln_f", "norm", "final_layer_norm")):
         raise NoLanguageModelHead(
             f"{rt.info.get('id')} was loaded without a language-model head (no next-token "
             "logits): predictions, ablation and patching are unavailable", "text",
@@ -119,13 +118,12 @@ def recorded_logits(rt, ft, positions: Sequence[int] | None = None,
 
 def embedding_output(rt, input_ids: Sequence[int]) -> torch.Tensor:
     """The residual stream entering layer 0 ``[pos, d_model]`` (GPT-2: token plus position
-    embeddings, ``hidden_states[0]`` of a recorded forward): the hooked forward's first step
-    (``F.embedding`` of wte and wpe, added) without running any block."""
+    embeddings; rotary families: token embeddings; ``hidden_states[0]`` of a recorded forward): the hooked forward's first step
+    (``hooked.embedding``; Gemma: times sqrt(d_model)) without running any block."""
     p = lm_parts(rt)
     ids = _ids(input_ids, 1, p.device)
-    pos = torch.arange(ids.shape[1], device=p.device).unsqueeze(0)
     with torch.inference_mode():
-        return (F.embedding(ids, p.wte) + F.embedding(pos, p.wpe))[0]
+        return hooked.embedding(p, ids)[0]
 
 
 def head_z(pattern: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
