@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -399,9 +400,90 @@ def test_llama3_rope_scaling_is_hf_exact(tmp_path):
     assert torch.equal(K.run(hf, IDS).logits, ref)
 
 
-def test_gpt2_parts_still_refuses_other_families(fam):
-    with pytest.raises(UnsupportedModelConfig):
-        K.gpt2_parts(fam.hf)
+def test_parts_of_every_family(fam):
+    """gpt2_parts (the callers' entry point) and parts give the family's parts; the GPT-2-only
+    attributes (learned positions; the fused W_QKV of /v1/circuits) are a named 422."""
+    assert isinstance(K.gpt2_parts(fam.hf), HF.FamilyParts)
     assert isinstance(K.parts(fam.hf), HF.FamilyParts)
+    assert torch.equal(K.embedding(fam.parts, IDS), fam.hf.get_input_embeddings()(IDS))
+    with pytest.raises(UnsupportedModelConfig, match="attn_w"):
+        fam.parts.blocks[0].attn_w
     with pytest.raises(UnsupportedModelConfig, match="rotary"):
         fam.parts.wpe
+
+
+# ------------------------------------------------------------------ through the app
+
+_RT: dict = {}
+
+
+@pytest.fixture
+def served(fam, make_client):
+    """(client, runtime) of the real app in-process on the family's checkpoint."""
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+
+    if fam.family not in _RT:
+        _RT[fam.family] = Runtime.load(Settings(model=str(fam.path)))
+    rt = _RT[fam.family]
+    return make_client(rt, model=str(fam.path)), rt
+
+
+def test_hooks_and_run_through_the_app(fam, served):
+    """GET /v1/hooks lists the family's catalogue (kv heads on k/v); POST /v1/run's cache and
+    logits equal HF eager and the hooked forward; an intervention over HTTP equals the same
+    HF hook loop (head 2 of layer 1 zeroed at o_proj's input)."""
+    from attnscope.client import Client
+
+    client, rt = served
+    api = Client("http://testserver", http_client=client, max_retries=0)
+    hooks = {h.name: h for h in api.hooks().hooks}
+    assert list(hooks) == [h.name for h in K.hook_points(fam.parts)]
+    ids = IDS.tolist()
+    out = api.run(tokens=ids, cache=["blocks.0.attn.hook_k", "blocks.0.attn.hook_pattern",
+                                      "blocks.1.hook_resid_pre"],
+                  logits={"positions": None, "full": True, "top_k": None})
+    ref = fam.hf_logits(output_hidden_states=True, output_attentions=True)
+    assert out.cache["blocks.0.attn.hook_k"].shape == (2, 13, fam.parts.n_kv_heads,
+                                                        fam.parts.d_head)
+    assert np.array_equal(out.cache["blocks.0.attn.hook_pattern"], ref.attentions[0].numpy())
+    assert np.array_equal(out.cache["blocks.1.hook_resid_pre"], ref.hidden_states[1].numpy())
+    assert np.array_equal(out.logits, ref.logits.numpy())
+    r = client.post("/v1/run", json={"token_lists": ids, "interventions": [
+        {"kind": "zero", "hook": "blocks.1.attn.hook_z", "heads": [2]}],
+        "logits": {"positions": None, "full": True, "top_k": None}})
+    assert r.status_code == 200, r.text
+    h = _o_hook(fam, 1, lambda z: z.index_fill(2, torch.tensor([2]), 0.0))
+    try:
+        abl = fam.hf_logits().logits
+    finally:
+        h.remove()
+    got = api.run(tokens=ids, interventions=[{"kind": "zero", "hook": "blocks.1.attn.hook_z",
+                                              "heads": [2]}],
+                  logits={"positions": None, "full": True, "top_k": None}).logits
+    assert np.array_equal(got, abl.numpy())
+
+
+def test_ablate_endpoint_equals_an_hf_hook_loop(fam, served):
+    """/v1/ablate zeroing heads (1, 0) and (0, 3): its KL and ablated top tokens equal an HF
+    forward with those heads' slices of o_proj's (dense's) input zeroed."""
+    client, rt = served
+    ids = IDS[0].tolist()
+    r = client.post("/v1/ablate", json={"tokens": ids, "heads": [[1, 0], [0, 3]], "top_k": 3})
+    assert r.status_code == 200, r.text
+    b = r.json()
+    hs = [_o_hook(fam, 1, lambda z: z.index_fill(2, torch.tensor([0]), 0.0)),
+          _o_hook(fam, 0, lambda z: z.index_fill(2, torch.tensor([3]), 0.0))]
+    try:
+        abl = fam.hf_logits(IDS[:1]).logits[0].double()
+    finally:
+        for h in hs:
+            h.remove()
+    clean = fam.hf_logits(IDS[:1]).logits[0].double()
+    lc, la = torch.log_softmax(clean, -1), torch.log_softmax(abl, -1)
+    kl = (lc.exp() * (lc - la)).sum(-1)
+    assert float(kl.max()) > 1e-3  # the ablation matters
+    for p in b["positions"]:
+        i = p["position"]
+        assert p["kl"] == pytest.approx(float(kl[i]), abs=1e-5, rel=2e-6)
+        assert [t["id"] for t in p["top_ablated"]] == abl[i].topk(3).indices.tolist()

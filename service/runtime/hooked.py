@@ -204,13 +204,21 @@ class GPT2Parts:
 
 
 def gpt2_parts(model) -> GPT2Parts:
-    """The parts of a Hugging Face ``GPT2LMHeadModel`` (or an adapter holding one as ``.model``).
+    """The parts of a Hugging Face ``GPT2LMHeadModel`` (or an adapter holding one as ``.model``);
+    for a Llama, Mistral, Qwen2, Gemma, Gemma 2 or GPT-NeoX causal LM, its
+    :class:`.hooked_families.FamilyParts` (the name is kept for its callers; :func:`parts` is
+    the same function).
 
     Raises :class:`UnsupportedModelConfig` (an ``InvalidRequest``) for another family, for
     ``reorder_and_upcast_attn`` (another attention kernel order, float32 upcast) and for
-    cross-attention."""
+    cross-attention (and the family switches hooked_families.family_parts names)."""
     from transformers.activations import ACT2FN
 
+    from . import hooked_families as HF
+
+    hf = model if isinstance(model, torch.nn.Module) else getattr(model, "model", model)
+    if getattr(getattr(hf, "config", None), "model_type", None) in HF.FAMILIES:
+        return HF.family_parts(hf)
     model = getattr(model, "model", model) if not hasattr(model, "transformer") else model
     cfg = model.config
     if getattr(cfg, "model_type", None) != "gpt2" or not hasattr(model, "transformer") \
@@ -250,12 +258,7 @@ def _as_parts(x):
     Face causal LM or an adapter holding one as ``.model``), by ``config.model_type``."""
     from . import hooked_families as HF
 
-    if isinstance(x, (GPT2Parts, HF.FamilyParts)):
-        return x
-    m = x if hasattr(x, "config") else getattr(x, "model", x)
-    if getattr(getattr(m, "config", None), "model_type", None) in HF.FAMILIES:
-        return HF.family_parts(m)
-    return gpt2_parts(x)
+    return x if isinstance(x, (GPT2Parts, HF.FamilyParts)) else gpt2_parts(x)
 
 
 def parts(model):
