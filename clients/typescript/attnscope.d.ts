@@ -34,7 +34,8 @@ export interface paths {
         /**
          * Readiness: the model is loaded and its probe forward worked
          * @description 200 ``{"status": "ready", "model": id}`` once the model is loaded and its probe forward
-         *     returned every layer's attention; 503 with the error envelope until then.
+         *     returned every layer's attention; 503 with the error envelope until then, and while the
+         *     server drains (``shutting_down``).
          */
         get: operations["readyz_readyz_get"];
         put?: never;

@@ -513,3 +513,138 @@ def hook_attribution(rt, clean_ids: Sequence[int], corrupted_ids: Sequence[int],
     grads = [res.grads[n][0].detach() for n in names]
     return (res.grad_value, grads, [clean.cache[n][0] for n in names],
             [res.cache[n][0] for n in names])
+
+
+# ------------------------------------------------------------------ ablation of any component
+@dataclass
+class Component:
+    """One ablated component, resolved: ``kind`` 'head' (``layer``, ``head``), 'mlp' / 'attn'
+    (``layer``), 'neuron' (``layer``, ``neurons``), 'direction' (``hook``, unit ``vector``
+    ``[d]`` on the hook's last axis, ``positions`` or None = all)."""
+
+    kind: str
+    layer: int
+    head: int | None = None
+    neurons: Sequence[int] | None = None
+    hook: str | None = None
+    vector: torch.Tensor | None = None
+    positions: Sequence[int] | None = None
+    norm: float = 1.0  # a direction's vector norm as given (before normalising)
+
+    @property
+    def hook_name(self) -> str:
+        if self.kind == "head":
+            return _z(self.layer)
+        if self.kind == "mlp":
+            return f"blocks.{self.layer}.hook_mlp_out"
+        if self.kind == "attn":
+            return f"blocks.{self.layer}.hook_attn_out"
+        if self.kind == "neuron":
+            return f"blocks.{self.layer}.mlp.hook_post"
+        return self.hook
+
+
+def _site_order(rt, name: str) -> tuple[int, int]:
+    hp = hooked.resolve(lm_parts(rt), name)[0]
+    return (hp.layer, list(hooked.LAYER_SITES).index(hp.site))
+
+
+def _coef(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``x . u`` over the last axis ``[...]``."""
+    return (x * u.to(x.dtype)).sum(-1)
+
+
+def component_sources(rt, comps: Sequence[Component], method: str,
+                      texts: Sequence[Sequence[int]], resample_ids: Sequence[int] | None):
+    """What each component's ablation writes, from unedited hooked forwards: method 'mean' ->
+    per component the mean over every position of ``texts`` (the text itself, or the
+    reference texts, pooled) of its hook's value (heads, MLPs, attention layers: the vector;
+    neurons: their activations ``[n]``; directions: the coefficient ``x . u``); 'resample' ->
+    the resample text's value at every position; 'zero' -> None each."""
+    if method == "zero":
+        return [None] * len(comps)
+    names = sorted({c.hook_name for c in comps})
+    if method == "resample":
+        res = hook_runs(rt, resample_ids, names)
+        per = {n: res.cache[n][0] for n in names}  # [pos, ...]
+    else:
+        pooled: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        for ids in texts:
+            res = hook_runs(rt, ids, names)
+            for n in names:
+                pooled[n].append(res.cache[n][0])
+        per = {n: torch.cat(v, dim=0) for n, v in pooled.items()}  # [all positions, ...]
+    out = []
+    for c in comps:
+        x = per[c.hook_name]
+        if c.kind == "neuron":
+            v = x[..., list(c.neurons)]
+        elif c.kind == "direction":
+            v = _coef(x, c.vector)
+        else:
+            v = x
+        out.append(v.mean(0) if method == "mean" else v)
+    return out
+
+
+def ablate_components(rt, ids: Sequence[int], comps: Sequence[Component], method: str,
+                      sources: Sequence, capture_patterns: bool = False) -> RunOutput:
+    """One text's hooked forward with every component of ``comps`` ablated together by
+    ``method`` ('zero' / 'mean' / 'resample'; ``sources`` from :func:`component_sources`).
+
+    Heads, MLPs and attention layers are hooked interventions on ``hook_z`` (the head
+    selected), ``hook_mlp_out``, ``hook_attn_out``: ``Zero``, ``Mean(reference=)``, ``Set``.
+    Neurons (``mlp.hook_post[..., n]``) and directions (``x - (x . u) u + c u``, c = 0, the
+    mean coefficient or the resample text's) depend on the value arriving at their hook, so
+    each such hook (in forward order) first gets one forward with every edit upstream of it
+    applied, caching the hook; its edited value then enters as ``Set`` (downstream edits do
+    not change an upstream value, so the final forward sees exactly those values). Every
+    forward runs from the embeddings. Returns logits ``[1, pos, vocab]``; patterns from layer
+    0 with ``capture_patterns``."""
+    p = lm_parts(rt)
+    T = len(ids)
+    simple, valued = [], {}
+    for c, src in zip(comps, sources):
+        if c.kind in ("neuron", "direction"):
+            valued.setdefault(c.hook_name, []).append((c, src))
+            continue
+        kw = dict(hook=c.hook_name, heads=[c.head] if c.kind == "head" else None)
+        if method == "zero":
+            simple.append(hooked.Zero(**kw))
+        elif method == "mean":
+            simple.append(hooked.Mean(reference=src, **kw))  # heads: every head's [head, d]
+        else:
+            simple.append(hooked.Set(value=src[:, [c.head]] if c.kind == "head" else src, **kw))
+    edits = list(simple)
+    for name in sorted(valued, key=lambda n: _site_order(rt, n)):
+        x = hooked.run(p, _ids(ids, 1, p.device), cache={name: None}, interventions=edits,
+                       logit_positions=[-1]).cache[name][0]
+        new = x.clone()
+        for c, src in valued[name]:
+            pos = slice(None) if c.positions is None else list(c.positions)
+            if c.kind == "neuron":
+                nn = list(c.neurons)
+                if method == "zero":
+                    val = torch.zeros_like(new[..., nn])
+                elif method == "mean":
+                    val = src.to(new.dtype).expand_as(new[..., nn])
+                else:
+                    val = src.to(new.dtype)
+                new[..., nn] = val
+                continue
+            u = c.vector.to(device=new.device, dtype=new.dtype)
+            region = new[pos]
+            coef = _coef(region, u)
+            if method == "zero":
+                target = torch.zeros_like(coef)
+            elif method == "mean":
+                target = src.to(new.dtype).expand_as(coef)
+            else:
+                target = src.to(new.dtype)[pos]
+            new[pos] = region + (target - coef)[..., None] * u
+        edits.append(hooked.Set(hook=name, value=new))
+    cache = {"blocks.*.attn.hook_pattern": None} if capture_patterns else None
+    run = hooked.run(p, _ids(ids, 1, p.device), cache=cache, interventions=edits)
+    patterns = ([run.cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(p.n_layers)]
+                if capture_patterns else [])
+    return RunOutput(run.logits, 0, patterns)

@@ -191,11 +191,87 @@ def predictions_plan(rt, req: PredictionsRequest, items) -> Plan:
 
 
 # ------------------------------------------------------------------ /v1/ablate
+def _components(rt, req: AblateRequest) -> list:
+    """``heads`` (as head components, first) and ``components``, resolved and checked: layers,
+    heads and neurons in range, nothing repeated, a direction's hook a per-layer hook of the
+    hooked forward with a fixed last axis, its vector of that size and not zero (normalised
+    to unit length). 422 naming the field otherwise."""
+    a = rt.adapter
+    p = I.lm_parts(rt)
+    out, seen = [], {}
+    for layer, head in (req.heads or []):
+        out.append(I.Component("head", int(layer), head=int(head)))
+        seen[("head", int(layer), int(head))] = f"heads.{len(out) - 1}"
+    d_mlp = hooked.resolve(p, "blocks.0.mlp.hook_post")[0].sizes[-1]
+    for i, c in enumerate(req.components or []):
+        f = f"components.{i}"
+        if c.kind != "direction":
+            check_index(c.layer, a.n_layers, "layer", f"{f}.layer", f"{f}.layer")
+        if c.kind == "head":
+            check_index(c.head, a.n_heads, "head", f"{f}.head", f"{f}.head")
+            key = ("head", c.layer, c.head)
+            comp = I.Component("head", c.layer, head=c.head)
+        elif c.kind in ("mlp", "attn"):
+            key = (c.kind, c.layer)
+            comp = I.Component(c.kind, c.layer)
+        elif c.kind == "neuron":
+            check_distinct(c.neurons, f"{f}.neurons")
+            for j, n in enumerate(c.neurons):
+                check_index(n, d_mlp, "neuron", f"{f}.neurons[{j}]", f"{f}.neurons.{j}")
+            key = ("neuron", c.layer, tuple(c.neurons))
+            comp = I.Component("neuron", c.layer, neurons=list(c.neurons))
+        else:
+            hps = hooked.resolve(p, c.hook, f"{f}.hook")
+            if len(hps) != 1 or hps[0].layer is None:
+                raise InvalidRequest(f"{f}.hook: {c.hook!r} must name one per-layer hook "
+                                     "(blocks.{l}.<hook>), not a pattern or a model-level hook",
+                                     f"{f}.hook")
+            hp = hps[0]
+            d = hp.sizes[-1]
+            if d is None:
+                raise InvalidRequest(f"{f}.hook: {hp.name}'s last axis ({hp.axes[-1]}) is a "
+                                     "position axis; a direction needs a fixed one (d_model, "
+                                     "d_mlp, d_head)", f"{f}.hook")
+            if len(c.vector) != d:
+                raise InvalidRequest(f"{f}.vector: {len(c.vector)} entries given, {hp.name}'s "
+                                     f"last axis ({hp.axes[-1]}) has {d}", f"{f}.vector")
+            v = torch.tensor(c.vector, dtype=torch.float64)
+            norm = float(v.norm())
+            if not math.isfinite(norm) or norm == 0.0:
+                raise InvalidRequest(f"{f}.vector: a finite, non-zero vector is needed (norm "
+                                     f"{norm})", f"{f}.vector")
+            if c.positions is not None:
+                check_distinct(c.positions, f"{f}.positions")
+            key = ("direction", hp.name, tuple(c.vector), tuple(c.positions or ()))
+            comp = I.Component("direction", hp.layer, hook=hp.name, norm=norm,
+                               vector=(v / norm).to(p.dtype), positions=c.positions)
+        if key in seen:
+            raise InvalidRequest(f"{f} repeats {seen[key]}", f)
+        seen[key] = f
+        out.append(comp)
+    return out
+
+
+def _component_dict(c) -> dict:
+    d = {"kind": c.kind, "layer": c.layer}
+    if c.kind == "head":
+        d["head"] = c.head
+    elif c.kind == "neuron":
+        d["neurons"] = list(c.neurons)
+    elif c.kind == "direction":
+        d.update(hook=c.hook, vector_norm=c.norm,
+                 positions=None if c.positions is None else list(c.positions))
+    return d
+
+
 def ablate_check(rt, req: AblateRequest) -> None:
-    """Before tokenizing: an LM head, heads in range and distinct, reference count."""
+    """Before tokenizing: an LM head, heads (and components) in range and distinct, reference
+    count."""
     check_lm(rt)
     if req.heads is not None:
         _check_heads(rt, req.heads)
+    if req.components is not None:
+        _components(rt, req)
     refs = list_length(req, "reference_texts")
     if refs is not None and refs[1] > rt.settings.max_batch:
         field, n = refs
@@ -224,7 +300,10 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
         items.append(resample)
     # checked once, by ablate_check (the engine's check)
     heads = [(int(lyr), int(h)) for lyr, h in req.heads] if req.heads is not None else None
+    comps = _components(rt, req) if req.components is not None else None
     positions = _positions(req.positions, T, "positions", where)
+    dm = declared_metric(rt, req.metric, T, main.input_ids, "metric") \
+        if req.metric is not None else None
     ld = _logit_diff_tokens(rt, req.logit_diff, T, where) if req.logit_diff is not None else None
     encoding = "binary" if binary else req.encoding
     V = _vocab(rt)
@@ -233,13 +312,17 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
                              f"{T} token{'s' if T != 1 else ''}; the last position has none)",
                              "positions")
     if req.scan:
-        n_pos = 1 if req.scan_metric == "logit_diff" else len(positions)
+        n_pos = {"logit_diff": 1, "metric": len(dm.positions) if dm else 1}.get(
+            req.scan_metric, len(positions))
         est = I.variant_batch_bytes(rt, a.n_heads, T, n_pos) + 4 * V * T * 3
         detail = (f", plus the scan's {a.n_layers * a.n_heads} ablated forwards in batches of "
                   f"{a.n_heads}")
     else:
         est = I.variant_batch_bytes(rt, 2, T, T)
         detail = ", plus the ablated forward"
+        if comps is not None:
+            est += I.variant_batch_bytes(rt, 1, T, 1) * (1 + len(refs))
+            detail = ", plus the ablated forward (and one per neuron/direction hook)"
         if req.include_patterns:
             est += 4 * a.n_layers * a.n_heads * T * T * 2 + estimate_encoded_bytes(
                 a.n_layers * a.n_heads * T * T, encoding, req.dtype, req.round, req.layout, None, T)
@@ -258,12 +341,39 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
             tgt, dis, lpos = ld
             ld_body = {"target": _tokref(rt, tgt), "distractor": _tokref(rt, dis), "position": lpos,
                        "clean": _num(A.logit_diff(clean[lpos], tgt, dis)), "ablated": None}
+        mbody = None
+        if dm is not None:
+            c_lp = A.log_softmax(clean[dm.positions])
+            mbody = {"kind": dm.kind, "reduce": dm.reduce,
+                     "clean": _num(_finite(float(dm.values(clean[dm.positions][None], c_lp)[0]),
+                                           "the clean run's metric is")),
+                     "ablated": None, "resample": None, "normalized": None}
+        body["metric"] = mbody
+        body["components"] = None if comps is None else [_component_dict(c) for c in comps]
         if req.scan:
-            body["scan"] = _scan(rt, req, ft, value, clean, ids, positions, ld)
+            body["scan"] = _scan(rt, req, ft, value, clean, ids, positions, ld, dm)
             body["logit_diff"] = ld_body
             return body
-        run = I.ablate(rt, ft, heads, value, capture_patterns=req.include_patterns)
+        if comps is not None:
+            texts = [r.input_ids for r in refs] or [ids]
+            src = I.component_sources(rt, comps, req.method, texts,
+                                      resample.input_ids if resample is not None else None)
+            run = I.ablate_components(rt, ids, comps, req.method, src,
+                                      capture_patterns=req.include_patterns)
+        else:
+            run = I.ablate(rt, ft, heads, value, capture_patterns=req.include_patterns)
         abl = _finite(run.logits[0], "the ablated run's logits hold")
+        if mbody is not None:
+            P = dm.positions
+            a_val = float(dm.values(abl[P][None], c_lp)[0])
+            mbody["ablated"] = _num(_finite(a_val, "the ablated run's metric is"))
+            if resample is not None:
+                r_lg = I.recorded_logits(rt, forwards[-1].tensors, P)
+                r_val = _finite(float(dm.values(r_lg[None], c_lp)[0]),
+                                "the resample run's metric is")
+                mbody["resample"] = _num(r_val)
+                mbody["normalized"] = _num(A.normalized(torch.tensor(a_val),
+                                                        float(mbody["clean"]), r_val))
         lc, la = A.log_softmax(clean), A.log_softmax(abl)
         kl = A.kl_divergence(lc, la)
         ci, cl, cp = A.topk(clean, req.top_k)
@@ -293,7 +403,11 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
         if ld_body is not None:
             ld_body["ablated"] = _num(A.logit_diff(abl[ld[2]], ld[0], ld[1]))
         body["logit_diff"] = ld_body
-        if req.include_patterns:
+        if req.include_patterns and comps is not None:
+            pattern = torch.stack([pat[0] for pat in run.patterns]).to(ft.pattern.dtype).cpu()
+            body["patterns"] = encode_tensor(pattern, encoding, req.dtype, req.round, "patterns",
+                                             layout=req.layout)
+        elif req.include_patterns:
             pattern = ft.pattern.clone()  # layers below the first ablated one are unchanged
             for i, pat in enumerate(run.patterns):
                 pattern[run.start + i] = pat[0].to(pattern.dtype).cpu()
@@ -304,11 +418,18 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
     return Plan(items, job, est, detail=detail)
 
 
-def _scan(rt, req, ft, value, clean, ids, positions, ld) -> dict:
+def _scan(rt, req, ft, value, clean, ids, positions, ld, dm=None) -> dict:
     """Every head ablated alone -> ``grid`` [layer, head] of the scan metric, ``effect`` =
     grid - clean."""
     T = len(ids)
-    if req.scan_metric == "logit_diff":
+    if req.scan_metric == "metric":
+        P = dm.positions
+        c_lp = A.log_softmax(clean[P]).to(rt.device)
+        clean_v = float(dm.values(clean[P][None], c_lp)[0])
+
+        def metric(lg):
+            return dm.values(lg, c_lp)
+    elif req.scan_metric == "logit_diff":
         tgt, dis, lpos = ld
         P = [lpos]
         clean_v = float(A.logit_diff(clean[lpos], tgt, dis))
