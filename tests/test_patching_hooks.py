@@ -357,3 +357,59 @@ def test_bad_input(client, pair):
     bad = {**base, "corrupted_tokens": corrupted[:-1], "hook": "z"}
     assert_error(client.post("/v1/patch", json=bad), 422, param="corrupted_tokens")
     assert client.get("/healthz").status_code == 200
+
+
+def test_grouped_query_k_grid_counts_key_value_heads(tmp_path, make_client):
+    """On a Llama checkpoint with 4 query / 2 key-value heads the k grid is [layer, kv_head]
+    (TL counts n_key_value_heads for k and v), each cell equal to a forward hook on Hugging
+    Face's k_proj that writes the clean run's keys of that kv head (before rotary: the same
+    rotation applies to both runs at a position); patch_heads beyond the kv heads is 422."""
+    from transformers import AutoModelForCausalLM
+
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+    from families import family_checkpoint
+
+    path = family_checkpoint("llama", tmp_path)
+    rt = Runtime.load(Settings(model=str(path)))
+    c = make_client(rt, model=str(path))
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    clean = induction_ids(0, 5, 2, vocab=int(hf.config.vocab_size))
+    corrupted = clean[:6] + induction_ids(9, 5, 1, vocab=int(hf.config.vocab_size))[1:]
+    T = len(clean)
+    tgt, dis = clean[-1], corrupted[-1]
+    r = c.post("/v1/patch", json={"clean_tokens": clean, "corrupted_tokens": corrupted,
+                                  "hook": "k", "metric": {"kind": "logit_diff", "terms": [
+                                      {"position": T - 2, "target": tgt, "distractor": dis}]}})
+    assert r.status_code == 200, r.text
+    g = r.json()["grid"]
+    kv, L = hf.config.num_key_value_heads, hf.config.num_hidden_layers
+    assert g["shape"] == [L, kv] and kv < hf.config.num_attention_heads
+    dh = hf.config.hidden_size // hf.config.num_attention_heads
+    keys = {}
+
+    def grab(layer):
+        def fn(mod, args, out):
+            keys[layer] = out.detach().clone()
+        return fn
+    hs = [hf.model.layers[i].self_attn.k_proj.register_forward_hook(grab(i)) for i in range(L)]
+    with torch.no_grad():
+        hf(torch.tensor([clean]))
+    for h in hs:
+        h.remove()
+    ref = np.empty((L, kv))
+    for layer in range(L):
+        for h in range(kv):
+            def put(mod, args, out, layer=layer, h=h):
+                out = out.clone()
+                out[..., h * dh:(h + 1) * dh] = keys[layer][..., h * dh:(h + 1) * dh]
+                return out
+            hk = hf.model.layers[layer].self_attn.k_proj.register_forward_hook(put)
+            with torch.no_grad():
+                lg = hf(torch.tensor([corrupted])).logits[0, T - 2]
+            hk.remove()
+            ref[layer, h] = float(lg[tgt] - lg[dis])
+    assert np.abs(_np(g["raw"]) - ref).max() <= 1e-5
+    bad = c.post("/v1/patch", json={"clean_tokens": clean, "corrupted_tokens": corrupted,
+                                    "hook": "k", "patch_heads": [kv], "metric": "loss"})
+    assert_error(bad, 422, param="patch_heads.0")

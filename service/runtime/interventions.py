@@ -128,8 +128,11 @@ def embedding_output(rt, input_ids: Sequence[int]) -> torch.Tensor:
 
 def head_z(pattern: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """z ``[layer, pos, head, d_head]`` from a recorded pattern ``[layer, head, query_pos,
-    key_pos]`` and values ``[layer, head, pos, d_head]``: ``pattern @ v`` (the attention's own
-    product; TransformerLens ``hook_z`` layout)."""
+    key_pos]`` and values ``[layer, head | kv_head, pos, d_head]``: ``pattern @ v`` (the
+    attention's own product; TransformerLens ``hook_z`` layout). Grouped-query values are
+    repeated as Hugging Face's ``repeat_kv`` does (kv head j serves query heads j*g .. j*g+g-1)."""
+    if v.shape[1] != pattern.shape[1]:
+        v = v.repeat_interleave(pattern.shape[1] // v.shape[1], dim=1)
     return torch.matmul(pattern, v).transpose(1, 2)
 
 
@@ -416,9 +419,17 @@ def _cells(kind: str, by_position: bool, T: int, H: int, heads: Sequence[int] | 
     return idx, mask
 
 
+def hook_heads(rt, hook: str) -> int:
+    """The size of a /v1/patch hook's head axis (key/value heads for k and v under grouped-
+    query attention, as TransformerLens' k/v grids count ``n_key_value_heads``); n_heads for
+    hooks without one."""
+    hp = hooked.resolve(lm_parts(rt), patch_hook_name(hook, 0))[0]
+    return hp.sizes[hp.head_axis] if hp.head_axis is not None else rt.adapter.n_heads
+
+
 def patch_grid_shape(rt, hook: str, by_position: bool, T: int) -> tuple[int, ...]:
     a = rt.adapter
-    size = {"layer": a.n_layers, "pos": T, "dest_pos": T, "head": a.n_heads}
+    size = {"layer": a.n_layers, "pos": T, "dest_pos": T, "head": hook_heads(rt, hook)}
     return tuple(size[x] for x in patch_grid_axes(hook, by_position))
 
 
@@ -426,7 +437,7 @@ def patch_cells(rt, hook: str, by_position: bool, T: int, layers=None, heads=Non
                 positions=None) -> int:
     """How many patched forwards (rows) a grid needs."""
     L = len(range(rt.adapter.n_layers) if layers is None else layers)
-    idx, _ = _cells(PATCH_HOOKS[hook][1], by_position, T, rt.adapter.n_heads, heads, positions)
+    idx, _ = _cells(PATCH_HOOKS[hook][1], by_position, T, hook_heads(rt, hook), heads, positions)
     return L * len(idx)
 
 
@@ -458,7 +469,7 @@ def hook_patch_grid(rt, clean_ids: Sequence[int], corrupted_ids: Sequence[int], 
     ``progress(done, total)`` is called after each forward. Returns the raw metric grid
     (float32, CPU), shaped :func:`patch_grid_shape` (axes :func:`patch_grid_axes`)."""
     a = rt.adapter
-    L, Hn, T = a.n_layers, a.n_heads, len(clean_ids)
+    L, Hn, T = a.n_layers, hook_heads(rt, hook), len(clean_ids)
     suffix, kind = PATCH_HOOKS[hook]
     lyrs = list(range(L)) if layers is None else list(layers)
     clean = hook_runs(rt, clean_ids, [f"blocks.{lyr}.{suffix}" for lyr in lyrs])

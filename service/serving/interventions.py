@@ -668,7 +668,7 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
     if req.patch_heads is not None and kind == "pos":
         raise InvalidRequest(f"patch_heads: hook {hook!r} has no head axis", "patch_heads")
     layers = _check_sel(req.patch_layers, a.n_layers, "patch_layers", "layer")
-    heads = _check_sel(req.patch_heads, a.n_heads, "patch_heads", "head")
+    heads = _check_sel(req.patch_heads, I.hook_heads(rt, hook), "patch_heads", "head")
     ppos = _check_sel(req.patch_positions, T, "patch_positions", "position")
     grids = [(hook, req.by_position if kind != "pos" else True, "grid")]
     if req.hook is None:  # the head grid's fields, on the declared metric
