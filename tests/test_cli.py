@@ -267,3 +267,186 @@ def test_tokens_instead_of_text_and_the_bos_flags(run, live_server):
     assert [t["id"] for t in got["tokens"]["tokens"]] == [t["id"] for t in on["tokens"]["tokens"]]
     rc, out, _ = run("attention", "--tokens", "0,5,99999", "--json")
     assert rc != 0
+
+
+# -- logit-lens, logit-attribution, circuits, path-patch (issue 26) --------------------------
+
+LENS_TEXT = "The cat sat on the mat and the cat sat on the"
+PAIR = ([0, 211, 1030, 77, 1499, 211, 1030, 77], [0, 1210, 45, 1600, 1499, 211, 1030, 77])
+
+
+def _served(live_server, path, body) -> dict:
+    """The endpoint's own answer to ``body`` (what the command must have asked for)."""
+    r = httpx.post(live_server.url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_logit_lens_command(run, live_server):
+    """``attnscope logit-lens``: the request the flags spell (``--positions -2,-1`` as
+    typed: a negative list argparse alone refuses), the table of top tokens and of the next
+    token's rank, per residual state and position."""
+    rc, out, err = run("logit-lens", LENS_TEXT, "--positions", "-2,-1", "--top-k", "2",
+                       "--ln", "final", "--json")
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got == _served(live_server, "/v1/logit-lens", {
+        "text": LENS_TEXT, "positions": [-2, -1], "top_k": 2, "ln": "final"})
+    rc, out, err = run("logit-lens", LENS_TEXT, "--positions", "-2,-1", "--top-k", "2",
+                       "--ln", "final")
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("model attnscope-tiny-gpt2  ln final  add_bos True")
+    (pr,) = got["prompts"]
+    T = pr["n_tokens"]
+    for s in pr["states"]:
+        rows = [ln for ln in lines if ln.startswith(s["label"] + " ")]
+        assert len(rows) == 2, (s["label"], out)  # the top-token table and the rank table
+        top = s["positions"][-1]["top"][0]
+        assert f"{top['label']!r} {top['prob']:.2f}" in rows[0]
+        rank = s["positions"][0]["target"]  # position T-2: the next token is the last one
+        assert f"{rank['rank']} ({rank['prob']:.2f})" in rows[1]
+        assert s["positions"][1]["target"] is None  # the last position has no next token
+        assert rows[1].rstrip().endswith(f"{rank['rank']} ({rank['prob']:.2f})")
+    assert f"{T - 2}:' on'" in out and f"{T - 1}:' the'" in out
+    rc, out, err = run("logit-lens", LENS_TEXT, "--target", " sat", "--target-id", "5")
+    assert rc == 2 and "--target or --target-id" in err
+    rc, out, err = run("logit-lens", LENS_TEXT, "--target", " mat")  # two tokens here
+    assert rc == 1 and "param target" in err and "not one" in err
+
+
+def test_logit_attribution_command(run, live_server):
+    rc, out, err = run("logit-attribution", LENS_TEXT, "--target", " m", "--distractor",
+                       " sat", "--json")
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got == _served(live_server, "/v1/logit-attribution", {
+        "text": LENS_TEXT, "target": " m", "distractor": " sat"})
+    rc, out, err = run("logit-attribution", LENS_TEXT, "--target", " m", "--distractor",
+                       " sat", "--top", "3")
+    assert rc == 0, err
+    (d,) = got["prompts"][0]["positions"]
+    assert f"logit[' m'] - logit[' sat'] = {d['logit_diff']:.3g}" in out
+    for layer, row in enumerate(d["heads"]):  # the [layer, head] table with b_O and MLP
+        cells = [f"{v:+.3f}" for v in row] + [f"{d['attn_bias'][layer]:+.3f}",
+                                              f"{d['mlp'][layer]:+.3f}"]
+        assert any(ln.split() == [str(layer), *cells] for ln in out.splitlines()), out
+    parts = {"embed": d["embed"], "pos_embed": d["pos_embed"],
+             **{f"L{la}H{h}": v for la, r in enumerate(d["heads"]) for h, v in enumerate(r)},
+             **{f"MLP{la}": v for la, v in enumerate(d["mlp"])},
+             **{f"b_O{la}": v for la, v in enumerate(d["attn_bias"])}}
+    top = sorted(parts.items(), key=lambda x: -abs(x[1]))[:3]
+    assert "largest parts: " + ", ".join(f"{n} {v:+.3f}" for n, v in top) in out
+    rc, out, err = run("logit-attribution", LENS_TEXT)
+    assert rc == 2 and "--target" in err
+    rc, out, err = run("logit-attribution", LENS_TEXT, "--target-id", "1254", "--json")
+    assert rc == 0 and json.loads(out)["prompts"][0]["positions"][0]["target"] == 1254
+
+
+def test_circuits_command(run, live_server):
+    rc, out, err = run("circuits", "--json")
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got == _served(live_server, "/v1/circuits", {})
+    rc, out, err = run("circuits", "--top", "2")
+    assert rc == 0, err
+    L, H = got["n_layers"], got["n_heads"]
+    rows = [ln.split() for ln in out.splitlines()]
+    for h in got["heads"]:
+        assert [str(h["layer"]), str(h["head"]), f"{h['copying_score']:+.3f}",
+                f"{h['positive_eigenvalue_share']:.3f}"] in [r[:4] for r in rows]
+    for kind in ("q", "k", "v"):  # the strongest pair of each kind, computed here
+        g = got["composition"][kind]
+        best = max((g[la][ha][lb][hb], la, ha, lb, hb) for la in range(L) for ha in range(H)
+                   for lb in range(la + 1, L) for hb in range(H))
+        s, la, ha, lb, hb = best
+        i = out.index(f"{kind.upper()}-composition")
+        assert [f"L{la}H{ha}", f"L{lb}H{hb}", f"{s:.3f}"] == out[i:].splitlines()[3].split()
+    rc, out, err = run("circuits", "--no-composition", "--top-k", "2", "--json")
+    got = json.loads(out)
+    assert rc == 0 and got["composition"] is None
+    assert all(len(h["ov_singular_values"]) == 2 for h in got["heads"])
+    rc, out, err = run("circuits", "--top-k", "0")
+    assert rc == 2 and "top_k" in err
+
+
+def test_path_patch_command(run, live_server, tmp_path):
+    clean, corrupted = (",".join(map(str, t)) for t in PAIR)
+    args = ("path-patch", "--clean-tokens", clean, "--corrupted-tokens", corrupted,
+            "--senders", "0:1", "--receivers", "1:k", "--positions", "-4,-3,-2")
+    rc, out, err = run(*args, "--json")
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got == _served(live_server, "/v1/path-patch", {
+        "pairs": [{"clean_tokens": PAIR[0], "corrupted_tokens": PAIR[1]}],
+        "senders": [{"kind": "head", "layer": 0, "head": 1}],
+        "receivers": [{"kind": "head", "layer": 1, "input": "k"}],
+        "metric": {"kind": "loss", "terms": [{"position": q} for q in (-4, -3, -2)]}})
+    rc, out, err = run(*args)
+    assert rc == 0, err
+    assert f"path-patched       {got['patched']['mean']:.3g}" in out
+    assert f"= {got['normalized']:+.3g}" in out and "L0H1 -> receivers L1H0/1/2/3.k" in out
+    # the same pair as texts, a logit-difference metric, MLP senders, the logits as receiver
+    rc, out, err = run("path-patch", "The cat sat on the", "The dog sat on the", "--senders",
+                       "0:1,mlp0", "--receivers", "logits", "--target", " m", "--distractor",
+                       " sat", "--json")
+    assert rc == 0, err
+    assert json.loads(out) == _served(live_server, "/v1/path-patch", {
+        "pairs": [{"clean_text": "The cat sat on the", "corrupted_text": "The dog sat on the"}],
+        "senders": [{"kind": "head", "layer": 0, "head": 1}, {"kind": "mlp", "layer": 0}],
+        "receivers": [{"kind": "logits"}],
+        "metric": {"kind": "logit_diff", "terms": [
+            {"position": -1, "target": " m", "distractor": " sat"}]}})
+    # the grid: the strongest cells of each input, by |normalised|
+    rc, out, err = run("path-patch", "--clean-tokens", clean, "--corrupted-tokens", corrupted,
+                       "--grid", "--top", "1", "--json")
+    g = json.loads(out)["grid"]
+    rc, out, err = run("path-patch", "--clean-tokens", clean, "--corrupted-tokens", corrupted,
+                       "--grid", "--top", "1")
+    assert rc == 0, err
+    for k, inp in enumerate(g["inputs"]):
+        cells = [(abs(v[k]), v[k], ls, hs, lr, hr) for ls, a in enumerate(g["normalized"])
+                 for hs, b in enumerate(a) for lr, c in enumerate(b) for hr, v in enumerate(c)
+                 if v[k] is not None]
+        _, v, ls, hs, lr, hr = max(cells)
+        i = out.index(f"receiver input {inp}:")
+        assert out[i:].splitlines()[3].split()[:3] == [f"L{ls}H{hs}", f"L{lr}H{hr}.{inp}",
+                                                      f"{v:+.3g}"]
+    # a dataset of pairs from --request
+    req = tmp_path / "pairs.json"
+    req.write_text(json.dumps({"pairs": [{"clean_tokens": PAIR[0], "corrupted_tokens": PAIR[1]},
+                                         {"clean_tokens": PAIR[1], "corrupted_tokens": PAIR[0]}],
+                               "per_pair": True}))
+    rc, out, err = run("path-patch", "--request", str(req), "--senders", "0:1",
+                       "--receivers", "1:3:k,mlp1", "--json")
+    assert rc == 0, err
+    got = json.loads(out)
+    assert got["base"]["n"] == 2 and len(got["patched"]["values"]) == 2
+    assert got["receivers"][0]["heads"] == [3]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["path-patch", "a b", "c d"], ["--senders", "--grid"]),
+    (["path-patch", "a b"], ["give both prompts"]),
+    (["path-patch", "--senders", "0:1", "--receivers", "1:k"], ["give the prompts"]),
+    (["path-patch", "a b", "c d", "--senders", "0:x", "--receivers", "1:k"],
+     ["'0:x': expected LAYER:HEAD"]),
+    (["path-patch", "a b", "c d", "--senders", "0:1", "--receivers", "1:k", "--metric",
+      "logit_diff", "--target", " m"], ["--metric logit_diff needs --distractor"]),
+    (["path-patch", "a b", "c d", "--senders", "0:1", "--receivers", "1:k", "--metric",
+      "loss", "--target", " m"], ["--target is not used by --metric loss"]),
+    (["path-patch", "a b", "c d", "--option", "senders=[]"], ["--option senders: give it as --senders"]),
+])
+def test_path_patch_usage_errors(run, args, words):
+    rc, out, err = run(*args)
+    assert rc == 2, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_path_patch_server_errors_name_the_field(run):
+    rc, out, err = run("path-patch", "a b", "c d e f", "--senders", "0:1", "--receivers",
+                       "1:k", "--no-add-bos")
+    assert rc == 1 and "server error 422" in err and "pairs" in err
+    rc, out, err = run("path-patch", "a b", "c d", "--senders", "1:0", "--receivers", "0:k")
+    assert rc == 1 and "server error 422" in err

@@ -463,7 +463,7 @@ class _Endpoints:
         (TransformerLens ``accumulated_resid(apply_ln=True)``; ``ln`` 'own' | 'final'): per
         state the mean loss (nats) and per position the top-k tokens and the next token's (or
         ``target``'s) rank and log-prob (``.prompts[i].states``). Options
-        (``LogitLensRequest``): ``ln``, ``include_mid``, ``top_k``, ``positions``, ``target``,
+        (``LogitLensRequest``): ``ln``, ``incl_mid``, ``top_k``, ``positions``, ``target``,
         ``tokens``/``token_lists``, ``add_bos``."""
         return self._post_model("/v1/logit-lens", LogitLensRequest, LogitLensResponse, text,
                                 texts, options)

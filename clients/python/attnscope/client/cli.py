@@ -7,6 +7,10 @@
     attnscope predict "The cat sat on the"            # top-k next tokens, loss, rank, entropy
     attnscope ablate "..." --heads 1:0,1:1 ; attnscope ablate "..." --scan --plot grid.png
     attnscope patch "clean ..." "corrupted ..." --target " m" --distractor " r"
+    attnscope logit-lens "The cat sat on the" --positions -2,-1   # top token per layer, position
+    attnscope logit-attribution "..." --target " mat" --distractor " dog"   # per head and MLP
+    attnscope circuits [--top 10]                     # copying scores, strongest compositions
+    attnscope path-patch "clean ..." "corrupted ..." --senders 0:1 --receivers 1:k [--grid]
     attnscope batch in.jsonl -o out.jsonl -a attention -a trajectories
     attnscope serve --model bundled --port 8000       # needs the service installed
 
@@ -238,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flow", action="store_true", help="also compute attention flow (<= 16 tokens)")
     p.add_argument("--round", type=int, default=None, help="decimals in JSON")
 
+    _why_parsers(sub)
+
     from . import batch as _batch
 
     p = sub.add_parser("run", help="one hooked forward: cache activations by TransformerLens "
@@ -282,7 +288,9 @@ _POSITIONAL = {
               "corrupted_text": "the CORRUPTED_TEXT argument"},
     **{c: {"text": "the TEXT argument", "texts": "one TEXT per command (or attnscope batch)"}
        for c in ("tokenize", "attention", "trajectories", "verify", "heads", "links", "predict",
-                 "norms", "rollout")},
+                 "norms", "rollout", "logit-lens", "logit-attribution")},
+    "path-patch": {"pairs": "--request FILE (a dataset) or CLEAN_TEXT CORRUPTED_TEXT",
+                   "senders": "--senders", "receivers": "--receivers", "metric": "--metric"},
 }
 
 
@@ -873,6 +881,387 @@ def cmd_run(args) -> int:
     return EXIT_OK
 
 
+# -- why the model says what it says: logit lens, logit attribution, circuits, path patching
+
+def _why_parsers(sub) -> None:
+    """The subcommands of ``/v1/logit-lens``, ``/v1/logit-attribution``, ``/v1/circuits`` and
+    ``/v1/path-patch``."""
+    p = sub.add_parser("logit-lens", help="logit lens: every residual state through ln_final "
+                       "and the unembedding, top tokens per layer and position "
+                       "(POST /v1/logit-lens)")
+    _common(p)
+    _text_args(p)
+    p.add_argument("--ln", choices=["own", "final"], default=None,
+                   help="own (default): each state normalised with its own statistics (TL "
+                        "accumulated_resid(apply_ln=True)); final: the final state's scale")
+    p.add_argument("--mid", action="store_true", default=None,
+                   help="also each block's hook_resid_mid (incl_mid)")
+    p.add_argument("--top-k", type=int, default=None, help="top tokens per state and position (5)")
+    p.add_argument("--positions", type=_ints, default=None,
+                   help="positions shown, e.g. -3,-2,-1 (default all; the loss is always over all)")
+    p.add_argument("--target", default=None,
+                   help="a token (text, one token) whose rank is shown instead of the next token's")
+    p.add_argument("--target-id", type=int, default=None, help="the target as a token id")
+
+    p = sub.add_parser("logit-attribution", help="direct logit attribution of target (minus "
+                       "distractor) to every head, MLP, embedding and bias "
+                       "(POST /v1/logit-attribution)")
+    _common(p)
+    _text_args(p)
+    p.add_argument("--target", default=None, help="the target token (a text that is one token)")
+    p.add_argument("--distractor", default=None,
+                   help="the distractor token: the direction is target minus distractor")
+    p.add_argument("--target-id", type=int, default=None, help="the target as a token id")
+    p.add_argument("--distractor-id", type=int, default=None, help="the distractor as a token id")
+    p.add_argument("--positions", type=_ints, default=None,
+                   help="positions attributed (default: the last)")
+    p.add_argument("--top", type=int, default=10, help="largest parts listed (10)")
+
+    p = sub.add_parser("circuits", help="weights only: every head's OV/QK circuit summaries and "
+                       "the Q/K/V composition scores (POST /v1/circuits)")
+    _common(p)
+    _output_arg(p)
+    p.add_argument("--top-k", type=int, default=None,
+                   help="singular values per head and circuit in the response (8)")
+    p.add_argument("--no-composition", action="store_true",
+                   help="leave the composition scores out")
+    p.add_argument("--top", type=int, default=10,
+                   help="strongest composition pairs listed per kind (10)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
+                   help="any request option, value as JSON; repeatable")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="save the composition graph to FILE (needs matplotlib)")
+
+    p = sub.add_parser("path-patch", help="path patching (Wang et al. 2022): senders' change "
+                       "reaches receivers only along the direct path (POST /v1/path-patch)",
+                       epilog="components: a head is LAYER:HEAD (senders) or LAYER:q|k|v / "
+                              "LAYER:HEAD:q|k|v (receivers: every head of the layer / one "
+                              "head); an MLP is mlpLAYER (e.g. mlp0); the logits 'logits'.")
+    _common(p)
+    p.add_argument("clean_text", nargs="?", default=None, help="the clean prompt")
+    p.add_argument("corrupted_text", nargs="?", default=None,
+                   help="the corrupted prompt (same token count)")
+    p.add_argument("--clean-tokens", type=_ints, default=None, metavar="IDS",
+                   help="the clean prompt as token ids (used as given)")
+    p.add_argument("--corrupted-tokens", type=_ints, default=None, metavar="IDS",
+                   help="the corrupted prompt as token ids (used as given)")
+    p.add_argument("--senders", type=_components, default=None, metavar="L:H,mlpL,...",
+                   help="the senders, patched together")
+    p.add_argument("--receivers", type=_components, default=None, metavar="L:q,L:H:k,mlpL,logits",
+                   help="the receivers, patched together")
+    p.add_argument("--grid", action="store_true", default=None,
+                   help="every sender head x receiver head input (q, k, v) of a later layer")
+    p.add_argument("--metric", choices=["loss", "logit_diff", "prob", "logprob", "kl"],
+                   default=None, help="the metric (loss); kl = KL(patched || base)")
+    p.add_argument("--target", default=None, help="logit_diff / prob / logprob: target token")
+    p.add_argument("--distractor", default=None, help="logit_diff: distractor token")
+    p.add_argument("--positions", type=_ints, default=None,
+                   help="positions whose next-token distribution is measured, negative from "
+                        "the end (loss: -2, the last with a next token; others: -1)")
+    p.add_argument("--direction", choices=["corrupted_to_clean", "clean_to_corrupted"],
+                   default=None, help="corrupted_to_clean (default): base run clean, senders "
+                                      "from the corrupted run")
+    p.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="texts: prepend BOS (default: the model's convention)")
+    p.add_argument("--request", metavar="FILE", default=None,
+                   help="the whole request as JSON (file, or - for stdin), e.g. a dataset of "
+                        "pairs; the flags above add to it")
+    p.add_argument("--top", type=int, default=10, help="grid: strongest cells listed per input (10)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
+                   help="any request option, value as JSON; repeatable")
+    _output_arg(p)
+
+
+def _components(s: str) -> list:
+    """``L:H,mlpL,L:q,L:H:k,logits`` -> [(L, H) | L (an MLP) | (L, 'q') | (L, H, 'k') |
+    'logits'] (the client's path_patch forms)."""
+    out: list = []
+    for part in s.replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            if part == "logits":
+                out.append("logits")
+            elif part.lower().startswith("mlp"):
+                out.append(int(part[3:].lstrip(":")))
+            else:
+                bits = part.split(":")
+                if len(bits) == 2 and bits[1] in ("q", "k", "v"):
+                    out.append((int(bits[0]), bits[1]))
+                elif len(bits) == 2:
+                    out.append((int(bits[0]), int(bits[1])))
+                elif len(bits) == 3 and bits[2] in ("q", "k", "v"):
+                    out.append((int(bits[0]), int(bits[1]), bits[2]))
+                else:
+                    raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r}: expected LAYER:HEAD, LAYER:q|k|v, LAYER:HEAD:q|k|v, mlpLAYER or "
+                "logits") from None
+    return out
+
+
+def _token_arg(args, name: str):
+    """``--NAME`` (a text that is one token) or ``--NAME-id`` (an id), or None; both: 2."""
+    text, ident = getattr(args, name, None), getattr(args, f"{name}_id", None)
+    if text is not None and ident is not None:
+        raise UsageError(f"give --{name} or --{name}-id, not both")
+    return ident if ident is not None else text
+
+
+def _cell_token(t) -> str:
+    return f"{t.label!r} {t.prob:.2f}"
+
+
+def cmd_logit_lens(args) -> int:
+    opts = _options(args, {"ln": "ln", "mid": "incl_mid", "top_k": "top_k",
+                           "positions": "positions"})
+    target = _token_arg(args, "target")
+    if target is not None:
+        opts["target"] = target
+    text = _read_text(args.text)
+    with _client(args) as c:
+        res = c.logit_lens(text, **opts)
+    _write_output(args, res)
+    if args.json:
+        _print_json(res)
+    else:
+        what = "the target" if target is not None else "the next token"
+        print(f"model {res.model.id}  ln {res.ln}  add_bos {res.add_bos}")
+        for i, pr in enumerate(res.prompts):
+            if len(res.prompts) > 1:
+                print(f"\nprompt {i}")
+            toks = {t.position: t for t in pr.tokens}
+            pos = [x.position for x in pr.states[0].positions] if pr.states else []
+            head = ["state", "loss"] + [f"{q}:{toks[q].label!r}" for q in pos]
+            print(f"{pr.n_tokens} tokens; top token (probability) per residual state and position:")
+            rows = [[s.label, _fmt(s.loss, blank=True)]
+                    + [_cell_token(x.top[0]) if x.top else "" for x in s.positions]
+                    for s in pr.states]
+            print(_table(rows, head))
+            print(f"\nrank of {what} (0 = the top token) and its probability:")
+            rows = [[s.label, _fmt(s.loss, blank=True)]
+                    + ["" if x.target is None else f"{x.target.rank} ({x.target.prob:.2f})"
+                       for x in s.positions] for s in pr.states]
+            print(_table(rows, head))
+    if args.plot:
+        _save(_plots().logit_lens(res), args.plot)
+    return EXIT_OK
+
+
+def cmd_logit_attribution(args) -> int:
+    target, distractor = _token_arg(args, "target"), _token_arg(args, "distractor")
+    if target is None and _option_value(args, "target") is None:
+        raise UsageError("give --target TOKEN (or --target-id ID); --distractor makes it a "
+                         "logit difference")
+    opts = _options(args, {"positions": "positions"})
+    if target is not None:
+        opts["target"] = target
+    if distractor is not None:
+        opts["distractor"] = distractor
+    text = _read_text(args.text)
+    with _client(args) as c:
+        res = c.logit_attribution(text, **opts)
+    _write_output(args, res)
+    if args.json:
+        _print_json(res)
+    else:
+        print(f"model {res.model.id}  add_bos {res.add_bos}")
+        for i, pr in enumerate(res.prompts):
+            toks = {t.position: t for t in pr.tokens}
+            for d in pr.positions:
+                tl = _label_of(res, pr, d.target)
+                what = f"logit[{tl}]" + ("" if d.distractor is None
+                                         else f" - logit[{_label_of(res, pr, d.distractor)}]")
+                print(f"\n{'prompt ' + str(i) + ', ' if len(res.prompts) > 1 else ''}position "
+                      f"{d.position} {toks[d.position].label!r}: {what} = {_fmt(d.logit_diff)}"
+                      f"  (parts {_fmt(d.sum_of_parts)} + ln_final bias {_fmt(d.ln_final_bias)},"
+                      f" error {_fmt(d.residual_error)}; frozen scale {_fmt(d.scale)})")
+                n_heads = len(d.heads[0]) if d.heads else 0
+                rows = [[layer] + [f"{v:+.3f}" for v in d.heads[layer]]
+                        + [f"{d.attn_bias[layer]:+.3f}", f"{d.mlp[layer]:+.3f}"]
+                        for layer in range(len(d.heads))]
+                print(_table(rows, ["layer"] + [f"H{h}" for h in range(n_heads)] + ["b_O", "MLP"]))
+                parts = [("embed", d.embed), ("pos_embed", d.pos_embed)]
+                parts += [(f"L{la}H{h}", v) for la, row in enumerate(d.heads)
+                          for h, v in enumerate(row)]
+                parts += [(f"MLP{la}", v) for la, v in enumerate(d.mlp)]
+                parts += [(f"b_O{la}", v) for la, v in enumerate(d.attn_bias)]
+                top = sorted(parts, key=lambda x: -abs(x[1]))[:max(0, args.top)]
+                print("largest parts: " + ", ".join(f"{n} {v:+.3f}" for n, v in top))
+    if args.plot:
+        _save(_plots().logit_attribution(res), args.plot)
+    return EXIT_OK
+
+
+def _label_of(res, prompt, ident: int) -> str:
+    """A token id as the prompt shows it (its label when the prompt holds it), else the id."""
+    for t in prompt.tokens:
+        if t.id == ident:
+            return repr(t.label)
+    return f"id {ident}"
+
+
+def cmd_circuits(args) -> int:
+    opts = _options(args, {"top_k": "top_k"})
+    if args.no_composition:
+        opts["composition"] = False
+    with _client(args) as c:
+        res = c.circuits(**opts)
+    _write_output(args, res)
+    if args.json:
+        _print_json(res)
+    else:
+        print(f"model {res.model.id}  {res.n_layers} layers x {res.n_heads} heads, d_head "
+              f"{res.d_head} (weights only, unprocessed)")
+        rows = [[h.layer, h.head, f"{h.copying_score:+.3f}", f"{h.positive_eigenvalue_share:.3f}",
+                 _fmt(h.ov_frobenius), _fmt(h.qk_frobenius),
+                 " ".join(_fmt(v) for v in h.ov_singular_values[:3]),
+                 " ".join(_fmt(v) for v in h.qk_singular_values[:3])] for h in res.heads]
+        print(_table(rows, ["layer", "head", "copying", "pos. share", "|W_OV|_F", "|W_QK|_F",
+                            "OV top sv", "QK top sv"]))
+        if res.composition is not None:
+            for kind in ("q", "k", "v"):
+                grid = getattr(res.composition, kind)
+                cells = [(grid[la][ha][lb][hb], la, ha, lb, hb)
+                         for la in range(res.n_layers) for ha in range(res.n_heads)
+                         for lb in range(la + 1, res.n_layers) for hb in range(res.n_heads)]
+                cells.sort(reverse=True)
+                top = cells[:max(0, args.top)]
+                if top:
+                    print(f"\n{kind.upper()}-composition, strongest pairs (earlier head -> later "
+                          f"head's {'queries' if kind == 'q' else 'keys' if kind == 'k' else 'values'}):")
+                    print(_table([[f"L{la}H{ha}", f"L{lb}H{hb}", f"{s:.3f}"]
+                                  for s, la, ha, lb, hb in top], ["from", "to", "score"]))
+    if args.plot:
+        if res.composition is None:
+            raise UsageError("--plot draws the composition graph: drop --no-composition")
+        _save(_plots().composition(res), args.plot)
+    return EXIT_OK
+
+
+def _pp_metric(args) -> dict | None:
+    """The path-patch metric from --metric/--target/--distractor/--positions (None: none of
+    them given, the --request file's metric is used)."""
+    kind = args.metric
+    if kind is None and args.target is None and args.distractor is None \
+            and args.positions is None:
+        return None
+    kind = kind or ("logit_diff" if args.distractor is not None else
+                    "logprob" if args.target is not None else "loss")
+    positions = args.positions or ([-2] if kind == "loss" else [-1])
+    needs = {"logit_diff": ("target", "distractor"), "prob": ("target",),
+             "logprob": ("target",), "loss": (), "kl": ()}[kind]
+    for name in ("target", "distractor"):
+        given = getattr(args, name) is not None
+        if name in needs and not given:
+            raise UsageError(f"--metric {kind} needs --{name} (one token, e.g. ' Mary')")
+        if name not in needs and given:
+            raise UsageError(f"--{name} is not used by --metric {kind}")
+    if kind == "kl":  # run 0 = the run measured, run 1 = the base run
+        terms = [{"prompt": 0, "reference_prompt": 1, "position": q} for q in positions]
+    else:
+        terms = [{"position": q, **{n: getattr(args, n) for n in needs}} for q in positions]
+    return {"kind": kind, "terms": terms}
+
+
+def cmd_path_patch(args) -> int:
+    body: dict[str, Any] = {}
+    if args.request:
+        raw = sys.stdin.read() if args.request == "-" else _read_file(args.request)
+        try:
+            body = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--request {args.request}: not valid JSON ({exc.msg} at "
+                             f"character {exc.pos})")
+        if not isinstance(body, dict):
+            raise UsageError(f"--request {args.request}: a JSON object is expected")
+    clean = args.clean_tokens if args.clean_tokens is not None else args.clean_text
+    corrupted = args.corrupted_tokens if args.corrupted_tokens is not None else args.corrupted_text
+    if (args.clean_tokens is not None and args.clean_text is not None) or (
+            args.corrupted_tokens is not None and args.corrupted_text is not None):
+        raise UsageError("give each prompt once: as text or as --clean-tokens/--corrupted-tokens")
+    if (clean is None) != (corrupted is None):
+        raise UsageError("give both prompts: CLEAN_TEXT CORRUPTED_TEXT (or --clean-tokens and "
+                         "--corrupted-tokens)")
+    if clean is None and "pairs" not in body:
+        raise UsageError("give the prompts (CLEAN_TEXT CORRUPTED_TEXT, --clean-tokens/"
+                         "--corrupted-tokens) or pairs in --request FILE")
+    if clean is not None and "pairs" in body:
+        raise UsageError("the prompts are given twice: as arguments and as pairs in --request")
+    metric = _pp_metric(args)
+    if metric is not None:
+        body["metric"] = metric
+    body.setdefault("metric", {"kind": "loss", "terms": [{"position": -2}]})
+    for attr, field in (("grid", "grid"), ("direction", "direction"), ("add_bos", "add_bos")):
+        if getattr(args, attr) is not None:
+            body[field] = getattr(args, attr)
+    for item in args.option or []:
+        key, value = _parse_option(item)
+        body[key] = value
+    if not body.get("grid") and args.senders is None and "senders" not in body:
+        raise UsageError("give --senders and --receivers (e.g. --senders 0:1 --receivers 1:k), "
+                         "or --grid")
+    pairs = body.pop("pairs", None)
+    senders = body.pop("senders", None) if args.senders is None else args.senders
+    receivers = body.pop("receivers", None) if args.receivers is None else args.receivers
+    with _client(args) as c:
+        res = c.path_patch(pairs, clean=clean, corrupted=corrupted, senders=senders,
+                           receivers=receivers, metric=body.pop("metric"), **body)
+    _write_output(args, res)
+    if args.json:
+        _print_json(res)
+        return EXIT_OK
+    n = res.base.n
+    print(f"model {res.model.id}  {n} pair{'s' if n != 1 else ''}  metric {res.metric} "
+          f"({res.reduce})  base run {res.base_run}, senders from the {res.other_run} run")
+
+    def stat(s) -> str:
+        return _fmt(s.mean) + ("" if s.std is None else f" ± {_fmt(s.std)} (std)")
+
+    rows = [["base (" + res.base_run + ")", stat(res.base)],
+            ["other (" + res.other_run + ")", stat(res.other)]]
+    if res.patched is not None:
+        rows.append(["path-patched", stat(res.patched)])
+    print(_table(rows, ["run", res.metric]))
+    if res.grid is None:
+        snd = ", ".join(_component(s) for s in res.senders or [])
+        rcv = ", ".join(_component(r) for r in res.receivers or [])
+        norm = "undefined (other = base)" if res.normalized is None else f"{res.normalized:+.3g}"
+        print(f"senders {snd} -> receivers {rcv}: normalised (patched - base) / (other - base) "
+              f"= {norm}")
+        return EXIT_OK
+    g = res.grid
+    for k, inp in enumerate(g.inputs):
+        cells = []
+        for ls, row in enumerate(g.normalized):
+            for hs, recv in enumerate(row):
+                for lr, heads in enumerate(recv):
+                    for hr, vals in enumerate(heads):
+                        v = vals[k]
+                        if v is not None:
+                            cells.append((abs(v), v, ls, hs, lr, hr, g.raw[ls][hs][lr][hr][k]))
+        cells.sort(reverse=True)
+        print(f"\nreceiver input {inp}: strongest cells by |normalised| (of {len(cells)})")
+        print(_table([[f"L{ls}H{hs}", f"L{lr}H{hr}.{inp}", f"{v:+.3g}", _fmt(raw)]
+                      for _, v, ls, hs, lr, hr, raw in cells[:max(0, args.top)]],
+                     ["sender", "receiver", "normalised", res.metric]))
+    return EXIT_OK
+
+
+def _component(c: dict) -> str:
+    kind = c.get("kind")
+    if kind == "head" and "head" in c:
+        return f"L{c['layer']}H{c['head']}"
+    if kind == "head":
+        heads = c.get("heads")
+        who = f"L{c['layer']}" + ("" if heads is None else "H" + "/".join(map(str, heads)))
+        return f"{who}.{c.get('input')}"
+    if kind == "mlp":
+        return f"MLP{c['layer']}"
+    return str(kind)
+
+
 def _read_file(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
@@ -890,7 +1279,9 @@ def _fmt(x, blank: bool = False) -> str:
 COMMANDS = {"model": cmd_model, "tokenize": cmd_tokenize, "attention": cmd_attention,
             "trajectories": cmd_trajectories, "verify": cmd_verify, "heads": cmd_heads,
             "links": cmd_links, "norms": cmd_norms, "rollout": cmd_rollout,
-            "predict": cmd_predict, "ablate": cmd_ablate, "patch": cmd_patch, "run": cmd_run}
+            "predict": cmd_predict, "ablate": cmd_ablate, "patch": cmd_patch, "run": cmd_run,
+            "logit-lens": cmd_logit_lens, "logit-attribution": cmd_logit_attribution,
+            "circuits": cmd_circuits, "path-patch": cmd_path_patch}
 
 
 SERVICE_CLI = "attnscope.service.cli"
@@ -926,6 +1317,21 @@ def _serve(argv: list[str]) -> int:
     return subprocess.call(cmd)
 
 
+_NEGATIVE_LIST = re.compile(r"^-\d+\s*(,\s*-?\d+\s*)+,?$")
+
+
+def _glued(argv: list[str]) -> list[str]:
+    """``--positions -3,-2,-1`` as ``--positions=-3,-2,-1``: argparse takes a value that starts
+    with '-' and is not one number for an option (a lone ``-1`` it reads as a value)."""
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE_LIST.match(a):
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``attnscope`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -936,7 +1342,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = build_parser()
     try:
-        args = ap.parse_args(argv)
+        args = ap.parse_args(_glued(argv))
     except SystemExit as exc:  # argparse: 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     args.argv = argv  # batch's resume hint repeats the command
