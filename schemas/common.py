@@ -281,6 +281,52 @@ class ModelRef(LenientModel):
     revision: str = Field(description="Hub commit hash, or 'sha256:<12 hex>' of a local checkpoint's weights, config and tokenizer files (every file that changes the numbers).")
 
 
+class AttentionFacts(LenientModel):
+    """How the resident model's attention is built (what changes a pattern's definition)."""
+
+    positions: str = Field(description="'learned_absolute' (GPT-2, BERT: position embeddings "
+                           "added to the input) or 'rotary' (RoPE, Su et al. 2021: q and k "
+                           "rotated by position inside each attention layer; served q/k are "
+                           "after rotary).")
+    rotary_dim: int | None = Field(None, description="Dimensions of each head that rotate (the "
+                                   "first rotary_dim of d_head; the rest pass); null without "
+                                   "rotary.")
+    rotary_fraction: float | None = Field(None, description="rotary_dim / d_head (GPT-NeoX's "
+                                          "rotary_pct, e.g. 0.25); null without rotary.")
+    rope_theta: float | None = Field(None, description="RoPE base theta; null without rotary.")
+    rope_scaling: dict | None = Field(None, description="The config's rope parameters beyond "
+                                      "theta (rope_type, factor, ...) when not the default "
+                                      "rope; null otherwise.")
+    n_kv_heads: int = Field(description="Key/value heads per layer (= n_heads without "
+                            "grouped-query attention).")
+    kv_head_of_query_head: list[int] = Field(description="For query head h, the key/value head "
+                                             "it reads: h // (n_heads // n_kv_heads) (Hugging "
+                                             "Face's repeat_kv). Recorded k/v (and hook_k/"
+                                             "hook_v) are on the key/value heads.")
+    sliding_window: int | None = Field(None, description="Largest sliding key window of any "
+                                       "layer (a query sees its `window` latest keys, itself "
+                                       "included); null when every layer attends to all "
+                                       "earlier keys.")
+    sliding_window_layers: list[int | None] | None = Field(
+        None, description="Per layer, its sliding window or null (full attention); null when "
+        "no layer has one (Mistral: every layer; Gemma 2: alternate layers).")
+    attn_logit_softcap: float | None = Field(None, description="Attention logit soft-cap c "
+                                             "(Gemma 2: scores -> c * tanh(scores / c) before "
+                                             "the mask); null without.")
+    final_logit_softcap: float | None = Field(None, description="Final logit soft-cap (Gemma "
+                                              "2: logits -> c * tanh(logits / c)); null "
+                                              "without.")
+    norm: str = Field(description="Normalisation: 'layernorm', 'rmsnorm' (x / rms(x) * w) or "
+                      "'rmsnorm_1p' (Gemma: x / rms(x) * (1 + w)).")
+    parallel_residual: bool = Field(description="Attention and MLP read the same residual "
+                                    "stream and are added together (GPT-NeoX "
+                                    "use_parallel_residual).")
+    qkv_bias: bool = Field(description="The q/k/v projections have biases.")
+    scaling: list[float] = Field(description="Per layer, the q.k multiplier (1/sqrt(d_head); "
+                                 "GPT-2 may divide by layer+1; Gemma 2: "
+                                 "query_pre_attn_scalar**-0.5).")
+
+
 class ModelInfo(LenientModel):
     """GET /v1/model: the resident model."""
 
@@ -293,12 +339,18 @@ class ModelInfo(LenientModel):
     )
     fallback_reason: str | None = Field(None, description="Why the fallback happened.")
     architecture: str = Field(description="Hugging Face architecture class, e.g. GPT2LMHeadModel.")
-    family: str = Field(description="Adapter family: 'gpt2' or 'bert'.")
+    family: str = Field(description="Adapter family: 'gpt2', 'bert', 'llama', 'mistral', "
+                        "'qwen2', 'gemma', 'gemma2' or 'gpt_neox' (Pythia).")
     causal: bool = Field(description="True when attention is causal (a key never follows its query).")
     n_layers: int = Field(description="Number of transformer blocks.")
     n_heads: int = Field(description="Attention heads per layer.")
     d_model: int = Field(description="Residual stream width.")
     d_head: int = Field(description="Width of one head's query/key/value.")
+    n_kv_heads: int | None = Field(None, description="Key/value heads per layer (fewer than "
+                                   "n_heads under grouped-query attention).")
+    attention: AttentionFacts | None = Field(None, description="How attention is built: "
+                                             "positions, rotary, key/value heads, sliding "
+                                             "windows, soft-caps, norm, parallel residual.")
     n_ctx: int = Field(description="Maximum tokens per text (context length), framing included.")
     vocab_size: int = Field(description="Vocabulary size.")
     device: str = Field(description="Torch device, e.g. 'cpu' or 'cuda:0'.")

@@ -210,6 +210,11 @@ class HeadsResponse(LenientModel):
         "for encoders, else the text's first token).")
     sink_tokens: list[str] = Field(
         default_factory=list, description="Per text, the token at sink_position.")
+    sink_is_bos: list[bool] = Field(
+        default_factory=list, description="Per text, whether the token at sink_position is "
+        "the tokenizer's BOS token (false with add_bos false, for a tokenizer without "
+        "BOS such as Qwen2's, and for encoders: then the sink scores measure attention to the "
+        "text's first token, which the model may or may not use as a sink).")
     dtype: str = Field("float32", description="The dtype the patterns were computed in (the "
                        "model's; scores are then computed in float64).")
     label_scores: dict[str, str] = Field(

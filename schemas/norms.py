@@ -89,5 +89,10 @@ class NormsResponse(LenientModel):
     add_bos: bool = add_bos_echo()
     value_bias: Literal["include", "exclude"] = Field(description="As requested.")
     output_bias: Literal["exclude", "distribute"] = Field(description="As requested.")
+    kv_head_of_query_head: list[int] | None = Field(
+        None, description="Grouped-query attention (fewer key/value heads than query heads): "
+        "for query head h, the key/value head whose value vectors its f_h uses, h // (n_heads "
+        "// n_kv_heads); f_h(x) = (x W_V^g + b_V^g) W_O^h with g that head, so the query heads "
+        "of one group share ||x W_V^g|| but not W_O^h. Null without grouped-query attention.")
     norms: NormsResult | None = Field(None, description="For a 'text' or 'tokens' request.")
     results: list[NormsResult] | None = Field(None, description="For a 'texts' or 'token_lists' request, in order.")

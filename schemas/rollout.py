@@ -81,5 +81,11 @@ class RolloutResponse(LenientModel):
     discard: float = Field(description="As requested.")
     sink: Literal["keep", "drop"] = Field(description="As requested.")
     flow_max_tokens: int = Field(description="Longest input attention flow is computed for.")
+    sliding_windows: list[int | None] | None = Field(
+        None, description="Per layer, the sliding key window of a model that has one (Mistral; "
+        "Gemma 2 on alternate layers; null entries: full attention), else null. A windowed "
+        "layer's pattern is 0 outside its window, so its discard candidates are only the keys "
+        "inside it (query_pos - window < key_pos <= query_pos); rollout still reaches earlier "
+        "tokens through the layers below (R_l is a product), as the model does.")
     rollout: RolloutResult | None = Field(None, description="For a 'text' or 'tokens' request.")
     results: list[RolloutResult] | None = Field(None, description="For a 'texts' or 'token_lists' request, in order.")

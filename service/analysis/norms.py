@@ -36,6 +36,15 @@ Biases (``value_bias`` / ``output_bias``), the paper's choice as the defaults:
 Inputs are the recorded forward's ``v`` (``x W_V + b_V`` as the model computed it) and the
 adapter's output projection, both in the ``y = x @ W + b`` layout of
 ``service.runtime.adapters.AttentionParams``. Pure functions: torch in, torch out.
+
+Grouped-query attention (Llama, Mistral, Qwen2, Gemma with ``n_kv_heads < n_heads``): the
+recorded ``v`` is on the KEY/VALUE heads ``[kv_head, key_pos, d_head]`` and ``b_V``
+``[n_kv_heads * d_head]``; query head ``h`` weights the values of key/value head
+``g = h // (n_heads // n_kv_heads)`` (Hugging Face's ``repeat_kv``), so ``f_h(x) = (x W_V^g +
+b_V^g) W_O^h``: the value vector is shared by the query heads of a group, the output rows
+``W_O^h`` are each head's own. Every function here takes ``v`` either way (:func:`per_query_head`
+expands it when ``W_o`` has more heads than ``v``); the decomposition ``sum_h sum_j alpha f =
+y - b_O`` still holds exactly.
 """
 
 from __future__ import annotations
@@ -62,6 +71,35 @@ class LayerNorms:
     value: torch.Tensor  # [head, key_pos], ||f_h(x_j)||
 
 
+def per_query_head(
+    v: torch.Tensor,  # [kv_head, key_pos, d_head] or [head, key_pos, d_head]
+    W_o: torch.Tensor,  # [n_heads * d_head, d_model]
+    b_v: torch.Tensor | None = None,  # [n_kv_heads * d_head] or [n_heads * d_head]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(v, b_v)`` per QUERY head: under grouped-query attention (``W_o`` reads more heads
+    than ``v`` has) key/value head ``g`` is repeated for query heads ``g * G .. g * G + G - 1``
+    with ``G = n_heads / n_kv_heads`` (Hugging Face's ``repeat_kv``: query head h reads
+    ``h // G``); unchanged otherwise.
+
+    Raises:
+        ValueError: ``v`` not 3-D, or ``W_o``'s rows not a multiple of ``v``'s heads x d_head.
+    """
+    if v.dim() != 3:
+        raise ValueError(f"v must be [head, key_pos, d_head]; got {tuple(v.shape)}")
+    KV, _, dh = v.shape
+    rows = W_o.shape[0] if W_o.dim() == 2 else -1
+    if rows == KV * dh:
+        return v, b_v
+    if rows <= 0 or rows % (KV * dh):
+        raise ValueError(f"W_o must be [n_heads * {dh}, d_model] with n_heads a multiple of "
+                         f"v's {KV} heads; got {tuple(W_o.shape)}")
+    G = rows // (KV * dh)
+    v = v.repeat_interleave(G, dim=0)
+    if b_v is not None:
+        b_v = b_v.reshape(KV, dh).repeat_interleave(G, dim=0).reshape(-1)
+    return v, b_v
+
+
 def transformed_values(
     v: torch.Tensor,  # [head, key_pos, d_head]
     W_o: torch.Tensor,  # [n_heads * d_head, d_model]
@@ -83,8 +121,7 @@ def transformed_values(
     Raises:
         ValueError: shapes that do not fit, an unknown ``value_bias``, or 'exclude' without b_v.
     """
-    if v.dim() != 3:
-        raise ValueError(f"v must be [head, key_pos, d_head]; got {tuple(v.shape)}")
+    v, b_v = per_query_head(v, W_o, b_v)  # grouped-query attention: v per query head
     H, T, dh = v.shape
     if W_o.dim() != 2 or W_o.shape[0] != H * dh:
         raise ValueError(f"W_o must be [{H * dh}, d_model]; got {tuple(W_o.shape)}")
@@ -121,8 +158,7 @@ def value_norms(
     Raises:
         ValueError: as :func:`transformed_values`, or ``gram`` not ``[n_heads, d_head, d_head]``.
     """
-    if v.dim() != 3:
-        raise ValueError(f"v must be [head, key_pos, d_head]; got {tuple(v.shape)}")
+    v, b_v = per_query_head(v, W_o, b_v)  # grouped-query attention: v per query head
     H, T, dh = v.shape
     if W_o.dim() != 2 or W_o.shape[0] != H * dh:
         raise ValueError(f"W_o must be [{H * dh}, d_model]; got {tuple(W_o.shape)}")
@@ -205,7 +241,7 @@ def summed_norms(
 
 def layer_norms(
     pattern: torch.Tensor,  # [head, query_pos, key_pos], all of the model's heads
-    v: torch.Tensor,  # [head, key_pos, d_head], all heads
+    v: torch.Tensor,  # [head | kv_head, key_pos, d_head], all heads
     W_o: torch.Tensor,  # [n_heads * d_head, d_model]
     b_v: torch.Tensor | None = None,
     b_o: torch.Tensor | None = None,
@@ -235,6 +271,7 @@ def layer_norms(
     Raises:
         ValueError: shapes that do not fit, unknown bias options, a missing bias tensor.
     """
+    v, b_v = per_query_head(v, W_o, b_v)  # grouped-query attention: v per query head
     if pattern.dim() != 3 or pattern.shape[0] != v.shape[0] or pattern.shape[-1] != v.shape[1]:
         raise ValueError(f"pattern {tuple(pattern.shape)} does not fit v {tuple(v.shape)}")
     if output_bias not in ("exclude", "distribute"):

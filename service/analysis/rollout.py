@@ -14,7 +14,10 @@ Per layer ``l`` (1-based in the formulas, 0-based in arrays), from the post-soft
    in a causal model it sees nothing else), to see the flow among the other tokens;
 3. ``discard`` (fraction ``d`` in [0, 1)): the ``floor(d * n)`` smallest of the ``n`` entries of
    ``F_l`` that are still candidates (visible under the causal mask, not removed in step 2)
-   are set to 0 (ties: the lower flat index ``q * T + k`` goes first);
+   are set to 0 (ties: the lower flat index ``q * T + k`` goes first); a layer with a sliding
+   key window (Mistral, Gemma 2) has as candidates only the keys inside it,
+   ``q - window < k <= q`` (its pattern is 0 outside; rollout still reaches earlier tokens
+   through the layers below, since ``R_l`` is a product);
 4. residual: ``Â_l = rownorm((1 - w) F_l + w I)`` with residual weight ``w`` (default 0.5: for
    mean fusion, no discard and the sink kept, ``Â_l = ½ A_l + ½ I``, the paper's and
    ``compute_joint_attention``'s matrix). ``rownorm`` divides each row by its sum (max/min
@@ -77,6 +80,7 @@ def augmented_matrices(
     residual: float = 0.5,
     discard: float = 0.0,
     sink: Sink = "keep",
+    windows: Sequence[int | None] | None = None,
 ) -> torch.Tensor:
     """``Â_l`` of every layer, ``[layer, query_pos, key_pos]`` float64, rows sum to 1 (steps
     1-4 of the module docstring).
@@ -88,6 +92,10 @@ def augmented_matrices(
         residual: weight ``w`` of the identity (the residual connection), in [0, 1].
         discard: fraction of each layer's candidate entries to zero, in [0, 1).
         sink: 'keep' or 'drop' the first token as a key (queries >= 1).
+        windows: per layer, a sliding key window (Mistral, Gemma 2) or None: a windowed
+            layer's candidates are only the keys ``query_pos - window < key_pos <=
+            query_pos`` (its pattern is 0 outside them), so ``discard`` is a fraction of
+            what the layer can attend to.
 
     Raises:
         ValueError: ``residual`` outside [0, 1], ``discard`` outside [0, 1), unknown
@@ -107,11 +115,15 @@ def augmented_matrices(
     if sink == "drop" and T > 1:
         F[:, 1:, 0] = 0.0
         cand[1:, 0] = False
+    if windows is not None and len(windows) != L:
+        raise ValueError(f"windows must give one entry per layer ({L}); got {len(windows)}")
     if discard > 0:
-        flat_cand = cand.reshape(-1).nonzero().squeeze(-1)  # ascending flat indices
-        n_drop = int(discard * flat_cand.numel())
-        if n_drop:
-            for layer in range(L):
+        for layer in range(L):
+            w = None if windows is None else windows[layer]
+            c = cand if w is None else cand & torch.ones(T, T, dtype=torch.bool).triu(-(w - 1))
+            flat_cand = c.reshape(-1).nonzero().squeeze(-1)  # ascending flat indices
+            n_drop = int(discard * flat_cand.numel())
+            if n_drop:
                 vals = F[layer].reshape(-1)[flat_cand]
                 order = torch.sort(vals, stable=True).indices  # ties: lower flat index first
                 F[layer].reshape(-1)[flat_cand[order[:n_drop]]] = 0.0

@@ -31,6 +31,15 @@ Because the default path starts from the recorded q/k/v, a change of the q/k/v w
 the forward is NOT seen by it (the recorded q/k/v are what the model used); a change of the
 output projection is. ``projections=True`` sees both.
 
+Rotary families (Llama, Mistral, Qwen2, Gemma, Gemma 2, GPT-NeoX): the recorded q and k are
+AFTER rotary (where the attention function receives them) and k/v are on the key/value heads;
+the recomputation repeats key/value head ``h // (n_heads // n_kv_heads)`` for query head h
+(``repeat_kv``), soft-caps the scores (Gemma 2: ``c * tanh(s / c)``, before the mask), masks
+keys outside the layer's sliding window (``query_pos - window < key_pos <= query_pos``) and
+takes the softmax in float32 as their eager functions do; ``projections=True`` rotates the
+projected q/k with the model's own ``inv_freq`` (positions ``0..T-1``, rotate-half layout,
+the first ``rotary_dim`` dimensions of each head) before comparing.
+
 Differences: ``max |recomputed - recorded|`` per layer and head (pattern), per layer (output,
 q/k/v), overall. A NaN anywhere (recomputed or recorded) fails the check.
 """
@@ -68,6 +77,20 @@ class AttentionParams:
     scaling: float  # q.k multiplier
     upcast: bool  # scores and softmax in float32 (GPT-2 reorder_and_upcast_attn)
     causal: bool
+    #: key/value heads (grouped-query attention: W_k/W_v ``[d_model, n_kv_heads * d_head]``,
+    #: query head h reads key/value head ``h // (n_heads // n_kv_heads)``); None = n_heads
+    n_kv_heads: int | None = None
+    window: int | None = None  # sliding key window (keys query_pos - window < k <= query_pos)
+    softcap: float | None = None  # attention logit soft-cap c: scores -> c * tanh(scores / c)
+    softmax_float32: bool = False  # softmax computed in float32, then cast (rotary families)
+    #: rotary embedding (``inv_freq [rotary_dim / 2]``, ``attention_scaling``, ``rotary_dim``):
+    #: the recorded q/k are the projections rotated by position; None = no rotary
+    rotary: dict | None = None
+
+    @property
+    def kv_groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // (self.n_kv_heads or self.n_heads)
 
     @classmethod
     def of(cls, adapter, layer: int) -> "AttentionParams":
@@ -85,18 +108,40 @@ class RecordedForward(Protocol):
     """What :func:`verify` reads from a recorded forward (``ForwardResult.tensors``)."""
 
     q: torch.Tensor  # [layer, head, pos, d_head]
-    k: torch.Tensor  # [layer, head, pos, d_head]
-    v: torch.Tensor  # [layer, head, pos, d_head]
+    k: torch.Tensor  # [layer, kv_head, pos, d_head]
+    v: torch.Tensor  # [layer, kv_head, pos, d_head]
     pattern: torch.Tensor  # [layer, head, query_pos, key_pos]
     attn_input: torch.Tensor  # [layer, pos, d_model] (read only with projections=True)
     attn_output: torch.Tensor  # [layer, pos, d_model], after the output projection
 
 
-def causal_mask(T: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive ``[query_pos, key_pos]`` mask: 0 on visible keys (key_pos <= query_pos),
-    ``torch.finfo(dtype).min`` on future keys -- transformers' eager causal mask."""
-    future = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
-    return torch.zeros(T, T, dtype=dtype, device=device).masked_fill_(future, torch.finfo(dtype).min)
+def causal_mask(T: int, dtype: torch.dtype, device, window: int | None = None) -> torch.Tensor:
+    """Additive ``[query_pos, key_pos]`` mask: 0 on visible keys (key_pos <= query_pos, and
+    ``query_pos - window < key_pos`` with a sliding ``window``), ``torch.finfo(dtype).min``
+    elsewhere -- transformers' eager causal (sliding-window) mask."""
+    hidden = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+    if window is not None:
+        hidden |= torch.ones(T, T, dtype=torch.bool, device=device).tril(-window)
+    return torch.zeros(T, T, dtype=dtype, device=device).masked_fill_(hidden, torch.finfo(dtype).min)
+
+
+def apply_rotary(x: torch.Tensor, rotary: dict) -> torch.Tensor:
+    """RoPE (Su et al. 2021) as Hugging Face applies it (``apply_rotary_pos_emb``, rotate-half
+    layout): ``x [head, pos, d_head]`` at positions ``0..pos-1``; the first ``rotary_dim``
+    dimensions become ``x * cos + rotate_half(x) * sin`` with ``cos``/``sin`` of ``pos *
+    inv_freq`` (float32, duplicated over the two halves, times ``attention_scaling``), the rest
+    pass unchanged."""
+    T = x.shape[-2]
+    inv = rotary["inv_freq"].to(x.device, torch.float32)
+    pos = torch.arange(T, device=x.device)
+    freqs = pos[:, None].float() * inv  # [pos, rotary_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * rotary["attention_scaling"]).to(x.dtype)
+    sin = (emb.sin() * rotary["attention_scaling"]).to(x.dtype)
+    r = rotary["rotary_dim"]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    half = torch.cat((-x_rot[..., r // 2:], x_rot[..., : r // 2]), dim=-1)
+    return torch.cat(((x_rot * cos) + (half * sin), x_pass), dim=-1)
 
 
 def recompute_layer(
@@ -117,18 +162,28 @@ def recompute_layer(
     dev, dt = p.W_o.device, p.W_o.dtype
     q, k, v = (t.to(dev, dt) for t in (q, k, v))
     H, T, dh = q.shape
+    # 0. grouped-query attention: key/value head h // G serves query head h (repeat_kv)
+    if k.shape[0] != H:
+        G = H // k.shape[0]
+        k, v = k.repeat_interleave(G, dim=0), v.repeat_interleave(G, dim=0)
     # 1. compare every query with every key, scaled by the model's own multiplier
     if p.upcast:
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(p.scaling)  # [H, T, T] f32
     else:
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(p.scaling)  # [H, T, T]
-    # 2. causal mask: future keys get the dtype's most negative value (HF's additive mask)
+    # 1b. logit soft-cap (Gemma 2): c * tanh(s / c), before the mask
+    if p.softcap is not None:
+        scores = torch.tanh(scores / p.softcap) * p.softcap
+    # 2. causal (sliding-window) mask: hidden keys get the dtype's most negative value
     if p.causal:
         if mask is None or mask.dtype != scores.dtype:
-            mask = causal_mask(T, scores.dtype, scores.device)
+            mask = causal_mask(T, scores.dtype, scores.device, p.window)
         scores.add_(mask)
     # 3. softmax over the keys -> attention weights, in v's dtype
-    pattern = torch.softmax(scores, dim=-1).to(v.dtype)  # [H, T, T]
+    if p.softmax_float32:
+        pattern = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [H, T, T]
+    else:
+        pattern = torch.softmax(scores, dim=-1).to(v.dtype)  # [H, T, T]
     # 4. weighted sum of the values, heads concatenated back: [H, T, dh] -> [T, H*dh]
     z = torch.matmul(pattern, v).transpose(0, 1).reshape(T, H * dh)
     # 5. output projection with the CURRENT weights: y = z @ W_o + b_o
@@ -140,15 +195,21 @@ def project_qkv(
     x: torch.Tensor,  # [pos, d_model], the layer's attention input
     p: AttentionParams,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v ``[head, pos, d_head]`` from the attention input with the CURRENT weights
-    (``y = x @ W + b``, as GPT-2's Conv1D / BERT's Linear), split into heads. Runs on the
-    weights' device and dtype. Three ``[pos, d_model] x [d_model, d_model]`` matmuls."""
+    """q ``[head, pos, d_head]``, k, v ``[kv_head, pos, d_head]`` from the attention input with
+    the CURRENT weights (``y = x @ W + b``, as GPT-2's Conv1D / BERT's Linear), split into
+    heads; rotary families: q and k then rotated (:func:`apply_rotary`, positions 0..T-1).
+    Runs on the weights' device and dtype. Three ``[pos, d_model] x [d_model, width]``
+    matmuls."""
     x = x.to(p.W_q.device, p.W_q.dtype)
     T = x.shape[0]
-    return tuple(
-        torch.addmm(b, x, W).view(T, p.n_heads, p.d_head).transpose(0, 1)
-        for W, b in ((p.W_q, p.b_q), (p.W_k, p.b_k), (p.W_v, p.b_v))
+    kv = p.n_kv_heads or p.n_heads
+    q, k, v = (
+        torch.addmm(b, x, W).view(T, n, p.d_head).transpose(0, 1)
+        for W, b, n in ((p.W_q, p.b_q, p.n_heads), (p.W_k, p.b_k, kv), (p.W_v, p.b_v, kv))
     )
+    if p.rotary is not None:
+        q, k = apply_rotary(q, p.rotary), apply_rotary(k, p.rotary)
+    return q, k, v
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -212,9 +273,10 @@ def verify(
             q, k, v = (getattr(t, n)[layer].to(dev) for n in ("q", "k", "v"))
             parts = []
             mdt = torch.float32 if p.upcast else p.W_o.dtype
-            if p.causal and (mdt, dev) not in masks:
-                masks[(mdt, dev)] = causal_mask(q.shape[1], mdt, dev)
-            pattern, out = recompute_layer(q, k, v, p, masks.get((mdt, dev)))
+            mkey = (mdt, dev, p.window)
+            if p.causal and mkey not in masks:
+                masks[mkey] = causal_mask(q.shape[1], mdt, dev, p.window)
+            pattern, out = recompute_layer(q, k, v, p, masks.get(mkey))
             parts.append(_diff(pattern, t.pattern[layer]).amax(dim=(-2, -1)))  # [head]
             parts.append(_diff(out, t.attn_output[layer]).amax().view(1))
             if projections:

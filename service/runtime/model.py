@@ -125,6 +125,8 @@ class Runtime:
             "n_heads": adapter.n_heads,
             "d_model": adapter.d_model,
             "d_head": adapter.d_head,
+            "n_kv_heads": adapter.n_kv_heads,
+            "attention": adapter.attention_facts(),
             "n_ctx": adapter.n_ctx,
             "vocab_size": int(model.config.vocab_size),
             "device": str(next(model.parameters()).device),

@@ -124,6 +124,7 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
             H.induction_probe_score(forwards[-1].pattern, start, req.probe.segment_length,
                                     req.probe.repeats)
             if probe else torch.full((L, NH), math.nan, dtype=torch.float64))
+        bos = rt.tokenizer.bos_token_id
         th = req.thresholds.model_dump()  # the API's (defaults + overrides); the analysis has none
         out = []
         lists = {n: scores[n].tolist() for n in H.SCORE_NAMES}  # not 1,440 tensor lookups
@@ -145,6 +146,8 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
             "add_bos": bool(req.add_bos),
             "sink_position": 0,
             "sink_tokens": [it.tokens[0].label for it in items],
+            "sink_is_bos": [bool(rt.adapter.causal and bos is not None and it.input_ids[0] == bos)
+                            for it in items],
             "dtype": rt.info["dtype"],
             "label_scores": dict(H.LABEL_SCORE),
             "exclude_bos": req.exclude_bos,

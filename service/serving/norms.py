@@ -102,8 +102,11 @@ def build(rt, req, forwards, encoding: str) -> dict:
             "summed": enc(summed, "summed", req.layout, req.sparse) if req.summed else None,
             "value_norms": enc(value, "value_norms", "full", None) if req.value_norms else None,
         })
+    a = rt.adapter
     body: dict = {"model": rt.model_ref(), "value_bias": req.value_bias,
-                  "output_bias": req.output_bias}
+                  "output_bias": req.output_bias,
+                  "kv_head_of_query_head": ([a.kv_head(h) for h in range(a.n_heads)]
+                                            if a.n_kv_heads != a.n_heads else None)}
     return text_or_results(req, body, "norms", out)
 
 

@@ -92,7 +92,7 @@ def build(rt, req, forwards, encoding: str) -> dict:
             raise NonFiniteValues("the model's attention pattern holds NaN/inf; refusing to "
                                   "roll it out")
         aug = RO.augmented_matrices(fw.pattern, causal, req.fusion, req.residual, req.discard,
-                                    req.sink)
+                                    req.sink, windows=rt.windows if any(rt.windows) else None)
         R = RO.rollout(aug)
         res = {
             "tokens": [t.as_dict() for t in fw.tokens.tokens],
@@ -108,7 +108,8 @@ def build(rt, req, forwards, encoding: str) -> dict:
                                         f"{pfx}.flow", layout=req.layout, sparse=req.sparse)
         out.append(res)
     body: dict = {"model": rt.model_ref(), "fusion": req.fusion, "residual": req.residual,
-                  "discard": req.discard, "sink": req.sink, "flow_max_tokens": RO.FLOW_MAX_TOKENS}
+                  "discard": req.discard, "sink": req.sink, "flow_max_tokens": RO.FLOW_MAX_TOKENS,
+                  "sliding_windows": list(rt.windows) if any(rt.windows) else None}
     return text_or_results(req, body, "rollout", out)
 
 
