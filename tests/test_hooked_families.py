@@ -487,3 +487,59 @@ def test_ablate_endpoint_equals_an_hf_hook_loop(fam, served):
         i = p["position"]
         assert p["kl"] == pytest.approx(float(kl[i]), abs=1e-5, rel=2e-6)
         assert [t["id"] for t in p["top_ablated"]] == abl[i].topk(3).indices.tolist()
+
+
+def test_predictions_endpoint_equals_hf_logits(fam, served):
+    client, rt = served
+    ids = IDS[1].tolist()
+    r = client.post("/v1/predictions", json={"tokens": ids, "top_k": 4})
+    assert r.status_code == 200, r.text
+    logits = fam.hf_logits(IDS[1:]).logits[0]
+    logp = torch.log_softmax(logits.double(), -1)
+    for p in r.json()["predictions"]["positions"]:
+        i = p["position"]
+        top = torch.topk(logits[i], 4)
+        assert [t["id"] for t in p["top"]] == top.indices.tolist()
+        assert [t["logit"] for t in p["top"]] == pytest.approx(top.values.tolist(), abs=1e-5)
+        if i < len(ids) - 1:
+            assert p["next_logprob"] == pytest.approx(float(logp[i, ids[i + 1]]), abs=1e-5)
+
+
+def test_patch_endpoint_equals_hf_hook_loop(fam, served):
+    """/v1/patch (metric loss of the clean text's next tokens): every head's raw value equals
+    an HF forward of the corrupted text with that head's z (o_proj's / dense's input slice)
+    replaced by the clean run's."""
+    client, rt = served
+    clean, corrupt = IDS[0].tolist(), IDS[1].tolist()
+    pos = list(range(6, 12))
+    r = client.post("/v1/patch", json={"clean_tokens": clean, "corrupted_tokens": corrupt,
+                                       "metric": "loss", "positions": pos})
+    assert r.status_code == 200, r.text
+    b = r.json()
+    tgt = torch.tensor([clean[p + 1] for p in pos])
+
+    def loss(logits):
+        lp = torch.log_softmax(logits[0, pos].double(), -1)
+        return float(-lp[torch.arange(len(pos)), tgt].mean())
+    p = fam.parts
+    zs = []
+    hs = [_o_hook(fam, layer, lambda z: (zs.append(z), z)[1]) for layer in range(p.n_layers)]
+    try:
+        c = loss(fam.hf_logits(IDS[:1]).logits)
+    finally:
+        for h in hs:
+            h.remove()
+    k = loss(fam.hf_logits(IDS[1:]).logits)
+    assert b["clean_value"] == pytest.approx(c, abs=1e-5)
+    assert b["corrupted_value"] == pytest.approx(k, abs=1e-5)
+    for layer in range(p.n_layers):
+        for head in range(p.n_heads):
+            def put(z, layer=layer, head=head):
+                z[:, :, head] = zs[layer][:, :, head]
+                return z
+            h = _o_hook(fam, layer, put)
+            try:
+                v = loss(fam.hf_logits(IDS[1:]).logits)
+            finally:
+                h.remove()
+            assert b["heads_raw"][layer][head] == pytest.approx(v, abs=1e-5), (layer, head)
