@@ -30,7 +30,10 @@ class VerifyRequest(TextOrTexts):
         "the token ids, the model's weight tensors and its config, compared with the served "
         "patterns, q/k/v, attention outputs and hidden states; it can disagree with the model "
         "(a wrong weight, position, scale, mask, LayerNorm or MLP shows at its layer). "
-        "Implements GPT-2 and BERT; a config switch it does not implement is a 422 "
+        "Implements GPT-2, BERT, Llama, Mistral, Qwen2, Gemma, Gemma 2 and GPT-NeoX (RoPE with "
+        "theta, rope_type default/linear/llama3 and partial rotary, grouped-query attention, "
+        "RMSNorm, gated MLPs, parallel residual, sliding windows, soft-caps); a config switch "
+        "it does not implement is a 422 "
         "unsupported_model_config naming the switch. Cost: a few forwards (README). "
         "'recorded_qkv': only the attention step re-run from the q/k/v the forward recorded, "
         "in the model's dtype with the same torch operations (differences are usually exactly 0; "
@@ -47,9 +50,12 @@ class VerifyRequest(TextOrTexts):
         None, gt=0, le=1,
         description="Override of the tolerance. from_scratch: null = per the served dtype, "
         "pattern (absolute, probability units) / states (q, k, v, attention output, hidden "
-        "states: max |diff| <= tol * max(1, max |recomputed|)): float32 1e-4 / 1e-4, float16 "
-        "5e-2 / 2e-2, bfloat16 2e-1 / 1e-1 (measured drift: README 'Numerical precision'); a "
-        "value given here sets both. recorded_qkv: null = 1e-5 for float32 models, 1e-2 for "
+        "states: max |diff| <= tol * max(1, max |recomputed|)) / logits (relative to max(1, "
+        "max |logit|)): float32 1e-4 / 1e-4 / 1e-4, float16 2.5e-2 / 1e-2 / 1e-2, bfloat16 "
+        "1.2e-1 / 5e-2 / 5e-2 (measured drift: README 'Numerical precision'); a value given "
+        "here sets all three. Rotary families in float32 drift with the position (Hugging "
+        "Face computes the rotary angles pos * f in float32): verify texts past ~2,000 tokens "
+        "with a larger tolerance (docs/api.md). recorded_qkv: null = 1e-5 for float32 models, 1e-2 for "
         "float16/bfloat16 (absolute).",
     )
     projections: bool = Field(
@@ -99,17 +105,70 @@ class LogitsDiff(LenientModel):
     passed: bool = Field(description="Within the logits tolerance (a NaN fails).")
 
 
+class RecomputedArchitecture(LenientModel):
+    """What the from-scratch recomputation implemented for the resident model (from its config)."""
+
+    family: str = Field(description="The architecture followed: gpt2, bert, llama, mistral, "
+                        "qwen2, gemma, gemma2 or gpt_neox.")
+    positions: Literal["learned_absolute", "rotary"] = Field(
+        description="learned_absolute: a position-embedding table added to the token "
+        "embeddings (GPT-2, BERT); rotary: RoPE on q and k (Su et al. 2021).")
+    rope_theta: float | None = Field(None, description="RoPE base theta: frequency f_j = "
+                                     "theta^(-2j/rotary_dim); null without rotary.")
+    rope_type: str | None = Field(None, description="'default', 'linear' (f_j / factor) or "
+                                  "'llama3' (Llama 3.1's per-wavelength scaling); null without rotary.")
+    rotary_dim: int | None = Field(None, description="Rotated dimensions per head (the first "
+                                   "rotary_dim of d_head, half-split layout; GPT-NeoX: "
+                                   "d_head * rotary_pct); null without rotary.")
+    d_head: int = Field(description="Dimensions per head.")
+    n_kv_heads: int = Field(description="Key/value heads per layer (fewer than the query heads "
+                            "under grouped-query attention, Ainslie et al. 2023).")
+    kv_head_of_query_head: list[int] = Field(
+        description="Per query head h, the key/value head it reads: h // (n_heads / "
+        "n_kv_heads) (Hugging Face's repeat_kv).")
+    norm: Literal["layernorm", "rmsnorm", "rmsnorm_1p"] = Field(
+        description="layernorm: (x - mean) / sqrt(var + eps) * w + b; rmsnorm: x / sqrt(mean(x^2) "
+        "+ eps) * w (Zhang & Sennrich 2019); rmsnorm_1p: Gemma's, * (1 + w).")
+    embed_scale: float | None = Field(None, description="The token embeddings' multiplier "
+                                      "(Gemma: sqrt(d_model)); null = 1.")
+    mlp: Literal["plain", "gated"] = Field(
+        description="plain: out(act(in(x))); gated: down(act(gate(x)) * up(x)) (SwiGLU / GeGLU, "
+        "Shazeer 2020).")
+    parallel_residual: bool = Field(description="GPT-NeoX use_parallel_residual: h + attn(LN1(h)) "
+                                    "+ mlp(LN2(h)) instead of two residual steps.")
+    sliding_window_layers: list[int | None] = Field(
+        description="Per layer the sliding window w (a query sees the w latest keys, itself "
+        "included; Beltagy et al. 2020, Jiang et al. 2023) or null (every earlier key).")
+    attn_logit_softcap: float | None = Field(
+        None, description="Gemma 2's attention soft-cap c: scores -> c * tanh(scores / c) before "
+        "the mask; null = none.")
+    final_logit_softcap: float | None = Field(
+        None, description="Gemma 2's final-logit soft-cap c: logits -> c * tanh(logits / c); "
+        "null = none.")
+
+
 class LayerDiff(LenientModel):
     layer: int = Field(description="Layer index.")
     scale: float | None = Field(
         None, description="from_scratch: the q.k multiplier used for this layer, derived from "
         "the config (GPT-2: 1/sqrt(d_head) if scale_attn_weights else 1, divided by layer+1 "
-        "if scale_attn_by_inverse_layer_idx; BERT: 1/sqrt(d_head)).")
+        "if scale_attn_by_inverse_layer_idx; BERT and the rotary families: 1/sqrt(d_head); "
+        "Gemma 2: query_pre_attn_scalar^-0.5).")
+    window: int | None = Field(
+        None, description="from_scratch: this layer's sliding window w (keys query_pos - w < "
+        "key_pos <= query_pos visible), from the config; null = full attention.")
+    softcap: float | None = Field(
+        None, description="from_scratch: this layer's attention-logit soft-cap c (Gemma 2); "
+        "null = none.")
     q_max_abs_diff: float | None = Field(
         None, description="from_scratch: max |served - recomputed| of the layer's queries "
-        "[head, pos, d_head], model units; null = NaN or recorded_qkv.")
-    k_max_abs_diff: float | None = Field(None, description="As q_max_abs_diff, for the keys.")
-    v_max_abs_diff: float | None = Field(None, description="As q_max_abs_diff, for the values.")
+        "[head, pos, d_head] (rotary families: after RoPE, as recorded), model units; null = "
+        "NaN or recorded_qkv.")
+    k_max_abs_diff: float | None = Field(
+        None, description="As q_max_abs_diff, for the keys (rotary families: after RoPE, on the "
+        "key/value heads [kv_head, pos, d_head]).")
+    v_max_abs_diff: float | None = Field(
+        None, description="As q_max_abs_diff, for the values (on the key/value heads).")
     hidden_max_abs_diff: float | None = Field(
         None, description="from_scratch: max |served - recomputed| of this block's output, the "
         "residual-stream hidden state layer+1 [pos, d_model] (pre-ln_f for the last block); "
@@ -138,8 +197,9 @@ class VerifyResult(LenientModel):
     add_bos: bool = Field(False, description="Whether BOS was prepended (the request's add_bos).")
     mode: VerifyMode = Field("recorded_qkv", description="The mode that produced this result.")
     mask: Literal["causal", "bidirectional"] | None = Field(
-        None, description="The attention mask of the recomputation: causal (GPT-2: -inf on "
-        "keys after the query) or bidirectional (BERT: every key visible).")
+        None, description="The attention mask of the recomputation: causal (GPT-2 and the "
+        "rotary families: -inf on keys after the query; a layer's sliding window, if any, "
+        "is its 'window') or bidirectional (BERT: every key visible).")
     compute_dtype: str | None = Field(
         None, description="The dtype the recomputation ran in: float64 for from_scratch; the "
         "model's for recorded_qkv.")
@@ -157,8 +217,9 @@ class VerifyResult(LenientModel):
         None, description="from_scratch: hidden state 0 (the embeddings, with positions; BERT: "
         "after the embedding LayerNorm).")
     final: StateDiff | None = Field(
-        None, description="from_scratch: the final LayerNorm's output (GPT-2 ln_f, = Hugging "
-        "Face's last hidden_states entry); null for models without one (BERT).")
+        None, description="from_scratch: the final norm's output (GPT-2 ln_f, Llama-style norm, "
+        "GPT-NeoX final_layer_norm; = Hugging Face's last hidden_states entry); null for "
+        "models without one (BERT).")
     logits: LogitsDiff | None = Field(
         None, description="from_scratch, causal LMs: the served next-token logits [pos, vocab] "
         "(the hooked forward's, from the token ids through every block, ln_f and the LM head: "
@@ -184,6 +245,10 @@ class VerifyResult(LenientModel):
     failed_layers: list[int] = Field(description="Layers that failed, ascending; empty when passed.")
     message: str = Field(description="One line: passed, or which layer/head failed and by how much.")
     layers: list[LayerDiff] = Field(description="Per layer (in the order requested).")
+    architecture: RecomputedArchitecture | None = Field(
+        None, description="from_scratch: what the recomputation implemented for this model "
+        "(positions, rotary, kv heads, norm, MLP, residual form, windows, soft-caps); null in "
+        "mode recorded_qkv.")
 
 
 class VerifyResponse(LenientModel):

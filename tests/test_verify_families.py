@@ -488,3 +488,135 @@ def test_unimplemented_switch_is_refused_naming_it(key, value, fam, served):
     with pytest.raises(UnsupportedModelConfig):
         recompute(bad, ids)
     check_supported(m)
+
+
+# ------------------------------------------------------ 3. POST /v1/verify on each family's app
+def _ready(c, bound=300):  # a safety net against a hang, not a figure
+    import time
+
+    deadline = time.monotonic() + bound
+    while c.get("/readyz").status_code != 200:
+        assert time.monotonic() < deadline, "the model never became ready"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_verify_endpoint_passes_on_each_family(fam, ckpt):
+    """The app started on the family's checkpoint (it loads the model itself): from_scratch
+    passes with honest nonzero differences, the served logits (the hooked forward's)
+    included; the architecture it reports is the config's; recorded_qkv answers too."""
+    from fastapi.testclient import TestClient
+
+    from attnscope.schemas import VerifyResponse
+    from attnscope.service.app import create_app
+    from attnscope.service.config import Settings
+
+    path = ckpt(fam)
+    model = load_hf(path)
+    m = scratch_of(model)
+    with TestClient(create_app(Settings(model=str(path))), raise_server_exceptions=False) as c:
+        _ready(c)
+        r = c.post("/v1/verify", json={"text": TEXT})
+        assert r.status_code == 200, r.text
+        VerifyResponse.model_validate(r.json())
+        v = r.json()["verification"]
+        assert v["add_bos"] is True and v["tokens"][0]["special"]
+        assert [t["id"] for t in v["tokens"]] == ids_of()
+        _honest(v, m)
+        assert v["mode"] == "from_scratch" and v["mask"] == "causal" and v["dtype"] == "float32"
+        a = v["architecture"]
+        c_ = model.config
+        assert a["family"] == fam and a["positions"] == "rotary"
+        assert a["rope_theta"] == c_.rope_parameters["rope_theta"]
+        assert a["rotary_dim"] == (4 if fam == "gpt_neox" else 16)  # NeoX rotary_pct 0.25
+        assert a["n_kv_heads"] == (4 if fam == "gpt_neox" else 2)
+        assert a["kv_head_of_query_head"] == ([0, 1, 2, 3] if fam == "gpt_neox" else [0, 0, 1, 1])
+        assert a["norm"] == {"gemma": "rmsnorm_1p", "gemma2": "rmsnorm_1p",
+                             "gpt_neox": "layernorm"}.get(fam, "rmsnorm")
+        assert a["parallel_residual"] is (fam == "gpt_neox")
+        assert a["embed_scale"] == (8.0 if fam in ("gemma", "gemma2") else None)
+        assert a["sliding_window_layers"] == {"mistral": [8, 8], "gemma2": [8, None]}.get(fam, [None, None])
+        assert (a["attn_logit_softcap"], a["final_logit_softcap"]) == (
+            (50.0, 30.0) if fam == "gemma2" else (None, None))
+        assert [row["scale"] for row in v["layers"]] == pytest.approx([16 ** -0.5] * 2)
+        rq = c.post("/v1/verify", json={"text": TEXT, "mode": "recorded_qkv"})
+        assert rq.status_code == 200, rq.text
+        assert rq.json()["verification"].get("architecture") is None
+
+
+@pytest.fixture(scope="module")
+def family_runtime(ckpt):
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+
+    cache = {}
+
+    def get(fam):
+        if fam not in cache:
+            cache[fam] = Runtime.load(Settings(model=str(ckpt(fam))))
+        return cache[fam]
+    return get
+
+
+def _runtime_verify(rt):
+    from attnscope.service.runtime import interventions as I
+
+    rt.cache.clear()
+    tt = rt.tokenize(TEXT, add_bos=True)
+    fw = rt.forward_many([tt])[0]
+    return verify_from_scratch(fw.tensors, ScratchModel.of(rt.adapter), tt.input_ids,
+                               rt.info["dtype"], logits=I.served_logits(rt, tt.input_ids))
+
+
+@pytest.mark.parametrize("fam", ["llama", "gpt_neox", "gemma2"])
+def test_served_rope_theta_fault_fails_through_the_runtime(fam, family_runtime):
+    """The resident model's rotary frequencies changed in place to theta x 1.5 (the config
+    still says theta): the recorded forward and the hooked forward (its logits) both use them;
+    verify fails at layer 0 (q after RoPE) and at the LM head. Restored, it passes again."""
+    rt = family_runtime(fam)
+    assert _runtime_verify(rt)["passed"]
+    m = ScratchModel.of(rt.adapter)
+    inv = rt.adapter.base().rotary_emb.inv_freq
+    true = inv.clone()
+    with torch.no_grad():
+        inv.copy_(rope_inv_freq(_theta(m, 1.5)).float())
+    try:
+        v = _runtime_verify(rt)
+    finally:
+        with torch.no_grad():
+            inv.copy_(true)
+    assert not v["passed"] and v["failing_layer"] == 0 and "q differs" in v["message"]
+    assert not v["logits"]["passed"]
+    assert _runtime_verify(rt)["passed"]
+
+
+def test_served_soft_cap_fault_fails_through_the_runtime(family_runtime, monkeypatch):
+    """Gemma 2's attention modules told to skip the soft-cap (the config keeps it): the
+    recorded patterns lose it, verify fails at layer 0's pattern."""
+    rt = family_runtime("gemma2")
+    with monkeypatch.context() as mp:
+        for layer in rt.adapter.base().layers:
+            mp.setattr(layer.self_attn, "attn_logit_softcapping", None)
+        v = _runtime_verify(rt)
+    assert not v["passed"] and v["failing_layer"] == 0 and "pattern" in v["message"]
+    assert v["layers"][0]["softcap"] == 50.0
+    assert _runtime_verify(rt)["passed"]
+
+
+def test_unimplemented_rope_type_is_a_422_naming_it(ckpt):
+    """A served Llama with rope_type 'yarn': from_scratch is the 422 unsupported_model_config
+    naming rope_parameters.rope_type; the cheap mode still answers."""
+    from fastapi.testclient import TestClient
+
+    from attnscope.service.app import create_app
+    from attnscope.service.config import Settings
+    from conftest import assert_error
+
+    path = ckpt("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                                              "factor": 2.0, "original_max_position_embeddings": 128}})
+    with TestClient(create_app(Settings(model=str(path))), raise_server_exceptions=False) as c:
+        _ready(c)
+        e = assert_error(c.post("/v1/verify", json={"text": TEXT}), 422,
+                         "unsupported_model_config", "mode")
+        assert "rope_parameters.rope_type" in e["message"] and "yarn" in e["message"]
+        assert c.post("/v1/verify", json={"text": TEXT, "mode": "recorded_qkv"}).status_code == 200

@@ -625,11 +625,17 @@ export interface paths {
          *     BERT embeddings, LayerNorm with the config's eps, q/k/v projections (GPT-2's Conv1D
          *     transposed vs Linear), the per-layer scale the config implies, the causal or
          *     bidirectional mask, softmax, output projection, MLP with the config's activation,
-         *     residuals, ln_f), compared layer by layer with the SERVED pattern (per head, absolute),
-         *     q/k/v, attention output and hidden states (relative to their scale); then, for a causal LM,
+         *     residuals, ln_f; for Llama, Mistral, Qwen2, Gemma, Gemma 2 and GPT-NeoX: RoPE with the
+         *     config's theta, rope_type default/linear/llama3 and partial rotary, grouped-query attention
+         *     as Hugging Face's repeat_kv, RMSNorm (Gemma's 1 + w, sqrt(d_model) embedding scale, Gemma 2's
+         *     extra norms and query_pre_attn_scalar), SwiGLU/GeGLU, GPT-NeoX's fused qkv and parallel
+         *     residual, per-layer sliding windows, attention and final-logit soft-caps; ``architecture``
+         *     says which), compared layer by layer with the SERVED pattern (per head, absolute),
+         *     q/k/v (rotary families: after RoPE, k/v on the key/value heads), attention output and hidden
+         *     states (relative to their scale); then, for a causal LM,
          *     the served next-token logits (the hooked forward's, the blocks, ln_f and LM head that
          *     /v1/predictions, /v1/ablate, /v1/patch and /v1/run compute with) against the LM head's W_U
-         *     applied to the recomputed ln_f output in float64 (``logits``, relative to max(1, max
+         *     applied to the recomputed ln_f output in float64 (Gemma 2: soft-capped; ``logits``, relative to max(1, max
          *     |logit|)). Reports per layer the
          *     scale used, the mask kind, the true maxima, the tolerance of the served dtype and the first
          *     failing layer. A config switch the recomputation does not implement: 422
@@ -2264,7 +2270,7 @@ export interface components {
             hidden_scale?: number | null;
             /**
              * K Max Abs Diff
-             * @description As q_max_abs_diff, for the keys.
+             * @description As q_max_abs_diff, for the keys (rotary families: after RoPE, on the key/value heads [kv_head, pos, d_head]).
              */
             k_max_abs_diff?: number | null;
             /**
@@ -2289,7 +2295,7 @@ export interface components {
             pattern_max_abs_diff: number | null;
             /**
              * Q Max Abs Diff
-             * @description from_scratch: max |served - recomputed| of the layer's queries [head, pos, d_head], model units; null = NaN or recorded_qkv.
+             * @description from_scratch: max |served - recomputed| of the layer's queries [head, pos, d_head] (rotary families: after RoPE, as recorded), model units; null = NaN or recorded_qkv.
              */
             q_max_abs_diff?: number | null;
             /**
@@ -2299,14 +2305,24 @@ export interface components {
             qkv_max_abs_diff?: number | null;
             /**
              * Scale
-             * @description from_scratch: the q.k multiplier used for this layer, derived from the config (GPT-2: 1/sqrt(d_head) if scale_attn_weights else 1, divided by layer+1 if scale_attn_by_inverse_layer_idx; BERT: 1/sqrt(d_head)).
+             * @description from_scratch: the q.k multiplier used for this layer, derived from the config (GPT-2: 1/sqrt(d_head) if scale_attn_weights else 1, divided by layer+1 if scale_attn_by_inverse_layer_idx; BERT and the rotary families: 1/sqrt(d_head); Gemma 2: query_pre_attn_scalar^-0.5).
              */
             scale?: number | null;
             /**
+             * Softcap
+             * @description from_scratch: this layer's attention-logit soft-cap c (Gemma 2); null = none.
+             */
+            softcap?: number | null;
+            /**
              * V Max Abs Diff
-             * @description As q_max_abs_diff, for the values.
+             * @description As q_max_abs_diff, for the values (on the key/value heads).
              */
             v_max_abs_diff?: number | null;
+            /**
+             * Window
+             * @description from_scratch: this layer's sliding window w (keys query_pos - w < key_pos <= query_pos visible), from the config; null = full attention.
+             */
+            window?: number | null;
         } & {
             [key: string]: unknown;
         };
@@ -4130,6 +4146,92 @@ export interface components {
             [key: string]: unknown;
         };
         /**
+         * RecomputedArchitecture
+         * @description What the from-scratch recomputation implemented for the resident model (from its config).
+         */
+        RecomputedArchitecture: {
+            /**
+             * Attn Logit Softcap
+             * @description Gemma 2's attention soft-cap c: scores -> c * tanh(scores / c) before the mask; null = none.
+             */
+            attn_logit_softcap?: number | null;
+            /**
+             * D Head
+             * @description Dimensions per head.
+             */
+            d_head: number;
+            /**
+             * Embed Scale
+             * @description The token embeddings' multiplier (Gemma: sqrt(d_model)); null = 1.
+             */
+            embed_scale?: number | null;
+            /**
+             * Family
+             * @description The architecture followed: gpt2, bert, llama, mistral, qwen2, gemma, gemma2 or gpt_neox.
+             */
+            family: string;
+            /**
+             * Final Logit Softcap
+             * @description Gemma 2's final-logit soft-cap c: logits -> c * tanh(logits / c); null = none.
+             */
+            final_logit_softcap?: number | null;
+            /**
+             * Kv Head Of Query Head
+             * @description Per query head h, the key/value head it reads: h // (n_heads / n_kv_heads) (Hugging Face's repeat_kv).
+             */
+            kv_head_of_query_head: number[];
+            /**
+             * Mlp
+             * @description plain: out(act(in(x))); gated: down(act(gate(x)) * up(x)) (SwiGLU / GeGLU, Shazeer 2020).
+             * @enum {string}
+             */
+            mlp: "plain" | "gated";
+            /**
+             * N Kv Heads
+             * @description Key/value heads per layer (fewer than the query heads under grouped-query attention, Ainslie et al. 2023).
+             */
+            n_kv_heads: number;
+            /**
+             * Norm
+             * @description layernorm: (x - mean) / sqrt(var + eps) * w + b; rmsnorm: x / sqrt(mean(x^2) + eps) * w (Zhang & Sennrich 2019); rmsnorm_1p: Gemma's, * (1 + w).
+             * @enum {string}
+             */
+            norm: "layernorm" | "rmsnorm" | "rmsnorm_1p";
+            /**
+             * Parallel Residual
+             * @description GPT-NeoX use_parallel_residual: h + attn(LN1(h)) + mlp(LN2(h)) instead of two residual steps.
+             */
+            parallel_residual: boolean;
+            /**
+             * Positions
+             * @description learned_absolute: a position-embedding table added to the token embeddings (GPT-2, BERT); rotary: RoPE on q and k (Su et al. 2021).
+             * @enum {string}
+             */
+            positions: "learned_absolute" | "rotary";
+            /**
+             * Rope Theta
+             * @description RoPE base theta: frequency f_j = theta^(-2j/rotary_dim); null without rotary.
+             */
+            rope_theta?: number | null;
+            /**
+             * Rope Type
+             * @description 'default', 'linear' (f_j / factor) or 'llama3' (Llama 3.1's per-wavelength scaling); null without rotary.
+             */
+            rope_type?: string | null;
+            /**
+             * Rotary Dim
+             * @description Rotated dimensions per head (the first rotary_dim of d_head, half-split layout; GPT-NeoX: d_head * rotary_pct); null without rotary.
+             */
+            rotary_dim?: number | null;
+            /**
+             * Sliding Window Layers
+             * @description Per layer the sliding window w (a query sees the w latest keys, itself included; Beltagy et al. 2020, Jiang et al. 2023) or null (every earlier key).
+             */
+            sliding_window_layers: (number | null)[];
+        } & {
+            [key: string]: unknown;
+        };
+        /**
          * RolloutRequest
          * @description Rollout ``R_l = Â_l ... Â_1`` with ``Â_l = rownorm((1 - residual) F_l + residual I)``,
          *     ``F_l`` the fused heads of layer l (after the sink and discard steps), and optionally the
@@ -5324,7 +5426,7 @@ export interface components {
             layers?: number[] | null;
             /**
              * Mode
-             * @description 'from_scratch' (default): the whole forward recomputed in float64 from the token ids, the model's weight tensors and its config, compared with the served patterns, q/k/v, attention outputs and hidden states; it can disagree with the model (a wrong weight, position, scale, mask, LayerNorm or MLP shows at its layer). Implements GPT-2 and BERT; a config switch it does not implement is a 422 unsupported_model_config naming the switch. Cost: a few forwards (README). 'recorded_qkv': only the attention step re-run from the q/k/v the forward recorded, in the model's dtype with the same torch operations (differences are usually exactly 0; it cannot see anything upstream of q/k/v).
+             * @description 'from_scratch' (default): the whole forward recomputed in float64 from the token ids, the model's weight tensors and its config, compared with the served patterns, q/k/v, attention outputs and hidden states; it can disagree with the model (a wrong weight, position, scale, mask, LayerNorm or MLP shows at its layer). Implements GPT-2, BERT, Llama, Mistral, Qwen2, Gemma, Gemma 2 and GPT-NeoX (RoPE with theta, rope_type default/linear/llama3 and partial rotary, grouped-query attention, RMSNorm, gated MLPs, parallel residual, sliding windows, soft-caps); a config switch it does not implement is a 422 unsupported_model_config naming the switch. Cost: a few forwards (README). 'recorded_qkv': only the attention step re-run from the q/k/v the forward recorded, in the model's dtype with the same torch operations (differences are usually exactly 0; it cannot see anything upstream of q/k/v).
              * @default from_scratch
              * @enum {string}
              */
@@ -5357,7 +5459,7 @@ export interface components {
             tokens?: number[] | null;
             /**
              * Tolerance
-             * @description Override of the tolerance. from_scratch: null = per the served dtype, pattern (absolute, probability units) / states (q, k, v, attention output, hidden states: max |diff| <= tol * max(1, max |recomputed|)): float32 1e-4 / 1e-4, float16 5e-2 / 2e-2, bfloat16 2e-1 / 1e-1 (measured drift: README 'Numerical precision'); a value given here sets both. recorded_qkv: null = 1e-5 for float32 models, 1e-2 for float16/bfloat16 (absolute).
+             * @description Override of the tolerance. from_scratch: null = per the served dtype, pattern (absolute, probability units) / states (q, k, v, attention output, hidden states: max |diff| <= tol * max(1, max |recomputed|)) / logits (relative to max(1, max |logit|)): float32 1e-4 / 1e-4 / 1e-4, float16 2.5e-2 / 1e-2 / 1e-2, bfloat16 1.2e-1 / 5e-2 / 5e-2 (measured drift: README 'Numerical precision'); a value given here sets all three. Rotary families in float32 drift with the position (Hugging Face computes the rotary angles pos * f in float32): verify texts past ~2,000 tokens with a larger tolerance (docs/api.md). recorded_qkv: null = 1e-5 for float32 models, 1e-2 for float16/bfloat16 (absolute).
              */
             tolerance?: number | null;
         };
@@ -5389,6 +5491,8 @@ export interface components {
              * @default false
              */
             add_bos?: boolean;
+            /** @description from_scratch: what the recomputation implemented for this model (positions, rotary, kv heads, norm, MLP, residual form, windows, soft-caps); null in mode recorded_qkv. */
+            architecture?: components["schemas"]["RecomputedArchitecture"] | null;
             /**
              * Compute Dtype
              * @description The dtype the recomputation ran in: float64 for from_scratch; the model's for recorded_qkv.
@@ -5411,7 +5515,7 @@ export interface components {
              * @description The first layer (in forward order) where a difference exceeds its tolerance (0 when the embeddings differ); null when passed, or when only the final LayerNorm's output or the logits differ.
              */
             failing_layer?: number | null;
-            /** @description from_scratch: the final LayerNorm's output (GPT-2 ln_f, = Hugging Face's last hidden_states entry); null for models without one (BERT). */
+            /** @description from_scratch: the final norm's output (GPT-2 ln_f, Llama-style norm, GPT-NeoX final_layer_norm; = Hugging Face's last hidden_states entry); null for models without one (BERT). */
             final?: components["schemas"]["StateDiff"] | null;
             /**
              * Layers
@@ -5422,7 +5526,7 @@ export interface components {
             logits?: components["schemas"]["LogitsDiff"] | null;
             /**
              * Mask
-             * @description The attention mask of the recomputation: causal (GPT-2: -inf on keys after the query) or bidirectional (BERT: every key visible).
+             * @description The attention mask of the recomputation: causal (GPT-2 and the rotary families: -inf on keys after the query; a layer's sliding window, if any, is its 'window') or bidirectional (BERT: every key visible).
              */
             mask?: ("causal" | "bidirectional") | null;
             /**
@@ -5838,7 +5942,7 @@ export interface operations {
             path?: never;
             cookie?: never;
         };
-        requestBody: {
+        requestBody?: {
             content: {
                 "application/json": components["schemas"]["CircuitsRequest"];
             };

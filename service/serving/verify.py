@@ -79,11 +79,17 @@ tensors and its config by the project's own blocks (service/analysis/verify.py: 
 BERT embeddings, LayerNorm with the config's eps, q/k/v projections (GPT-2's Conv1D
 transposed vs Linear), the per-layer scale the config implies, the causal or
 bidirectional mask, softmax, output projection, MLP with the config's activation,
-residuals, ln_f), compared layer by layer with the SERVED pattern (per head, absolute),
-q/k/v, attention output and hidden states (relative to their scale); then, for a causal LM,
+residuals, ln_f; for Llama, Mistral, Qwen2, Gemma, Gemma 2 and GPT-NeoX: RoPE with the
+config's theta, rope_type default/linear/llama3 and partial rotary, grouped-query attention
+as Hugging Face's repeat_kv, RMSNorm (Gemma's 1 + w, sqrt(d_model) embedding scale, Gemma 2's
+extra norms and query_pre_attn_scalar), SwiGLU/GeGLU, GPT-NeoX's fused qkv and parallel
+residual, per-layer sliding windows, attention and final-logit soft-caps; ``architecture``
+says which), compared layer by layer with the SERVED pattern (per head, absolute),
+q/k/v (rotary families: after RoPE, k/v on the key/value heads), attention output and hidden
+states (relative to their scale); then, for a causal LM,
 the served next-token logits (the hooked forward's, the blocks, ln_f and LM head that
 /v1/predictions, /v1/ablate, /v1/patch and /v1/run compute with) against the LM head's W_U
-applied to the recomputed ln_f output in float64 (``logits``, relative to max(1, max
+applied to the recomputed ln_f output in float64 (Gemma 2: soft-capped; ``logits``, relative to max(1, max
 |logit|)). Reports per layer the
 scale used, the mask kind, the true maxima, the tolerance of the served dtype and the first
 failing layer. A config switch the recomputation does not implement: 422
