@@ -135,6 +135,30 @@ class Settings(BaseSettings):
         "none is idle, the newcomer gets 503 with Retry-After at once (service/server.py). "
         "Must leave 256 file descriptors under `ulimit -n` (raised to its hard limit at start).",
     )
+    max_client_connections: int = Field(
+        512, ge=0, description="Most open connections from one client address (`attnscope "
+        "serve`); beyond it that client's idle (then slowest) connection is closed to make "
+        "room, or the newcomer gets 503 with Retry-After. Behind a proxy every connection has "
+        "the proxy's address: raise it or set 0 (no limit).",
+    )
+    slow_sender_s: float = Field(
+        1.0, ge=0, description="A connection whose request has been arriving (headers, or a "
+        "body the server reads) this many seconds is a slow sender: when max_connections or "
+        "max_client_connections is reached and no connection is idle, the slowest is evicted "
+        "with 408 to make room before a newcomer is refused.",
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=1, description="On SIGTERM/SIGINT: seconds the requests in flight may take "
+        "to finish (uvicorn timeout_graceful_shutdown); new requests get 503 "
+        "'shutting_down' at once, and jobs still running 2 s before the end are stopped and "
+        "answered 503 too.",
+    )
+    health_port: int = Field(
+        0, ge=0, le=65535, description="A port of its own for /healthz and /readyz "
+        "(`attnscope serve`; service/server.py health_listener), answered while the main "
+        "listener is saturated; point the liveness/readiness probes at it. 0 = none (the main "
+        "port serves them as always).",
+    )
     header_timeout_s: float = Field(
         10.0, ge=0, description="Most seconds from a connection's start (or a request's first "
         "byte) to the end of the request's headers; beyond it 408 and the connection is closed "
