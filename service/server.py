@@ -50,6 +50,7 @@ and the logs need some).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import resource
@@ -121,7 +122,8 @@ class _CycleTransport:
 
 
 def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,
-                     body_timeout_s: float = 0.0):
+                     body_timeout_s: float = 0.0, max_client_connections: int = 0,
+                     slow_sender_s: float = 1.0):
     """A uvicorn HTTP protocol class enforcing the limits of the module docstring."""
     from .ops.middlewares import CLIENT_STATUS_KEY
 
@@ -133,10 +135,16 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
         httptools = False
 
     idle: dict[Any, None] = {}  # connections with no request in flight, oldest first
+    # connections whose client is sending a request (headers, or a body the server reads),
+    # oldest first, with the loop time the request began: the slow ones go before others
+    sending: dict[Any, float] = {}
+    per_client: dict[str, int] = {}  # open connections per client address
 
     class GuardedProtocol(Base):
         LIMITS = {"max_connections": max_connections, "header_timeout_s": header_timeout_s,
-                  "max_header_bytes": max_header_bytes, "body_timeout_s": body_timeout_s}
+                  "max_header_bytes": max_header_bytes, "body_timeout_s": body_timeout_s,
+                  "max_client_connections": max_client_connections,
+                  "slow_sender_s": slow_sender_s}
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -146,23 +154,80 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             self._in_body = False  # between a request's headers and the end of its body
             self._lingering = False
             self._any_bytes = False
-            if len(self.connections) > max_connections:
-                victim = next(iter(idle), None)
-                if victim is not None:
-                    idle.pop(victim, None)
-                    victim._drop()
-                else:
-                    log.warning("connection refused: %d connections open (max_connections)",
-                                len(self.connections) - 1)
-                    transport.write(_envelope_response(
-                        503, "Service Unavailable", "overloaded",
-                        f"too many connections (max_connections={max_connections}); retry "
-                        "shortly", b"retry-after: 1\r\n"))
-                    transport.close()
-                    self.connections.discard(self)
-                    return
+            peer = transport.get_extra_info("peername")
+            self._peer = peer[0] if isinstance(peer, tuple) and peer else str(peer)
+            self._counted = False
+            if max_client_connections and \
+                    per_client.get(self._peer, 0) >= max_client_connections and \
+                    not self._make_room(self._peer):
+                return self._refuse_connection(
+                    f"too many connections from this client (max_client_connections="
+                    f"{max_client_connections}); retry shortly", "max_client_connections")
+            if len(self.connections) > max_connections and not self._make_room(None):
+                return self._refuse_connection(
+                    f"too many connections (max_connections={max_connections}); retry "
+                    "shortly", "max_connections")
+            per_client[self._peer] = per_client.get(self._peer, 0) + 1
+            self._counted = True
             idle[self] = None
             self._arm()
+
+        def _refuse_connection(self, message: str, limit: str) -> None:
+            log.warning("connection refused: %s (%d open)", limit, len(self.connections) - 1)
+            self.transport.write(_envelope_response(
+                503, "Service Unavailable", "overloaded", message, b"retry-after: 1\r\n"))
+            self.transport.close()
+            self.connections.discard(self)
+
+        def _make_room(self, peer: str | None) -> bool:
+            """Close one connection (of client ``peer`` only, when given) to make room: the
+            one idle the longest; else the one sending its request the longest, once that is
+            over ``slow_sender_s`` (a trickling client: 408; a body the server is not reading
+            is not the client's fault and never counts). False when none qualifies."""
+            victim = next((c for c in idle if peer is None or c._peer == peer), None)
+            if victim is not None:
+                idle.pop(victim, None)
+                victim._drop()
+                return True
+            now = self.loop.time()
+            for c, since in list(sending.items()):  # oldest first
+                if now - since < slow_sender_s:
+                    break
+                if (peer is None or c._peer == peer) and not c.flow.read_paused and \
+                        not c.transport.is_closing():
+                    c._evict_slow(now - since)
+                    return True
+            return False
+
+        def _evict_slow(self, age: float) -> None:
+            """Answer 408 to the request still arriving and close at once (the slot is
+            needed now: no lingering)."""
+            sending.pop(self, None)
+            idle.pop(self, None)
+            self._disarm()
+            self._disarm_body()
+            log.info("slow connection evicted to make room: its request has been arriving "
+                     "for %.3g s (slow_sender_s)", age)
+            cycle = self.cycle
+            answer = cycle is None or cycle.response_complete
+            if cycle is not None and not cycle.response_complete and self._in_body:
+                cycle.scope[CLIENT_STATUS_KEY] = 408
+                answer = not cycle.response_started
+                cycle.disconnected = True  # the handler's receive() says so, its send drops
+                cycle.message_event.set()
+            if answer:
+                self.transport.write(_envelope_response(
+                    408, "Request Timeout", "timeout",
+                    f"the request was still arriving after {age:.3g} s when the server needed "
+                    "its connection for others (slow_sender_s)"))
+            self.transport.close()
+
+        def _sending(self, on: bool) -> None:
+            if on:
+                if self not in sending:
+                    sending[self] = self.loop.time()
+            else:
+                sending.pop(self, None)
 
         def _drop(self) -> None:
             self._disarm()
@@ -235,6 +300,14 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
 
         def connection_lost(self, exc) -> None:
             idle.pop(self, None)
+            sending.pop(self, None)
+            if getattr(self, "_counted", False):
+                self._counted = False
+                n = per_client.get(self._peer, 1) - 1
+                if n > 0:
+                    per_client[self._peer] = n
+                else:
+                    per_client.pop(self._peer, None)
             self._disarm()
             self._disarm_body()
             if self._linger_timer is not None:
@@ -254,6 +327,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             self._disarm()
             self._disarm_body()
             idle.pop(self, None)
+            sending.pop(self, None)
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
                 if self._in_body:
@@ -317,6 +391,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
                 if not self._any_bytes:
                     self._any_bytes = True
                     idle.pop(self, None)
+                    self._sending(True)
                     self._arm()
             if not httptools:
                 return super().data_received(data)
@@ -362,6 +437,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
                     self._reading, self._hdr_bytes = True, 0
                 idle.pop(self, None)
                 self._any_bytes = True
+                self._sending(True)
                 self._arm()
                 super().on_message_begin()
 
@@ -390,6 +466,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
 
             def on_message_complete(self) -> None:
                 self._in_body = False
+                self._sending(False)
                 self._disarm_body()
                 super().on_message_complete()
                 cycle = self.cycle
@@ -428,9 +505,12 @@ def uvicorn_config(app, settings) -> "Any":
         app, host=settings.host, port=settings.port, workers=1,
         log_level=settings.log_level, log_config=logging_config(settings.log_level,
                                                                 settings.log_format),
-        access_log=False, timeout_graceful_shutdown=30,
+        access_log=False,
+        timeout_graceful_shutdown=int(max(1, round(getattr(settings, "shutdown_grace_s", 30)))),
         http=guarded_protocol(max_conn, settings.header_timeout_s, settings.max_header_bytes,
-                              settings.body_timeout_s),
+                              settings.body_timeout_s,
+                              getattr(settings, "max_client_connections", 0),
+                              getattr(settings, "slow_sender_s", 1.0)),
         limit_concurrency=max_conn + 8,
         timeout_keep_alive=max(1, int(round(settings.keep_alive_timeout_s))),
         h11_max_incomplete_event_size=settings.max_header_bytes,
@@ -438,8 +518,117 @@ def uvicorn_config(app, settings) -> "Any":
     )
 
 
-def serve(app, settings) -> None:
-    """Run ``app`` under uvicorn with our limits until stopped (SIGINT/SIGTERM)."""
-    import uvicorn
+class DrainingServer:
+    """uvicorn's Server, draining the app on shutdown (SIGTERM / SIGINT): from the first
+    moment new requests get 503 ``shutting_down`` in the envelope (``Connection: close``,
+    ``Retry-After``) and ``/readyz`` says 503; requests in flight may finish; at the end of
+    the grace period (``timeout_graceful_shutdown`` less :data:`DRAIN_MARGIN_S`) the jobs
+    still running are cancelled (service/serving/core/cancel.py) and their clients get the
+    same 503 envelope instead of uvicorn's plain-text 500 when it cancels their tasks."""
 
-    uvicorn.Server(uvicorn_config(app, settings)).run()
+    def __new__(cls, config, app):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            async def shutdown(self, sockets=None):
+                state = getattr(app, "state", None)
+                if state is not None:
+                    state.draining = True
+                    loop = asyncio.get_running_loop()
+                    grace = float(self.config.timeout_graceful_shutdown or 0)
+                    engine = getattr(state, "engine", None)
+                    if engine is not None:
+                        def stop_jobs():
+                            n = engine.cancel_all()
+                            if n:
+                                log.warning("drain: %d job(s) still running at the end of the "
+                                            "grace period were stopped (503 to their clients)",
+                                            n)
+                        loop.call_later(max(0.0, grace - DRAIN_MARGIN_S), stop_jobs)
+                await super().shutdown(sockets)
+
+        return _Server(config)
+
+
+DRAIN_MARGIN_S = 2.0
+"""Seconds before uvicorn's graceful-shutdown timeout at which running jobs are cancelled, so
+their 503 is sent before uvicorn cancels their tasks."""
+
+
+async def health_listener(app, host: str, port: int, max_connections: int = 64):
+    """A small HTTP/1.x listener of its own for ``/healthz`` and ``/readyz`` (``health_port``),
+    so that probes are answered while the main listener is saturated (every connection slot
+    held by slow clients): one request per connection, a 2 s read limit, at most
+    ``max_connections`` at once (503 beyond). ``/healthz``: 200 while the process serves;
+    ``/readyz``: 200 once the model is loaded, 503 while loading, after a failed load, or
+    while draining. Returns the ``asyncio.Server``."""
+    from .encoding import dumps
+    from .errors import envelope
+
+    open_now = [0]
+
+    def answer(path: str) -> tuple[int, bytes]:
+        state = app.state
+        if path == "/healthz":
+            return 200, dumps({"status": "ok"})
+        if path == "/readyz":
+            rt = getattr(state, "runtime", None)
+            if getattr(state, "draining", False):
+                return 503, dumps(envelope("shutting_down", "the service is shutting down"))
+            if rt is None:
+                err = getattr(state, "load_error", None)
+                return 503, dumps(envelope("not_ready", f"model failed to load: {err}" if err
+                                           else "model is loading"))
+            return 200, dumps({"status": "ready", "model": rt.info["id"]})
+        return 404, dumps(envelope("not_found", f"{path} is not served here: this listener "
+                                   "answers /healthz and /readyz only"))
+
+    reasons = {200: "OK", 404: "Not Found", 503: "Service Unavailable", 400: "Bad Request"}
+
+    async def handle(reader, writer):
+        open_now[0] += 1
+        try:
+            if open_now[0] > max_connections:
+                status, body = 503, dumps(envelope("overloaded", "too many probe connections"))
+            else:
+                try:
+                    line = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2.0)
+                    parts = line.split(b" ", 2)
+                    path = parts[1].decode("latin-1").split("?")[0] if len(parts) > 1 else ""
+                    status, body = answer(path)
+                except (asyncio.TimeoutError, asyncio.IncompleteReadError,
+                        asyncio.LimitOverrunError, ConnectionError):
+                    status, body = 400, dumps(envelope("http_error", "incomplete request"))
+            writer.write(f"HTTP/1.1 {status} {reasons[status]}\r\ncontent-type: "
+                         f"application/json\r\ncontent-length: {len(body)}\r\n"
+                         "connection: close\r\n\r\n".encode() + body)
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            open_now[0] -= 1
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port, limit=8192, backlog=256)
+
+
+async def serve_async(server, app, settings) -> None:
+    """Run ``server`` (a :class:`DrainingServer`) on the running loop until it exits, with the
+    probes' own listener (:func:`health_listener`) on ``settings.health_port`` when set."""
+    port = int(getattr(settings, "health_port", 0) or 0)
+    probes = await health_listener(app, settings.host, port) if port else None
+    try:
+        await server.serve()
+    finally:
+        if probes is not None:
+            probes.close()
+
+
+def serve(app, settings) -> None:
+    """Run ``app`` under uvicorn with our limits until stopped (SIGINT/SIGTERM), draining on
+    shutdown (:class:`DrainingServer`); with ``health_port`` the probes' own listener too."""
+    from uvicorn._compat import asyncio_run
+
+    config = uvicorn_config(app, settings)
+    asyncio_run(serve_async(DrainingServer(config, app), app, settings),
+                loop_factory=config.get_loop_factory())

@@ -558,3 +558,193 @@ def test_a_streamed_response_past_the_deadline_is_cut(gpt2_runtime, capfd, reque
         srv.should_exit = True
         th.join(30)
     assert "response cut at the request's deadline" in capfd.readouterr().err
+
+
+# --- issue 29 items 7 and 9: connections cannot lock the service out; the drain answers ----
+# in the envelope. A real uvicorn (service/server.py DrainingServer, serve_async) in a thread
+# around the loaded bundled runtime, spoken to on raw sockets.
+
+class Running:
+    """``attnscope serve``'s server (DrainingServer + the probes' listener) in a thread."""
+
+    def __init__(self, runtime, app=None, **settings):
+        import asyncio
+
+        from attnscope.service.app import create_app
+        from attnscope.service.config import Settings
+        from attnscope.service.server import DrainingServer, serve_async, uvicorn_config
+        from conftest import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.settings = Settings(model="bundled", port=self.port, log_format="text", **settings)
+        self._saved = save_loggers()
+        self.app = app if app is not None else create_app(self.settings, runtime=runtime)
+        self.server = DrainingServer(uvicorn_config(self.app, self.settings), self.app)
+        self.thread = threading.Thread(target=lambda: asyncio.run(
+            serve_async(self.server, self.app, self.settings)), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60  # a bound for the start, not a figure
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.server.started
+
+    @property
+    def connections(self) -> int:
+        return len(self.server.server_state.connections)
+
+    def wait(self, cond, bound_s: float = 60.0) -> None:
+        deadline = time.monotonic() + bound_s  # a bound for the event, not a figure
+        while not cond():
+            assert time.monotonic() < deadline, "the awaited event never came"
+            time.sleep(0.01)
+
+    def slow(self, n: int) -> list[socket.socket]:
+        """``n`` connections each in the middle of its request's headers (a slow-loris)."""
+        before = self.connections
+        socks = []
+        for _ in range(n):
+            s = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+            socks.append(s)
+        self.wait(lambda: self.connections >= before + n)
+        return socks
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        restore_loggers(self._saved)
+
+
+def _first_response(sock: socket.socket) -> bytes:
+    """What the server sends on ``sock`` until it closes it (bounded: a net, not a figure)."""
+    got = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([sock], [], [], 0.1)
+        if not r:
+            continue
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        got += data
+    return got
+
+
+def test_slow_senders_are_evicted_before_a_normal_client_is_refused(gpt2_runtime):
+    """Every connection slot held by clients trickling their headers (the breaker's 1,030
+    slow connections, scaled to max_connections 8): a normal client and /healthz are served,
+    each by evicting the slowest sender (408 in the envelope). Before: 503 to the newcomer
+    (only idle connections were evicted)."""
+    srv = Running(gpt2_runtime, max_connections=8, header_timeout_s=600, slow_sender_s=0,
+                  max_client_connections=0)
+    try:
+        socks = srv.slow(8)
+        for path in ("/healthz", "/v1/model", "/healthz"):
+            r = httpx.get(srv.url + path, timeout=30)
+            assert r.status_code == 200, (path, r.status_code, r.text[:200])
+        evicted = [s for s in socks if select.select([s], [], [], 0)[0]]
+        assert evicted, "no slow sender was evicted"
+        raw = _first_response(evicted[0])
+        assert raw.startswith(b"HTTP/1.1 408") and b'"timeout"' in raw and \
+            b"slow_sender_s" in raw, raw[:300]
+        for s in socks:
+            s.close()
+    finally:
+        srv.close()
+
+
+def test_slow_senders_within_slow_sender_s_are_kept_and_the_newcomer_refused(gpt2_runtime):
+    """The planted fault for the test above: with slow_sender_s past the test's life no
+    sender counts as slow, so the newcomer gets 503 naming max_connections (what every
+    newcomer got before)."""
+    srv = Running(gpt2_runtime, max_connections=8, header_timeout_s=600, slow_sender_s=600,
+                  max_client_connections=0)
+    try:
+        socks = srv.slow(8)
+        r = httpx.get(srv.url + "/healthz", timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded"
+        assert "max_connections" in r.json()["error"]["message"]
+        for s in socks:
+            s.close()
+        srv.wait(lambda: srv.connections == 0)
+        assert httpx.get(srv.url + "/healthz", timeout=30).status_code == 200
+    finally:
+        srv.close()
+
+
+def test_one_client_cannot_hold_more_than_max_client_connections(gpt2_runtime):
+    """A client at max_client_connections (none idle or slow): its next connection gets 503
+    naming the limit; once one of its connections closes it is served again."""
+    srv = Running(gpt2_runtime, max_connections=64, max_client_connections=4,
+                  header_timeout_s=600, slow_sender_s=600)
+    try:
+        socks = srv.slow(4)
+        r = httpx.get(srv.url + "/healthz", timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 503 and "max_client_connections=4" in err["message"], r.text
+        socks.pop().close()
+        srv.wait(lambda: srv.connections <= 3)
+        assert httpx.get(srv.url + "/healthz", timeout=30).status_code == 200
+        for s in socks:
+            s.close()
+    finally:
+        srv.close()
+
+
+def test_probes_have_their_own_listener_while_the_main_one_is_saturated(gpt2_runtime):
+    """Every slot of the main listener held by slow senders that do not yet count as slow:
+    the main port refuses (503), while health_port answers /healthz and /readyz (200) and
+    nothing else (404)."""
+    from conftest import free_port
+
+    hp = free_port()
+    srv = Running(gpt2_runtime, max_connections=4, header_timeout_s=600, slow_sender_s=600,
+                  max_client_connections=0, health_port=hp)
+    try:
+        socks = srv.slow(4)
+        assert httpx.get(srv.url + "/healthz", timeout=30).status_code == 503
+        probe = f"http://127.0.0.1:{hp}"
+        for _ in range(20):
+            assert httpx.get(probe + "/healthz", timeout=30).status_code == 200
+        r = httpx.get(probe + "/readyz", timeout=30)
+        assert r.status_code == 200 and r.json()["status"] == "ready"
+        assert httpx.get(probe + "/v1/model", timeout=30).status_code == 404
+        for s in socks:
+            s.close()
+    finally:
+        srv.close()
+
+
+def test_shutdown_answers_503_in_the_envelope_to_a_job_past_the_grace(gpt2_runtime):
+    """SIGTERM's drain with a job that would never end (torch ops forever): /readyz says 503
+    at once; at the end of the grace period the job is stopped and its client gets 503
+    ``shutting_down`` in the envelope, with Retry-After. Before: uvicorn cancelled the task
+    and sent a plain-text 500 (and an error traceback)."""
+    from attnscope.service.config import Settings
+    from test_limits import _spin_app
+
+    hp = __import__("conftest").free_port()
+    app, started, ended = _spin_app(gpt2_runtime, request_timeout_s=0)
+    srv = Running(gpt2_runtime, app=app, shutdown_grace_s=3, health_port=hp)
+    assert isinstance(srv.settings, Settings)  # the server's limits; the app's are _spin_app's
+    try:
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(
+            httpx.post(srv.url + "/v1/spin", json={"python": False}, timeout=120)))
+        t.start()
+        srv.wait(started.is_set)
+        srv.server.should_exit = True  # what SIGTERM does
+        srv.wait(lambda: getattr(app.state, "draining", False))
+        r = httpx.get(f"http://127.0.0.1:{hp}/readyz", timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "shutting_down"
+        t.join(120)
+        r = got[0]
+        assert r.status_code == 503, (r.status_code, r.text[:300])
+        assert r.json()["error"]["type"] == "shutting_down" and r.headers["retry-after"]
+        assert ended == ["JobCancelled"]
+    finally:
+        srv.close()

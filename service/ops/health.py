@@ -23,7 +23,11 @@ async def healthz() -> dict:
 )
 async def readyz(request: Request):
     """200 ``{"status": "ready", "model": id}`` once the model is loaded and its probe forward
-    returned every layer's attention; 503 with the error envelope until then."""
+    returned every layer's attention; 503 with the error envelope until then, and while the
+    server drains (``shutting_down``)."""
+    if getattr(request.app.state, "draining", False):
+        return ORJSONResponse(envelope("shutting_down", "the service is shutting down"),
+                              status_code=503)
     rt = getattr(request.app.state, "runtime", None)
     if rt is None:
         err = getattr(request.app.state, "load_error", None)

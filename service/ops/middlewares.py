@@ -55,6 +55,13 @@ async def send_envelope(send, status: int, type_: str, message: str, param: str 
     await send({"type": "http.response.body", "body": body})
 
 
+def _draining(scope) -> bool:
+    """Whether the server is draining (service/server.py ``DrainingServer`` sets the app's
+    ``state.draining``)."""
+    app = scope.get("app")
+    return bool(getattr(getattr(app, "state", None), "draining", False))
+
+
 class RequestContextMiddleware:
     """Request id, one access-log line, request metrics, and the 500 envelope of last resort.
 
@@ -108,7 +115,29 @@ class RequestContextMiddleware:
             return msg
 
         try:
-            await self.app(scope, receive_watched, send_with_id)
+            if _draining(scope) and scope.get("path") not in OPEN_PATHS:
+                await send_envelope(send_with_id, 503, "shutting_down",
+                                    "the service is shutting down; retry (another replica "
+                                    "answers)", headers=[(b"retry-after", b"1"),
+                                                         (b"connection", b"close")])
+            else:
+                await self.app(scope, receive_watched, send_with_id)
+        except asyncio.CancelledError:
+            # uvicorn cancels the requests still running at the end of its graceful
+            # shutdown: they get the 503 envelope, not its plain-text 500 and a traceback
+            if not _draining(scope):
+                raise
+            log.warning("request cancelled by the server's shutdown",
+                        extra={"fields": {"path": scope.get("path")}})
+            if not started:
+                try:
+                    await send_envelope(send_with_id, 503, "shutting_down",
+                                        "the service shut down before this request's work "
+                                        "ended; retry (another replica answers)",
+                                        headers=[(b"retry-after", b"1"),
+                                                 (b"connection", b"close")])
+                except Exception:  # noqa: BLE001 - the connection is gone too
+                    pass
         except Exception:
             if gone and not started:  # e.g. Starlette's ClientDisconnect: nothing to answer
                 log.debug("request ended after its client went away", exc_info=True)
