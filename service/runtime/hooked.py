@@ -294,6 +294,19 @@ def embedding(model, input_ids: torch.Tensor) -> torch.Tensor:
     return HF.embed(p, input_ids)
 
 
+def normalized(model, x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[..., d_model]`` normalised as the model's norms do before their weight (the
+    value of ``ln*.hook_normalized``): LayerNorm (GPT-2, GPT-NeoX) ``(x - mean) / sqrt(var +
+    eps)``; RMSNorm (Llama, Mistral, Qwen2, Gemma, Gemma 2) ``x * rsqrt(mean(x^2) + eps)`` in
+    float32 (TL 4.3's bridge and HF's upcast)."""
+    p = _as_parts(model)
+    if getattr(p, "norm", "ln") == "ln":
+        xc = x - x.mean(-1, keepdim=True)
+        return xc / (xc.pow(2).mean(-1, keepdim=True) + p.eps).sqrt()
+    xf = x.float() if x.dtype not in (torch.float32, torch.float64) else x
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + p.eps)
+
+
 def _unembed(p, h: torch.Tensor) -> torch.Tensor:
     """``lm_head`` (``F.linear`` with its weight), then Gemma 2's final soft-cap
     ``tanh(logits / cap) * cap`` where the model has one."""
