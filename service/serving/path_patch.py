@@ -31,7 +31,8 @@ import torch
 
 from attnscope.schemas import PathPatchRequest, PathPatchResponse
 from ..analysis import path_patch as A
-from ..errors import ContextLengthExceeded, InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
+from ..errors import (ContextLengthExceeded, InvalidRequest, NonFiniteValues, OutOfRange,
+                      UnsupportedModelConfig, n_tokens)
 from ..runtime import hooked as H
 from .core.cancel import checkpoint
 from .core.engine import Plan
@@ -87,6 +88,34 @@ def _check_metric_roles(m, param: str) -> None:
                 "(null or 0)", f"{param}.terms.{i}.prompt")
 
 
+def _check_family(p, req: PathPatchRequest) -> None:
+    """422 ``unsupported_model_config`` where this construction does not hold for the family
+    (issue 28): Gemma 2 head senders (its ln1_post normalises the summed head outputs before
+    the residual, so one head's change is not additive), MLP receivers under GPT-NeoX's
+    parallel residual (the MLP reads hook_resid_pre; no hook_resid_mid), k/v receivers under
+    grouped-query attention (hook_k_input / hook_v_input have the key/value heads)."""
+    fam = getattr(p, "family", "gpt2")
+    if fam == "gemma2" and (req.grid or any(s.kind == "head" for s in req.senders or [])):
+        raise UnsupportedModelConfig(
+            "senders: path patching adds a sender head's change (attn.hook_result) to the "
+            "residual stream; gemma2 normalises the attention output (ln1_post) before adding "
+            "it, so one head's change is not additive (MLP senders are: hook_mlp_out is after "
+            "ln2_post)", "senders")
+    recv = [] if req.grid else (req.receivers or [])
+    if getattr(p, "parallel", False) and any(r.kind == "mlp" for r in recv):
+        raise UnsupportedModelConfig(
+            f"receivers: {fam} uses the parallel residual (the MLP reads hook_resid_pre, there "
+            "is no hook_resid_mid): MLP receivers are not implemented for it", "receivers")
+    kv = getattr(p, "n_kv_heads", p.n_heads)
+    inputs = set(req.grid_inputs) if req.grid else {r.input for r in recv if r.kind == "head"}
+    if kv != p.n_heads and inputs & {"k", "v"}:
+        raise UnsupportedModelConfig(
+            f"{'grid_inputs' if req.grid else 'receivers'}: {fam} has grouped-query attention "
+            f"({p.n_heads} query heads, {kv} key/value heads; hook_k_input / hook_v_input are "
+            "per key/value head): k and v receivers are not implemented for it (q is)",
+            "grid_inputs" if req.grid else "receivers")
+
+
 def check(rt, req: PathPatchRequest) -> None:
     """A causal LM the hooked forward runs; components in range, none repeated; every sender
     before every receiver; the logits receiver alone; metric terms naming runs 0/1 only; every
@@ -94,6 +123,7 @@ def check(rt, req: PathPatchRequest) -> None:
     check_lm(rt)
     p = parts(rt)
     L, Hn = p.n_layers, p.n_heads
+    _check_family(p, req)
 
     def layer(v, param):
         if not 0 <= v < L:
@@ -514,7 +544,7 @@ def _single(p: H.GPT2Parts, chunk, got, req, kind: str, reduce: str, rc: int) ->
                                    positions=rpos, prompts=sel,
                                    value=v[:, :, None].expand(-1, -1, len(heads), -1)))
             else:
-                v = A.ln_normalized(got["resid_mid"][r.layer][kt] + dS[kt], p.eps)
+                v = H.normalized(p, got["resid_mid"][r.layer][kt] + dS[kt])
                 edits.append(H.Set(hook=f"blocks.{r.layer}.ln2.hook_normalized",
                                    positions=rpos, prompts=sel,
                                    value=v if rpos is None else v[:, rpos]))
