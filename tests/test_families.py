@@ -122,6 +122,35 @@ def test_patterns_hidden_states_and_logits_equal_hugging_face_bit_for_bit(
             assert (fw.pattern[layer][:, fw.mask(layer)] > 0).all()
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_low_precision_rotary_model_equals_hugging_face_bit_for_bit(family, family_root):
+    """bfloat16: the rotary families' eager softmax is in float32, so the in-place path steps
+    aside and the family's own function runs: still Hugging Face's numbers exactly."""
+    path = family_checkpoint(family, family_root)
+    rt = Runtime.load(Settings(model=str(path), dtype="bfloat16"))
+    (fw,) = rt.forward_many([rt.tokenize(TEXT, add_bos=True)])
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                              dtype=torch.bfloat16).eval()
+    out = hf_forward(hf, torch.tensor([fw.tokens.input_ids]))
+    assert fw.pattern.dtype == torch.bfloat16
+    assert torch.equal(fw.pattern, torch.stack(out.attentions)[:, 0])
+    assert torch.equal(fw.tensors.final_state, out.hidden_states[-1][0])
+
+
+def test_a_rotary_family_without_the_attention_function_is_a_startup_error(family_root):
+    """Its q/k after rotary exist only in the attention function: no function, no start."""
+    from transformers import AutoTokenizer
+
+    from attnscope.service.runtime import ModelLoadError
+    from attnscope.service.runtime.adapters import LlamaAdapter
+
+    path = family_checkpoint("llama", family_root)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    with pytest.raises(ModelLoadError, match="llama: q/k after rotary"):
+        Runtime(model, AutoTokenizer.from_pretrained(path), LlamaAdapter(model),
+                {"id": "x", "revision": "x"}, Settings(model=str(path)))
+
+
 def test_a_dropped_soft_cap_in_the_in_place_path_is_caught(runtime_of, family_root):
     """Planted fault: the in-place attention without Gemma 2's soft-cap differs from HF."""
     rt = runtime_of("gemma2")
@@ -337,9 +366,10 @@ def test_every_analysis_endpoint_runs(family, family_client, runtime_of):
     vis = np.isfinite(sc)
     assert np.array_equal(vis, np.stack([fw.mask(lyr).numpy() for lyr in range(2)])[:, None]
                           .repeat(4, 1))
-    r = c.post("/v1/heads", json={"text": TEXT})
+    r = c.post("/v1/heads", json={"text": TEXT, "norm_scores": True})
     assert r.status_code == 200, r.text
     assert r.json()["sink_is_bos"] == [True] and len(r.json()["heads"]) == 8
+    assert all(math.isfinite(h["norm_scores"]["noop"]) for h in r.json()["heads"])
     r = c.post("/v1/heads", json={"text": TEXT, "add_bos": False, "probe": {"enabled": False}})
     assert r.status_code == 200 and r.json()["sink_is_bos"] == [False], r.text
     r = c.post("/v1/links", json={"text": TEXT, "layer": 1, "by": "norm"})
