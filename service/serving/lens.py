@@ -13,7 +13,7 @@ from attnscope.schemas.lens import (
     LogitLensResponse,
 )
 from ..analysis import lens as A
-from ..errors import InvalidRequest, NonFiniteValues, OutOfRange
+from ..errors import InvalidRequest, NonFiniteValues, OutOfRange, UnsupportedModelConfig
 from ..runtime import hooked as H
 from .core.cancel import checkpoint
 from .core.engine import Plan
@@ -206,6 +206,11 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
     response's numbers), and the job: per prompt one hooked forward caching the components at
     the chosen positions, their parts of the logit direction and the served logits there."""
     p = parts(rt)
+    if getattr(p, "family", "gpt2") != "gpt2":  # issue 28: no hook_pos_embed, RMSNorm
+        raise UnsupportedModelConfig(
+            f"{p.family}: direct logit attribution here splits the logit into embed, pos_embed, "
+            "heads, attn_bias and mlp through GPT-2's LayerNorm ln_final; this rotary model has "
+            "no hook_pos_embed (and, but for GPT-NeoX, RMSNorm)", "model")
     L, Hn, D, V = p.n_layers, p.n_heads, p.d_model, p.d_vocab
     n = len(items)
     tgt = _per_prompt(rt, req.target, n, "target", V)
