@@ -593,3 +593,35 @@ def test_path_patch_equals_a_transformerlens_hand_loop(fam, served, case):
     ref = tl_path_patch(fam.tl, clean, corrupt, metric=PP_LOSS, **PP_CASES[case])
     for k in ("base", "other", "patched"):
         assert abs(out[k]["mean"] - ref[k]) <= 1e-5, (k, out[k], ref[k])
+
+
+@pytest.mark.parametrize("path,body,words", [
+    ("/v1/logit-attribution", {"token_lists": [[0, 5, 6, 7]], "target": 5}, "hook_pos_embed"),
+    ("/v1/circuits", {"top_k": 3}, "attn_w"),
+])
+def test_gpt2_only_analyses_are_a_named_422(fam, served, path, body, words):
+    from conftest import assert_error
+
+    client, rt = served
+    e = assert_error(client.post(path, json=body), 422, type_="unsupported_model_config")
+    assert words in e["message"], e
+    assert client.post("/v1/run", json={"token_lists": [[0, 5, 6]]}).status_code == 200
+
+
+def test_logit_lens_on_the_families(fam, served):
+    """GPT-NeoX (LayerNorm): the lens' final state equals the served logits; the RMSNorm
+    families: a 422 naming RMSNorm."""
+    from conftest import assert_error
+
+    client, rt = served
+    r = client.post("/v1/logit-lens", json={"token_lists": [IDS[0].tolist()], "top_k": 1})
+    if fam.parts.norm != "ln":
+        e = assert_error(r, 422, type_="unsupported_model_config")
+        assert "RMSNorm" in e["message"], e
+        return
+    assert r.status_code == 200, r.text
+    final = r.json()["prompts"][0]["states"][-1]  # final_post, ln "own" = ln_final: the logits
+    lp = torch.log_softmax(fam.hf_logits(IDS[:1]).logits[0].double(), -1)
+    loss = float(-lp[:-1].gather(-1, IDS[0, 1:, None]).mean())
+    assert final["loss"] == pytest.approx(loss, abs=1e-5)
+    assert [row["top"][0]["id"] for row in final["positions"]] == lp.argmax(-1).tolist()
