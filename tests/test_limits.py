@@ -546,3 +546,28 @@ def test_a_client_that_goes_away_stops_its_job(gpt2_runtime):
     sent = asyncio.run(main())
     # whatever the app tried to answer went to a client that was gone: never a 200
     assert all(m.get("status") != 200 for m in sent if m["type"] == "http.response.start")
+
+
+# --- /v1/tokenize is admitted (issue 29 item 9): its estimate against the memory limits -----
+
+def test_tokenize_is_admitted_by_the_memory_limits(make_client, gpt2_runtime):
+    """A tokenize request bigger than max_request_bytes is a named 422, and one that finds the
+    memory budget held by others waits budget_wait_s and gets 429 with Retry-After; a small
+    one is served. Before: tokenize took neither limit."""
+    text = "word " * 2000  # 10,000 bytes -> an upper bound of 10,001 tokens
+    c = make_client(gpt2_runtime, max_request_bytes=1 << 20)
+    err = _err(c.post("/v1/tokenize", json={"text": text}), 422, "memory_limit_exceeded", "text")
+    assert "max_request_bytes" in err["message"]
+    assert c.post("/v1/tokenize", json={"text": "word word"}).status_code == 200
+
+    c = make_client(gpt2_runtime, memory_budget_bytes=64 << 20, budget_wait_s=0)
+    budget = c.app.state.engine.budget
+    held = c.portal.call(budget.acquire, budget.total)  # everything held by a request in flight
+    try:
+        r = c.post("/v1/tokenize", json={"text": text})
+        _err(r, 429, "overloaded")
+        assert r.headers["retry-after"]
+    finally:
+        c.portal.call(held.release)
+    r = c.post("/v1/tokenize", json={"text": "word word"})
+    assert r.status_code == 200 and budget.in_use == 0
