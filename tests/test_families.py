@@ -212,7 +212,8 @@ def test_padded_batch_equals_hugging_face_batch_bit_for_bit_and_alone(
 def _hf_rotated_qkv(family, root, ids):
     """q ``[layer, head, pos, d_head]``, k, v ``[layer, kv_head, pos, d_head]`` from HF's own
     projections (forward hooks) rotated by HF's own ``apply_rotary_pos_emb`` and rotary
-    embedding: independent of the runtime's recording."""
+    embedding, and the attention input and output-projection output ``[layer, pos, d_model]``:
+    independent of the runtime's recording."""
     model = hf_model(family, root)
     base = model.base_model
     mod = importlib.import_module(type(model).__module__)
@@ -220,9 +221,12 @@ def _hf_rotated_qkv(family, root, ids):
     for i, blk in enumerate(base.layers):
         attn = getattr(blk, "self_attn", None) or blk.attention
         names = ("q_proj", "k_proj", "v_proj") if hasattr(attn, "q_proj") else ("query_key_value",)
-        for n in names:
+        for n in names + (("o_proj",) if hasattr(attn, "o_proj") else ("dense",)):
             hooks.append(getattr(attn, n).register_forward_hook(
                 lambda m, a, o, i=i, n=n: seen.__setitem__((i, n), o.detach())))
+        hooks.append(attn.register_forward_pre_hook(  # the attention input (the norm's output)
+            lambda m, a, kw, i=i: seen.__setitem__((i, "in"), (a[0] if a else kw["hidden_states"])
+                                                   .detach()), with_kwargs=True))
     try:
         hf_forward(model, ids)
     finally:
@@ -244,7 +248,10 @@ def _hf_rotated_qkv(family, root, ids):
                        for n in ("q_proj", "k_proj", "v_proj"))
         q, k = mod.apply_rotary_pos_emb(q, k, cos, sin)
         qs.append(q[0]), ks.append(k[0]), vs.append(v[0])
-    return torch.stack(qs), torch.stack(ks), torch.stack(vs)
+    ins = torch.stack([seen[(i, "in")][0] for i in range(cfg.num_hidden_layers)])
+    outs = torch.stack([seen.get((i, "o_proj"), seen.get((i, "dense")))[0]
+                        for i in range(cfg.num_hidden_layers)])
+    return torch.stack(qs), torch.stack(ks), torch.stack(vs), ins, outs
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -252,7 +259,8 @@ def test_recorded_q_k_are_after_rotary_and_k_v_on_the_key_value_heads(
         family, runtime_of, family_root):
     rt = runtime_of(family)
     (fw,) = rt.forward_many([rt.tokenize(TEXT, add_bos=True)])
-    q, k, v = _hf_rotated_qkv(family, family_root, torch.tensor([fw.tokens.input_ids]))
+    q, k, v, ins, outs = _hf_rotated_qkv(family, family_root, torch.tensor([fw.tokens.input_ids]))
+    assert torch.equal(fw.tensors.attn_input, ins) and torch.equal(fw.tensors.attn_output, outs)
     a = rt.adapter
     assert fw.tensors.q.shape == (a.n_layers, a.n_heads, fw.n_tokens, a.d_head)
     assert fw.tensors.k.shape == fw.tensors.v.shape == (a.n_layers, a.n_kv_heads, fw.n_tokens,
