@@ -203,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None, help="top next tokens before/after (5)")
     p.add_argument("--target", default=None, help="logit difference: target token")
     p.add_argument("--distractor", default=None, help="logit difference: distractor token")
+    p.add_argument("--mlp", type=_ints, default=None,
+                   help="whole MLP layers to ablate (hook_mlp_out), e.g. 0,1")
+    p.add_argument("--attn", type=_ints, default=None,
+                   help="whole attention layers to ablate (hook_attn_out), e.g. 1")
+    p.add_argument("--neurons", type=_heads, default=None,
+                   help="MLP neurons (mlp.hook_post) as LAYER:NEURON, comma-separated (0:17,1:3)")
     p.add_argument("--scan", action="store_true", default=None, help="every head alone: effect grid")
     p.add_argument("--metric", choices=["loss", "kl", "logit_diff"], default=None,
                    help="scan metric (loss)")
@@ -218,6 +224,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", choices=["logit_diff", "loss"], default=None, help="(logit_diff)")
     p.add_argument("--method", choices=["exact", "attribution"], default=None, help="(exact)")
     p.add_argument("--residual", action="store_true", default=None, help="also [layer, pos]")
+    p.add_argument("--hook", choices=["z", "q", "k", "v", "pattern", "resid_pre", "resid_mid",
+                                      "resid_post", "attn_out", "mlp_out"], default=None,
+                   help="patch at this hook instead (TL get_act_patch_* grid)")
+    p.add_argument("--by-position", action="store_true", default=None,
+                   help="--hook z/q/k/v/pattern: one (position, head) cell at a time")
+    p.add_argument("--patch-layers", type=_ints, default=None, help="--hook: layers computed")
+    p.add_argument("--patch-heads", type=_ints, default=None, help="--hook: heads computed")
+    p.add_argument("--patch-positions", type=_ints, default=None,
+                   help="--hook: positions computed (all-position head patches: patched together)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
                    help="any request option, value as JSON; repeatable")
     _output_arg(p)
@@ -407,9 +422,10 @@ def _check_args(args) -> None:
             raise UsageError(f"--option {key}: give it as {_POSITIONAL[args.cmd][key]}, not "
                              "through --option")
     if args.cmd == "ablate":
-        if not args.scan and args.heads is None and not _option_value(args, "scan"):
-            raise UsageError("give --heads L:H[,L:H ...] (the heads ablated together) or --scan "
-                             "(every head alone)")
+        if not args.scan and args.heads is None and not _option_value(args, "scan") and not (
+                args.mlp or args.attn or args.neurons or _option_value(args, "components")):
+            raise UsageError("give --heads L:H[,L:H ...] (the heads ablated together), --mlp / "
+                             "--attn / --neurons, or --scan (every head alone)")
         if args.plot and not args.scan and not _option_value(args, "scan"):
             raise UsageError("--plot draws the scan's effect grid: add --scan")
     if args.cmd == "patch":
@@ -685,6 +701,14 @@ def cmd_ablate(args) -> int:
                            "metric": "scan_metric"})
     if _ld(args):
         opts["logit_diff"] = _ld(args)
+    comps = ([{"kind": "mlp", "layer": lyr} for lyr in args.mlp or []]
+             + [{"kind": "attn", "layer": lyr} for lyr in args.attn or []])
+    by_layer: dict[int, list[int]] = {}
+    for lyr, n in args.neurons or []:
+        by_layer.setdefault(lyr, []).append(n)
+    comps += [{"kind": "neuron", "layer": lyr, "neurons": ns} for lyr, ns in by_layer.items()]
+    if comps:
+        opts["components"] = opts.get("components", []) + comps
     text = _read_text(args.text)
     with _client(args) as c:
         res = c.ablate(text, heads=args.heads, **opts)
@@ -698,6 +722,8 @@ def cmd_ablate(args) -> int:
         print(_grid_table(s.effect))
     else:
         heads = ", ".join(f"L{l}H{h}" for l, h in res.heads or [])
+        if res.components:
+            heads = ", ".join(_component_label(c) for c in res.components)
         print(f"model {res.model.id}  ablated {heads} ({res.method})  mean loss "
               f"{_fmt(res.mean_loss_clean)} -> {_fmt(res.mean_loss_ablated)} nats  mean KL {_fmt(res.mean_kl)}")
         rows = [[p.position, repr(p.token), _fmt(p.loss_clean, blank=True),
@@ -718,8 +744,22 @@ def cmd_ablate(args) -> int:
     return EXIT_OK
 
 
+def _component_label(c: dict) -> str:
+    k = c.get("kind")
+    if k == "head":
+        return f"L{c['layer']}H{c['head']}"
+    if k in ("mlp", "attn"):
+        return f"{k.upper()}{c['layer']}"
+    if k == "neuron":
+        return f"L{c['layer']}N{','.join(map(str, c['neurons']))}"
+    return f"direction@{c.get('hook')}"
+
+
 def cmd_patch(args) -> int:
-    opts = _options(args, {"metric": "metric", "method": "method", "residual": "residual"})
+    opts = _options(args, {"metric": "metric", "method": "method", "residual": "residual",
+                           "hook": "hook", "by_position": "by_position",
+                           "patch_layers": "patch_layers", "patch_heads": "patch_heads",
+                           "patch_positions": "patch_positions"})
     if _ld(args):
         opts["logit_diff"] = _ld(args)
     with _client(args) as c:
@@ -732,8 +772,19 @@ def cmd_patch(args) -> int:
               f"{_fmt(res.clean_value)}  corrupted {_fmt(res.corrupted_value)}")
         if res.approximation:
             print(f"note: {res.approximation}")
-        print("normalised metric (patched - corrupted) / (clean - corrupted), one head patched:")
-        print(_grid_table(res.heads))
+        g = res.grid
+        if g is not None:
+            print(f"{g.function}: {g.hook_name}, axes {g.axes}, normalised metric (patched - "
+                  "corrupted) / (clean - corrupted):")
+            if len(g.axes) == 2:
+                print(_grid_table(g.normalized))
+            else:
+                for layer, sub in enumerate(g.normalized):
+                    print(f"layer {layer} [{', '.join(g.axes[1:])}]:")
+                    print(_grid_table(sub))
+        else:
+            print("normalised metric (patched - corrupted) / (clean - corrupted), one head patched:")
+            print(_grid_table(res.heads))
         if res.residual is not None:
             print("residual stream [layer, pos]:")
             print(_grid_table(res.residual))
@@ -743,8 +794,12 @@ def cmd_patch(args) -> int:
                              f"({res.clean_value!r}), so the normalised effect (patched - corrupted) / "
                              "(clean - corrupted) has no value anywhere; choose a corrupted text that "
                              "changes the metric")
-        _save(_plots().effect_grid(res.heads, title=f"{res.model.id}: activation patching "
-                                   f"({res.method}), {res.metric}",
+        grid = res.heads if res.grid is None else res.grid.normalized
+        if res.grid is not None and len(res.grid.axes) != 2:
+            raise UsageError(f"--plot draws a two-axis grid; {res.grid.axes} has three (print "
+                             "it, or save --output and plot one layer with attnscope.client.plots)")
+        _save(_plots().effect_grid(grid, title=f"{res.model.id}: activation patching "
+                                   f"({res.method}, {res.grid.hook if res.grid else 'z'}), {res.metric}",
                                    label="(patched - corrupted) / (clean - corrupted)",
                                    text=f"{args.clean_text!r} -> {args.corrupted_text!r}"), args.plot)
     return EXIT_OK
