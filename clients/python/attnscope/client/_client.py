@@ -496,7 +496,14 @@ class _Endpoints:
         ``logit_diff={"target", "distractor"}`` before/after, ``include_patterns`` (encodings
         as /v1/attention; ``binary=True``). ``scan=True`` (no heads): every head alone ->
         ``.scan.grid`` / ``.scan.effect`` ``[layer][head]`` on ``scan_metric`` 'loss' | 'kl' |
-        'logit_diff'. Source: S004, verify by intervention."""
+        'logit_diff' | 'metric'. ``components=[...]``: any component ablated together (with
+        or without ``heads``): ``{"kind": "head", "layer", "head"}``, ``{"kind": "mlp",
+        "layer"}`` (hook_mlp_out), ``{"kind": "attn", "layer"}`` (hook_attn_out),
+        ``{"kind": "neuron", "layer", "neurons": [...]}`` (mlp.hook_post), ``{"kind":
+        "direction", "hook": "blocks.3.hook_resid_post", "vector": [...], "positions"}``
+        (projection out of the unit vector; mean/resample set its coefficient). ``metric``: a
+        declared /v1/run metric (``attnscope.client.run`` builders) -> ``.metric`` clean /
+        ablated / resample / normalized. Source: S004, verify by intervention."""
         fields = dict(options)
         binary = bool(fields.pop("binary", False))
         if heads is not None:
@@ -513,8 +520,16 @@ class _Endpoints:
         of the normalised metric ``(patched - corrupted) / (clean - corrupted)`` (TransformerLens
         ``get_act_patch_attn_head_out_all_pos``); ``per_position`` -> ``.heads_per_position``,
         ``residual`` -> ``.residual`` ``[layer][pos]``; ``metric`` 'logit_diff' (with
-        ``logit_diff={"target", "distractor"}``) or 'loss'; ``method='attribution'`` for the
-        linear approximation from one backward (``.approximation`` says so)."""
+        ``logit_diff={"target", "distractor"}``) or 'loss', or a declared /v1/run metric
+        (``attnscope.client.run`` builders: logit_diff / prob / logprob / loss / kl, KL's run
+        1 = the clean run); ``method='attribution'`` for the linear approximation from one
+        backward (``.approximation`` says so). ``hook=`` 'resid_pre' | 'resid_mid' |
+        'resid_post' | 'attn_out' | 'mlp_out' (``[layer, pos]``) | 'z' | 'q' | 'k' | 'v'
+        (``[layer, head]``, ``by_position=True``: ``[layer, pos, head]``) | 'pattern'
+        (``[layer, head]`` / ``[layer, head, dest_pos]``) -> ``.grid`` (``raw``,
+        ``normalized``, ``axes``, and ``function``: the TransformerLens 4.3 ``get_act_patch_*``
+        it equals; as numpy: ``numpy.array(res.grid.raw, dtype=float)``, None -> NaN);
+        ``patch_layers`` / ``patch_heads`` / ``patch_positions`` subsets."""
         texts = {k: v for k, v in (("clean_text", clean_text),
                                     ("corrupted_text", corrupted_text)) if v is not None}
         req = _validated(PatchRequest, "/v1/patch", **texts, **options)
