@@ -490,6 +490,19 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
     return GuardedProtocol
 
 
+class _CutStreamFilter(logging.Filter):
+    """Drops uvicorn's error line for a response our middleware saw cut on purpose (the
+    deadline, or the client gone: ``RESPONSE_CUT``); the encoding layer has logged the one
+    warning (or info) line for it."""
+
+    MESSAGE = "ASGI callable returned without completing response."
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from .ops.middlewares import RESPONSE_CUT
+
+        return not (record.msg == self.MESSAGE and RESPONSE_CUT.get())
+
+
 def uvicorn_config(app, settings) -> "Any":
     """The uvicorn.Config for ``app`` with every limit taken from ``settings``."""
     import uvicorn
@@ -501,7 +514,7 @@ def uvicorn_config(app, settings) -> "Any":
     if max_conn + FD_RESERVE > soft:
         raise ValueError(f"max_connections={max_conn} needs {max_conn + FD_RESERVE} file "
                          f"descriptors; the process may open {soft} (ulimit -n)")
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app, host=settings.host, port=settings.port, workers=1,
         log_level=settings.log_level, log_config=logging_config(settings.log_level,
                                                                 settings.log_format),
@@ -516,6 +529,10 @@ def uvicorn_config(app, settings) -> "Any":
         h11_max_incomplete_event_size=settings.max_header_bytes,
         backlog=2048,  # accept at once: the guard, not the kernel queue, sheds the excess
     )
+    error_log = logging.getLogger("uvicorn.error")  # configured by uvicorn.Config above
+    if not any(isinstance(f, _CutStreamFilter) for f in error_log.filters):
+        error_log.addFilter(_CutStreamFilter())
+    return config
 
 
 class DrainingServer:

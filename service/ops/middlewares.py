@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import hmac
 import logging
@@ -38,6 +39,11 @@ CLIENT_CLOSED = 499
 """Status recorded (access log, metrics; never sent) for a request whose client went away
 before any response started, e.g. an upload aborted mid-body (nginx's "client closed
 request")."""
+RESPONSE_CUT: contextvars.ContextVar[bool] = contextvars.ContextVar("attnscope_response_cut",
+                                                                   default=False)
+"""Set (in the request's task) when its response started but was never completed: cut at
+the deadline or its client gone. The server's log filter (service/server.py) then drops
+uvicorn's error line about it: one warning (the encoding layer's) per cut stream."""
 _QUIET_PATHS = OPEN_PATHS  # logged at debug level (probes and scrapes every few seconds)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 
@@ -148,6 +154,8 @@ class RequestContextMiddleware:
                 await send_envelope(send_with_id, 500, "internal_error",
                                     "internal error; the service keeps serving")
         finally:
+            if started and not t_end:
+                RESPONSE_CUT.set(True)  # read by the server's log filter after we return
             if CLIENT_STATUS_KEY in scope:  # the server answered it (its handler's was dropped)
                 status = scope[CLIENT_STATUS_KEY]
             elif gone and not started:
