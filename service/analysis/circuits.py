@@ -96,28 +96,22 @@ def circuits(w: CircuitWeights, composition: bool = True) -> Circuits:
     comp = None
     if composition:
         comp = {}
-        n = L * H
-        Oa = W_O.reshape(n, dh, D)
-        RVa = R_V.reshape(n, dh, dh)
-        left_norm = ov_norm.reshape(n)
-        chunk = max(1, (1 << 23) // (n * dh * dh))
-        # L_a R_b = Q_V^a [R_V^a (W_O^a X^b) Y^b] ... with X^b, Y^b the right factor's core:
-        # Q: W_QK^b = W_Q^b W_K^b^T = W_Q^b R_K^T Q_K^T   -> core R_V^a (W_O^a W_Q^b) R_K^b^T
-        # K: W_QK^b^T = W_K^b W_Q^b^T = W_K^b R_Q^T Q_Q^T -> core R_V^a (W_O^a W_K^b) R_Q^b^T
-        # V: W_OV^b = W_V^b W_O^b = W_V^b R_O^T Q_O^T     -> core R_V^a (W_O^a W_V^b) R_O^b^T
+        # Head a's left factor R_V^a W_O^a [dh, D] (W_OV^a = Q_V^a R_V^a W_O^a, and Q_V^a's
+        # orthonormal columns keep the Frobenius norm); head b's right factor, per mode, with
+        # its orthonormal Q dropped on the right: Q: W_QK^b = W_Q^b R_K^T Q_K^T -> W_Q^b R_K^T;
+        # K: W_QK^b^T = W_K^b R_Q^T Q_Q^T -> W_K^b R_Q^T; V: W_OV^b = W_V^b R_O^T Q_O^T ->
+        # W_V^b R_O^T [D, dh]. ||L_a R_b||_F = ||left_a right_b||_F: one GEMM per sender layer
+        # over the heads of every LATER layer only (TL's mask zeroes the rest), so each pair
+        # costs one [dh, D] x [D, dh] product and no per-pair core products.
+        left = (R_V @ W_O).reshape(L, H * dh, D)  # [layer, head*dh, D]
         for mode, X, Rr, right_norm in (("q", W_Q, R_K, qk_norm), ("k", W_K, R_Q, qk_norm),
                                         ("v", W_V, R_O, ov_norm)):
-            Xb = X.reshape(n, D, dh)
-            Rb = Rr.reshape(n, dh, dh)
-            RbT = Rb.transpose(-1, -2)[None]
-            norms = torch.empty(n, n, dtype=torch.float64)
-            for a0 in range(0, n, chunk):  # [chunk, b, dh, dh] at a time (~64 MB)
-                a1 = min(n, a0 + chunk)
-                cross = torch.einsum("aid,bdj->abij", Oa[a0:a1], Xb)
-                norms[a0:a1] = torch.linalg.matrix_norm(RVa[a0:a1, None] @ cross @ RbT)
-            s = norms / left_norm[:, None] / right_norm.reshape(n)[None]
-            s = s.reshape(L, H, L, H)
-            layer = torch.arange(L)
-            mask = layer[:, None, None, None] < layer[None, None, :, None]
-            comp[mode] = torch.where(mask, s, torch.zeros_like(s))
+            right = (X @ Rr.transpose(-1, -2)).permute(2, 0, 1, 3).reshape(D, L * H * dh)
+            norms = torch.zeros(L, H, L, H, dtype=torch.float64)
+            for la in range(L - 1):
+                block = left[la] @ right[:, (la + 1) * H * dh:]  # [H*dh, (L-la-1)*H*dh]
+                block = block.reshape(H, dh, L - la - 1, H, dh)
+                norms[la, :, la + 1:] = torch.linalg.vector_norm(block, dim=(1, 4))
+            s = norms / ov_norm[:, :, None, None] / right_norm[None, None]
+            comp[mode] = s
     return Circuits(copying, positive, ov_sv, qk_sv, ov_norm, qk_norm, comp)
