@@ -38,11 +38,13 @@ _N5 = Annotated[list[_N4], Field(max_length=MAX_AXIS)]
 
 class Base64Input(StrictModel):
     """A request tensor as little-endian bytes in base64 (the response's ``Base64Tensor``
-    form, ``layout`` full): decoded to float32."""
+    form, ``layout`` full): decoded to float32. Request tensors are activations: float16 or
+    float32 only (integer bytes are refused, never reinterpreted)."""
 
     encoding: Literal["base64"] = Field(description="'base64'.")
-    dtype: Literal["float16", "float32", "int32", "int64"] = Field(
-        description="Element type, little-endian.")
+    dtype: Literal["float16", "float32"] = Field(
+        description="Element type, little-endian: 'float32' (exact) or 'float16' (widened to "
+        "float32). Integer dtypes are refused (422 naming ``dtype``).")
     shape: list[Annotated[int, Field(ge=0, le=1 << 26)]] = Field(
         ..., max_length=8, description="Tensor shape, row-major (C order).")
     data: str = Field(..., max_length=1 << 29,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from contextlib import asynccontextmanager
 
 import anyio.to_thread
@@ -108,6 +109,80 @@ class BodyLimitMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
+class EmptyBodyDefaults:
+    """An empty or missing body is ``{}`` on the POST routes in ``paths`` (those whose request
+    schema has a default for every field: ``/v1/circuits``), so ``curl -X POST .../v1/circuits``
+    means the defaults. Runs inside :class:`BodyLimitMiddleware` (the body is already bounded
+    and buffered); every other route, and every non-empty body, passes unchanged."""
+
+    def __init__(self, app, paths: frozenset[str]):
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" \
+                or scope.get("path") not in self.paths:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        body = b"".join(chunks)
+        if not body.strip():
+            body = b"{}"
+            headers = [(k, v) for k, v in scope.get("headers", [])
+                       if k not in (b"content-type", b"content-length")]
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json"),
+                                                    (b"content-length", b"2")]}
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def body_optional_paths(endpoints: list[Endpoint]) -> frozenset[str]:
+    """The POST paths whose request schema validates from ``{}`` (every field defaulted): their
+    body may be empty or missing (:class:`EmptyBodyDefaults`) and the OpenAPI document says
+    ``requestBody.required: false`` for them, the schema still a ``$ref`` to the request model."""
+    out = set()
+    for ep in endpoints:
+        if ep.request is None or ep.method != "POST":
+            continue
+        try:
+            ep.request.model_validate({})
+        except Exception:  # noqa: BLE001 - a required field or a cross-field rule: body needed
+            continue
+        out.add(ep.path)
+    return frozenset(out)
+
+
+def _optional_bodies_in_openapi(app: FastAPI, paths: frozenset[str]) -> None:
+    """``app.openapi()`` with ``requestBody.required`` false on ``paths`` (FastAPI's document
+    is built once, then kept; only that flag changes: the body schema stays the model's
+    ``$ref``, which making the route's parameter ``Model | None`` would turn into an anyOf)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = build()
+            for path in paths:
+                op = doc.get("paths", {}).get(path, {}).get("post")
+                if op is not None and "requestBody" in op:
+                    op["requestBody"]["required"] = False
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 class _Enough(Exception):
     pass
 
@@ -154,7 +229,62 @@ def _repr_head(obj, limit: int) -> str:
     return "".join(parts)
 
 
+_BRACKET_INDEX = re.compile(r"\[(-?\d+)\]")
+_BRACKET_KEY = re.compile(r"\['([^'\\\[\]]*)'\]")
+
+
+def param_spelling(param: str | None) -> str | None:
+    """The one spelling of an error's ``param`` (docs/api.md, "Errors"): the request field's
+    path as written in the body, keys and list indices joined by dots (``interventions.0.heads``,
+    ``tokens.3``, ``logits.positions``), as pydantic's ``loc``. A path spelled with brackets
+    by a lower layer (``interventions[0]``, ``grad.hooks[1]``, ``metrics['m']``) is
+    re-spelled; anything else (``Authorization``, ``body``) passes unchanged."""
+    if not param:
+        return param
+    return _BRACKET_KEY.sub(r".\1", _BRACKET_INDEX.sub(r".\1", param)).lstrip(".")
+
+
+#: pydantic's names of union members in a ``loc`` (``constrained-str``, ``list[int]``,
+#: ``function-after[...]``, a model's class name): never a field of this API (snake_case)
+_UNION_TAG = re.compile(r"[\[\]\-,' ]|^[A-Z]|^(str|int|float|bool|list|dict|none|null)$")
+
+
+def _user_loc(loc, body, etype: str) -> list:
+    """``loc`` as the user wrote the request: pydantic's union member tags (``cache.0.
+    constrained-str``, a discriminated union's ``interventions.0.zero``, ``vector.
+    Base64Input``) dropped, by walking the loc through the body itself (a key the body has, an
+    index of a list it has; the last element of a ``missing`` error is the absent field).
+    Without the body, tags are told by their spelling (:data:`_UNION_TAG`)."""
+    parts = list(loc)
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    out: list = []
+    cur, known = body, body is not None
+    for i, x in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(cur, dict) and isinstance(x, str) and x in cur:
+            out.append(x)
+            cur = cur[x]
+        elif isinstance(cur, list) and isinstance(x, int) and -len(cur) <= x < len(cur):
+            out.append(x)
+            cur = cur[x]
+        elif isinstance(x, int) and not known:
+            out.append(x)
+        elif isinstance(x, str) and ((last and etype == "missing") or (
+                not known and not _UNION_TAG.search(x))):
+            out.append(x)
+            cur = None
+        # else: a union member's tag (or a dict key validator's '[key]'): not the user's
+    return out
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first problem of a refused body as ``(message, param)``: the field as the user
+    wrote it (``cache.0``, never pydantic's ``cache.0.constrained-str``), the rule, the value
+    given. For a union (a hook name or an object; a tensor as lists or base64) the member that
+    got furthest names the problem (``vector.dtype`` of a base64 tensor), and members failing
+    at the same field are said together ("a valid string, or a valid dictionary ...");
+    the other members' failures one level up are not counted as more problems."""
     errs = exc.errors()
     if not errs:
         return "invalid request", None
@@ -169,23 +299,53 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if tuple(e.get("loc", ())) == ("body",) and e.get("type") == "missing":
         return ("body is missing: send a JSON object with 'Content-Type: application/json', "
                 "see /docs for the fields"), "body"
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    body = getattr(exc, "body", None)
+    locs = []
+    for x in errs:
+        loc = _user_loc(x.get("loc", ()), body, str(x.get("type", "")))
+        if x.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+            tag = str((x.get("ctx") or {}).get("discriminator", "")).strip("'\"")
+            if tag:
+                loc.append(tag)
+        locs.append(tuple(loc))
+
+    def related(a: tuple, b: tuple) -> bool:
+        return a[:len(b)] == b or b[:len(a)] == a
+
+    # the member that got furthest among the first error's union (same subtree)
+    first = max((i for i in range(len(errs)) if related(locs[i], locs[0])),
+                key=lambda i: (len(locs[i]), -i))
+    e, loc = errs[first], locs[first]
+    same = [i for i in range(len(errs)) if locs[i] == loc]
+    msgs: list[str] = []
+    for i in same:
+        m = str(errs[i].get("msg", "invalid value")).removeprefix("Value error, ")
+        if msgs:
+            m = m.removeprefix("Input should be ")
+        if m not in msgs:
+            msgs.append(m)
+    param = ".".join(str(x) for x in loc) or None
+    msg = ", or ".join(msgs)
     given = e.get("input", None)
+    if e.get("type") == "union_tag_invalid":  # the tag given, not the whole object
+        given = (e.get("ctx") or {}).get("tag", given)
     text = f"{param}: {msg}" if param else msg
     if e.get("type") not in ("missing", "value_error") and given is not None:
         r = _repr_head(given, 81)
         text += f" (got {r[:80] + '...' if len(r) > 80 else r})"
-    if len(errs) > 1:
-        text += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+    # other problems: other fields, not this one's union alternatives one level up
+    more = {locs[i] for i in range(len(errs))
+            if locs[i] != loc and not (related(locs[i], loc) and len(locs[i]) < len(loc))}
+    if more:
+        text += f" (and {len(more)} more problem{'s' if len(more) > 1 else ''})"
     return text, param
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AttnscopeError)
     async def _domain(request: Request, exc: AttnscopeError):
-        return ORJSONResponse(envelope(exc.type, exc.message, exc.param), status_code=exc.status,
+        return ORJSONResponse(envelope(exc.type, exc.message, param_spelling(exc.param)),
+                              status_code=exc.status,
                               headers=exc.headers or None)
 
     @app.exception_handler(RequestValidationError)
@@ -359,12 +519,15 @@ def create_app(settings: Settings | None = None, runtime: Runtime | None = None,
     install_error_handlers(app)
     _install_offline_docs(app)
     _install_web(app)
+    table = default_table() if endpoints is None else endpoints
+    optional = body_optional_paths(table)
+    app.add_middleware(EmptyBodyDefaults, paths=optional)  # inside the body limit
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     install_ops(app, settings)  # request id, logs, metrics, keys, CORS, time limit, /metrics
     app.include_router(health.router)
-    table = default_table() if endpoints is None else endpoints
     app.state.endpoints = table
     add_routes(app, table)
+    _optional_bodies_in_openapi(app, optional)
     return app
 
 

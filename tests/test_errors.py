@@ -122,3 +122,121 @@ def test_an_envelope_of_each_type_raises_its_class(etype):
                        request=req)
     e = client_errors.status_error(r)
     assert type(e) is ac.ERROR_TYPES[etype] and e.type == etype and e.status_code == status
+
+
+# -- the field named as the user wrote it (issue 25, breaker findings) ---------------------
+
+#: the one spelling of ``param``: the body's keys and list indices joined by dots
+PARAM_SPELLING = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z0-9_]+|\d+))*$")
+#: pydantic's union member tags, which must never reach a message or a param
+UNION_TAGS = re.compile(r"constrained-str|function-(after|before|wrap|plain)|list\[|"
+                        r"Base64Input|CacheItem|\.(zero|set|add|scale|mean)\b|\[key\]")
+TOKENS = [[0, 5, 6, 7]]
+B64_INT = {"encoding": "base64", "dtype": "int32", "shape": [2], "data": "AQAAAAIAAAA="}
+LOSS = {"kind": "loss", "terms": [{"position": 0}]}
+
+#: (path, body, param, words of the message): every endpoint family, validation (pydantic)
+#: and model-aware (feature / runtime) errors alike
+PARAM_CASES = [
+    ("/v1/run", {"token_lists": TOKENS, "cache": [1.5]}, "cache.0",
+     ["a valid string, or a valid dictionary", "(got 1.5)"]),
+    ("/v1/run", {"token_lists": TOKENS, "cache": [{"hook": 3}]}, "cache.0.hook",
+     ["a valid string", "(got 3)"]),
+    ("/v1/run", {"token_lists": TOKENS, "cache": ["hook_embed", 2.5]}, "cache.1", ["(got 2.5)"]),
+    ("/v1/run", {"token_lists": TOKENS, "cache": [{"hook": "hook_embed", "positions": [9]}]},
+     "cache.0.positions", ["position 9 is out of range"]),
+    ("/v1/run", {"token_lists": TOKENS, "interventions": [{"kind": "zeroo", "hook": "x"}]},
+     "interventions.0.kind", ["'zeroo'", "'zero'"]),
+    ("/v1/run", {"token_lists": TOKENS, "interventions": [{"kind": "zero"}]},
+     "interventions.0.hook", ["Field required"]),
+    ("/v1/run", {"token_lists": TOKENS, "interventions": [
+        {"kind": "add", "hook": "hook_embed", "vector": B64_INT}]},
+     "interventions.0.vector.dtype", ["'float16' or 'float32'", "(got 'int32')"]),
+    ("/v1/run", {"token_lists": TOKENS, "interventions": [
+        {"kind": "add", "hook": "hook_embed", "vector": "abc"}]},
+     "interventions.0.vector", ["a valid list", "(got 'abc')"]),
+    ("/v1/run", {"token_lists": TOKENS, "interventions": [
+        {"kind": "zero", "hook": "blocks.0.attn.hook_z", "heads": [9]}]},
+     "interventions.0.heads", ["head 9 is out of range"]),
+    ("/v1/run", {"token_lists": TOKENS, "metrics": {"m": {"kind": "logit_diff", "terms": [
+        {"position": 0, "target": 1.5, "distractor": 2}]}}},
+     "metrics.m.terms.0.target", ["a valid integer, or a valid string"]),
+    ("/v1/run", {"token_lists": TOKENS, "logits": {"positions": [7]}}, "logits.positions",
+     ["logits.positions: position 7 is out of range"]),
+    ("/v1/run", {"token_lists": TOKENS, "metrics": {"m": LOSS}, "grad": {
+        "metric": "m", "hooks": ["hook_embd"]}}, "grad.hooks.0", ["hook_embed"]),
+    ("/v1/run", {"token_lists": [[0, 5], [0, 5]], "metrics": {"m": {
+        "kind": "loss", "terms": [{"prompt": 5, "position": 0}]}}}, "metrics.m.terms.0",
+     ["out of range"]),
+    ("/v1/logit-lens", {"text": "a b c", "positions": [40]}, "positions.0", ["out of range"]),
+    ("/v1/logit-attribution", {"text": "a b", "target": 1.5}, "target",
+     ["a valid integer, or a valid string, or a valid list"]),
+    ("/v1/logit-attribution", {"text": "a b", "target": [" a", " b", " c"], "texts": None},
+     "target", ["3 tokens given for 1 prompt"]),
+    ("/v1/path-patch", {"pairs": [{"clean_tokens": [0, 1, 3, 4], "corrupted_tokens": [0, 2, 3, 4]}],
+                        "senders": [{"kind": "head", "layer": 0}], "receivers": [{"kind": "logits"}],
+                        "metric": LOSS}, "senders.0.head", ["Field required"]),
+    ("/v1/path-patch", {"pairs": [{"clean_tokens": [0, 1, 3, 4], "corrupted_tokens": [0, 2, 3, 4]}],
+                        "senders": [{"kind": "head", "layer": 0, "head": 0}],
+                        "receivers": [{"kind": "logits"}], "sender_positions": [9],
+                        "metric": LOSS}, "sender_positions.0", ["out of range"]),
+    ("/v1/ablate", {"text": "a b c", "heads": [[0, 9]]}, "heads.0.1", ["out of range"]),
+    ("/v1/attention", {"text": "a b c", "layers": [0, 7]}, "layers.1", ["out of range"]),
+    ("/v1/links", {"text": "a b c", "layer": 0, "ignore": [40]}, "ignore.0", ["out of range"]),
+    ("/v1/predictions", {"text": "a b", "positions": [0, 0]}, "positions.1", ["repeats"]),
+    ("/v1/tokenize", {"tokens": [0, 5, 6, 99999]}, "tokens.3", ["99999"]),
+    ("/v1/circuits", {"top_k": 0}, "top_k", ["greater than or equal to 1"]),
+]
+
+
+@pytest.mark.parametrize("path, body, param, words", PARAM_CASES,
+                         ids=[f"{c[0]}:{c[2]}" for c in PARAM_CASES])
+def test_every_error_names_the_field_as_the_request_spells_it(client, path, body, param, words):
+    """One spelling of ``param`` on every endpoint (dots, as pydantic's loc and docs/api.md:
+    ``tokens.3``, ``interventions.0.heads``, ``logits.positions``), never a runtime's name
+    (``logit_positions``, ``cache['hook_embed']``, ``interventions[0]``) or a union member's
+    tag (``cache.0.constrained-str``); the message names the same field and the rule."""
+    body = {k: v for k, v in body.items() if v is not None}
+    r = client.post(path, json=body)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert PARAM_SPELLING.match(err["param"]), err
+    assert not UNION_TAGS.search(err["message"]), err
+    for w in words:
+        assert w in err["message"], (w, err)
+    assert client.get("/healthz").status_code == 200  # and the service keeps serving
+
+
+def test_param_spelling_rewrites_bracketed_paths():
+    from attnscope.service.app import param_spelling
+
+    assert param_spelling("interventions[0].heads") == "interventions.0.heads"
+    assert param_spelling("heads[1][0]") == "heads.1.0"
+    assert param_spelling("metrics['m'].terms[2]") == "metrics.m.terms.2"
+    assert param_spelling("grad.hooks[-1]") == "grad.hooks.-1"
+    for same in ("tokens.3", "Authorization", "body", None, ""):
+        assert param_spelling(same) == same
+
+
+def test_planted_runtime_names_are_caught(client, monkeypatch):
+    """Planted fault: /v1/run passing the runtime's errors through as they are: the table's
+    cases see the runtime's spelling (``logit_positions``, ``cache['hook_embed']``)."""
+    from attnscope.service.serving import run as run_mod
+
+    monkeypatch.setattr(run_mod, "_renumbered", lambda exc, origin, keys=None: exc)
+    for path, body, param, _ in PARAM_CASES:
+        if param in ("logits.positions", "cache.0.positions"):
+            err = client.post(path, json=body).json()["error"]
+            assert err["param"] != param and err["param"] in ("logit_positions",
+                                                              "cache.hook_embed.positions")
+
+
+def test_planted_union_tags_are_caught(client, monkeypatch):
+    """Planted fault: the loc taken as pydantic gives it (tags kept): the check sees them."""
+    from attnscope.service import app as app_mod
+
+    monkeypatch.setattr(app_mod, "_user_loc", lambda loc, body, etype: [
+        x for x in loc if x != "body"])
+    err = client.post("/v1/run", json={"token_lists": TOKENS, "cache": [1.5]}).json()["error"]
+    assert UNION_TAGS.search(err["param"]) and UNION_TAGS.search(err["message"])

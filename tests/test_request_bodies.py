@@ -229,3 +229,52 @@ def test_the_rejected_value_is_shown_as_repr_shows_it():
     assert _repr_head(deep, 81) == "[" * 81
     big = [0.123456789] * 1_000_000
     assert _repr_head(big, 81) == repr(big[:10])[:-1][:len(_repr_head(big, 81))]
+
+
+# -- an all-default request may be sent without a body (issue 26: POST /v1/circuits) -------
+
+def test_a_request_with_every_field_defaulted_may_have_no_body(client):
+    """``POST /v1/circuits`` with no body, an empty one or only whitespace (any Content-Type)
+    is the defaults, the same answer as ``{}``; ``null`` is still refused, and an endpoint
+    with a required field still says the body is missing."""
+    want = client.post("/v1/circuits", json={})
+    assert want.status_code == 200
+    for kwargs in ({}, {"content": b""}, {"content": b"  \n"},
+                   {"content": b"", "headers": {"content-type": "application/json"}},
+                   {"content": b"", "headers": {"content-type": "text/plain"}}):
+        r = client.post("/v1/circuits", **kwargs)
+        assert r.status_code == 200, (kwargs, r.text)
+        assert r.json() == want.json()
+    r = client.post("/v1/circuits", content=b"null", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "body"
+    r = client.post("/v1/circuits", json={"top_k": 0})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "top_k"
+    for path in ("/v1/attention", "/v1/links", "/v1/path-patch"):
+        r = client.post(path)
+        assert r.status_code == 422 and "body is missing" in r.json()["error"]["message"], path
+
+
+def test_only_all_default_requests_are_body_optional(client):
+    """The rule is read from the schemas (a request that validates from ``{}``), and the
+    OpenAPI document says so while keeping the body's ``$ref`` (making the route parameter
+    optional had turned it into an anyOf with null)."""
+    from attnscope.service.app import body_optional_paths
+
+    assert body_optional_paths(client.app.state.endpoints) == {"/v1/circuits"}
+    spec = client.get("/openapi.json").json()
+    for path, item in spec["paths"].items():
+        op = item.get("post")
+        if not op or "requestBody" not in op:
+            continue
+        body = op["requestBody"]
+        assert set(body["content"]["application/json"]["schema"]) == {"$ref"}, path
+        assert body.get("required") is (path != "/v1/circuits"), path
+
+
+def test_planted_fault_an_optional_body_on_a_required_request_is_seen(client):
+    """A table that marked /v1/links optional would send its body to validation as {}: the
+    rule itself refuses to (links needs ``layer``), so the planted entry is not taken."""
+    from attnscope.service.app import body_optional_paths
+
+    links = [ep for ep in client.app.state.endpoints if ep.path == "/v1/links"]
+    assert body_optional_paths(links) == frozenset()

@@ -341,3 +341,54 @@ def test_metric_builders_take_one_term_by_keywords():
         R.kl()
     with pytest.raises(TypeError):
         R.prob((2, 5), position=3, target=1)
+
+
+def test_breaker_findings_selections_and_integer_tensors(client):
+    """Found by a breaker: (a) a cache selection repeating an index (``positions: [1, 1]``,
+    or ``-1`` next to ``T - 1``) was served, the row twice; now a 422 naming the entry's field
+    and the repeated element. (b) A base64 request tensor with an integer dtype was read as
+    float32 values, against docs/api.md's float32 | float16: now refused, naming ``dtype``,
+    by the schema and by the decoder itself."""
+    from attnscope.service.encoding.inputs import decode_input
+    from attnscope.service.errors import InvalidRequest
+
+    T = [[0, 5, 6, 7]]
+    for sel, param, words in (
+            ({"positions": [1, 1]}, "cache.0.positions.1", "positions[1] = 1 repeats positions[0]"),
+            ({"positions": [3, -1]}, "cache.0.positions.1", "(position 3 of 4)"),
+            ({"prompts": [0, 0]}, "cache.0.prompts.1", "prompts[1] = 0 repeats"),
+            ({"heads": [2, 0, 2]}, "cache.0.heads.2", "heads[2] = 2 repeats heads[0]"),
+            ({"layers": [1, 1]}, "cache.0.layers.1", "layers[1] = 1 repeats")):
+        hook = "blocks.*.attn.hook_z" if "layers" in sel else "blocks.0.attn.hook_z"
+        r = client.post("/v1/run", json={"token_lists": T, "cache": [{"hook": hook, **sel}]})
+        e = assert_error(r, 422, param=param)
+        assert words in e["message"], e
+    # the same indices once each, and out-of-range ones, keep their own answers
+    ok = client.post("/v1/run", json={"token_lists": T, "cache": [
+        {"hook": "blocks.0.attn.hook_z", "positions": [3, -2], "heads": [2, 0]}]})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["selections"]["blocks.0.attn.hook_z"]["positions"] == [3, 2]
+    far = client.post("/v1/run", json={"token_lists": T, "cache": [
+        {"hook": "hook_embed", "positions": [0, -9]}]})
+    assert "out of range" in assert_error(far, 422, param="cache.0.positions")["message"]
+    # (b) integer base64
+    import base64
+
+    for dtype, data in (("int32", np.array([1, 2], "<i4")), ("int64", np.array([1, 2], "<i8"))):
+        b64 = {"encoding": "base64", "dtype": dtype, "shape": [2],
+               "data": base64.b64encode(data.tobytes()).decode()}
+        r = client.post("/v1/run", json={"token_lists": T, "interventions": [
+            {"kind": "add", "hook": "hook_embed", "vector": b64}]})
+        e = assert_error(r, 422, param="interventions.0.vector.dtype")
+        assert "'float16' or 'float32'" in e["message"] and f"'{dtype}'" in e["message"], e
+        with pytest.raises(InvalidRequest) as got:
+            decode_input(b64, "interventions.0.vector")
+        assert got.value.param == "interventions.0.vector.dtype"
+    # float16 / float32 base64 still read exactly
+    v = np.arange(128, dtype="<f4") / 64
+    for dtype in ("float32", "float16"):
+        a = v.astype(dtype)
+        b64 = {"encoding": "base64", "dtype": dtype, "shape": [128],
+               "data": base64.b64encode(a.tobytes()).decode()}
+        np.testing.assert_array_equal(decode_input(b64, "v"), a.astype(np.float32))
+    assert client.post("/v1/run", json={"token_lists": T}).status_code == 200

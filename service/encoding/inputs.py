@@ -13,7 +13,9 @@ import pybase64
 
 from ..errors import InvalidRequest
 
-_DTYPES = {"float32": "<f4", "float16": "<f2", "int32": "<i4", "int64": "<i8"}
+#: the element types a request tensor may have: activations, read as float32 (an integer
+#: dtype is refused rather than converted: docs/api.md, "/v1/run")
+_DTYPES = {"float32": "<f4", "float16": "<f2"}
 
 #: at most this many elements in one request tensor
 MAX_ELEMENTS = 1 << 26
@@ -32,8 +34,9 @@ def decode_input(x: Any, param: str) -> np.ndarray:
         if get("layout", "full") not in (None, "full"):
             raise InvalidRequest(f"{param}: only layout 'full' is accepted in requests", param)
         if dtype not in _DTYPES:
-            raise InvalidRequest(f"{param}: dtype {dtype!r} is not one of {sorted(_DTYPES)}",
-                                 param)
+            raise InvalidRequest(f"{param}.dtype: {dtype!r} is not one of {sorted(_DTYPES)} "
+                                 "(request tensors are activations, read as float32)",
+                                 f"{param}.dtype")
         # math.prod on Python ints: numpy's int64 product wraps (2**32 x 2**32 x 2**32 -> 0)
         if any(s < 0 for s in shape) or math.prod(shape) > MAX_ELEMENTS:
             raise InvalidRequest(f"{param}: shape {shape} (at most {MAX_ELEMENTS} elements)",

@@ -204,19 +204,66 @@ def _selections(p: H.GPT2Parts, req: RunRequest, names, B: int, T: int) -> dict:
 
 
 _IV = re.compile(r"interventions\[(\d+)\]")
+#: the runtime's argument names -> the request's fields (docs/api.md, "Errors": a param names
+#: the field as the request spells it)
+_RUNTIME_FIELDS = {"logit_positions": "logits.positions"}
+_RUNTIME_NAME = re.compile(r"\b(" + "|".join(map(re.escape, _RUNTIME_FIELDS)) + r")\b")
 
 
-def _renumbered(exc: InvalidRequest, origin: list[int]) -> InvalidRequest:
-    """``exc`` with ``interventions[k]`` (the runtime's list) named as the request's entry
-    ``interventions.{origin[k]}``, in its message and its param."""
+_KEYED = re.compile(r"\b(cache|metrics)\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")
+
+
+def _renumbered(exc: InvalidRequest, origin: list[int],
+                cache_keys: dict[str, int] | None = None) -> InvalidRequest:
+    """``exc`` with the runtime's names of request entries as the request spells them, in its
+    message and its param: ``interventions[k]`` (the runtime's list) -> the request's entry
+    ``interventions.{origin[k]}``; ``cache['<hook>']`` -> ``cache.{i}`` (``cache_keys``: hook
+    or pattern -> its index in ``cache``); ``metrics['<name>']`` -> ``metrics.<name>``; the
+    runtime's argument names -> the request's fields (``logit_positions`` ->
+    ``logits.positions``)."""
     def sub(m):
         k = int(m.group(1))
         return f"interventions.{origin[k] if k < len(origin) else k}"
-    exc.message = _IV.sub(sub, exc.message) if hasattr(exc, "message") else exc.message
+
+    def keyed(m):
+        import ast
+
+        key = ast.literal_eval(m.group(2))
+        if m.group(1) == "cache" and cache_keys and key in cache_keys:
+            return f"cache.{cache_keys[key]}"
+        return f"{m.group(1)}.{key}"
+
+    def fix(text: str) -> str:
+        text = _KEYED.sub(keyed, _IV.sub(sub, text))
+        return _RUNTIME_NAME.sub(lambda m: _RUNTIME_FIELDS[m.group(1)], text)
+    exc.message = fix(exc.message) if hasattr(exc, "message") else exc.message
     if exc.param:
-        exc.param = _IV.sub(sub, exc.param)
-    exc.args = tuple(_IV.sub(sub, a) if isinstance(a, str) else a for a in exc.args)
+        exc.param = fix(exc.param)
+    exc.args = tuple(fix(a) if isinstance(a, str) else a for a in exc.args)
     return exc
+
+
+def check_no_repeats(req: RunRequest, B: int, T: int) -> None:
+    """Each index of a cache entry's selection (``prompts``, ``heads``, ``positions``,
+    ``layers``) at most once: a position and its negative twin (``-1`` and ``T - 1``) are the
+    same position. A repeat is a 422 naming the entry's field and the repeated element
+    (``cache.0.positions.1``); values out of range are left to the range check."""
+    for i, c in enumerate(req.cache):
+        if isinstance(c, str):
+            continue
+        for axis in ("prompts", "heads", "positions", "layers"):
+            values = getattr(c, axis)
+            seen: dict[int, int] = {}
+            for j, v in enumerate(values or ()):
+                r = v + T if axis == "positions" and -T <= v < 0 else v
+                if r in seen:
+                    k = seen[r]
+                    same = "" if v == values[k] else f" (position {r} of {T})"
+                    raise InvalidRequest(
+                        f"cache.{i}.{axis}: {axis}[{j}] = {v} repeats {axis}[{k}] = "
+                        f"{values[k]}{same}; each index may appear once in a selection",
+                        f"cache.{i}.{axis}.{j}")
+                seen[r] = j
 
 
 # ------------------------------------------------------------------ the plan
@@ -247,6 +294,7 @@ def plan(rt, req: RunRequest, items, *, binary: bool = False) -> Plan:
     p = parts(rt)
     prompts = prompts_of(rt, req)
     B, T = len(prompts), len(prompts[0])
+    check_no_repeats(req, B, T)
     encoding = "binary" if binary else req.encoding
     L, Hh, D, M, V = p.n_layers, p.n_heads, p.d_model, p.d_mlp, p.d_vocab
     es = p.wte.element_size()
@@ -279,7 +327,8 @@ def plan(rt, req: RunRequest, items, *, binary: bool = False) -> Plan:
             res = H.run(p, ids, cache=cache_of(req), interventions=ivs,
                         logit_positions=logit_positions, metrics=metrics, grad=grad)
         except InvalidRequest as exc:  # the runtime's index -> the request's entry
-            raise _renumbered(exc, origin) from None
+            keys = {c if isinstance(c, str) else c.hook: i for i, c in enumerate(req.cache)}
+            raise _renumbered(exc, origin, keys) from None
         enc = lambda t, name: encode_tensor(  # noqa: E731
             t, encoding, req.dtype, req.round, name, allow_neg_inf="hook_attn_scores" in name)
         body: dict = {
