@@ -110,6 +110,23 @@ def test_logits_and_hidden_states_equal_hugging_face_bit_for_bit(fam):
     assert torch.equal(K.run(fam.parts, IDS, cache={"*": None}).logits, ref.logits)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_hf_bit_for_bit_too(fam, dtype):
+    """In bfloat16 / float16 the logits equal HF's eager forward bit for bit as well; the
+    RMSNorm hooks come back float32 (as HF and TL compute them), the others in the dtype."""
+    import transformers as tf
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(fam.path, attn_implementation="eager",
+                                                 dtype=dtype).eval()
+    with torch.inference_mode():
+        ref = hf(IDS, use_cache=False).logits
+    res = K.run(hf, IDS, cache={"blocks.0.ln1.hook_scale": None, "blocks.0.attn.hook_z": None})
+    assert torch.equal(res.logits, ref)
+    assert res.cache["blocks.0.attn.hook_z"].dtype == dtype
+    norm_dt = dtype if fam.family == "gpt_neox" else torch.float32
+    assert res.cache["blocks.0.ln1.hook_scale"].dtype == norm_dt
+
+
 def test_hf_patterns_equal_hook_pattern(fam):
     ref = fam.hf_logits(output_attentions=True)
     res = K.run(fam.parts, IDS, cache={"blocks.*.attn.hook_pattern": None})
@@ -265,6 +282,49 @@ def test_gradient_equals_hf_autograd(fam):
     for layer, g in enumerate(gs):
         torch.testing.assert_close(res.grads[f"blocks.{layer}.attn.hook_z"], g,
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hook,head,d", [
+    ("blocks.0.hook_resid_pre", None, 5), ("blocks.0.ln1.hook_scale", None, 0),
+    ("blocks.0.attn.hook_k", 1, 3), ("blocks.1.hook_k_input", 1, 7),
+    ("blocks.0.attn.hook_rot_q", 2, 1), ("blocks.0.hook_attn_out", None, 9),
+    ("blocks.1.mlp.hook_post", None, 11), ("ln_final.hook_normalized", None, 2)])
+def test_gradient_by_finite_difference_float64(fam, hook, head, d):
+    """d logprob / d hook at one entry against a central difference of the forward with an
+    Add there, on a float64 copy: norms (RMS and LayerNorm), kv-head hooks, rotary, MLP.
+    Hugging Face's RMSNorm computes in float32 even for a float64 model (``x.to(float32)``;
+    we do the same, bit for bit), so the difference is taken at h = 1e-3 and 2e-3 (Richardson) and compared to
+    1e-3 (the metric's float32 rounding / eps; the analytic gradient itself equals HF
+    autograd exactly, test_gradient_equals_hf_autograd)."""
+    import transformers as tf
+
+    key = ("f64", fam.family)
+    if key not in _CACHE:
+        hf = tf.AutoModelForCausalLM.from_pretrained(fam.path, attn_implementation="eager")
+        _CACHE[key] = K.parts(hf.double().eval())
+    p = _CACHE[key]
+    try:
+        (hp,) = K.resolve(p, hook)
+    except Exception:
+        pytest.skip(f"{fam.family} has no {hook}")
+    ids = IDS[:1]
+    metric = K.LogProb(terms=[(0, 9, 300)])
+    g = K.run(p, ids, grad=K.GradRequest(metric=metric, hooks=[hook])).grads[hook]
+    pos = 4
+    e = torch.zeros(hp.sizes[-1], dtype=torch.float64)
+    e[d] = 1.0
+
+    def f(step):
+        return float(K.run(p, ids, metrics={"m": metric}, interventions=[
+            K.Add(hook=hook, vector=e, scale=step, positions=[pos],
+                  heads=None if head is None else [head])]).metrics["m"].value)
+
+    def central(h):
+        return (f(h) - f(-h)) / (2 * h)
+    fd = (4 * central(1e-3) - central(2e-3)) / 3  # Richardson: the h^2 term cancels
+    got = float(g[0, pos, head, d] if head is not None else g[0, pos, d])
+    assert abs(fd - got) <= 1e-3 * (1 + abs(fd)), (fd, got)
+    assert abs(got) > 1e-2 or abs(fd) < 1e-2, (fd, got)
 
 
 def test_metrics_equal_hf_logits(fam):
