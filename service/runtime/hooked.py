@@ -1,7 +1,10 @@
-"""One hooked GPT-2 forward with TransformerLens 4.x hook points (the core of ``/v1/run``).
+"""One hooked forward with TransformerLens 4.x hook points (the core of ``/v1/run``).
 
-A functional forward over the loaded Hugging Face ``GPT2LMHeadModel``'s own parameter tensors
-(detached views, no copy) that:
+GPT-2 here; Llama, Mistral, Qwen2, Gemma, Gemma 2 and GPT-NeoX in :mod:`.hooked_families`
+(the same plan, sites, interventions, metrics and gradients; :func:`parts` / :func:`gpt2_parts`
+choose by ``config.model_type``; hook names and shapes per family: that module's docstring and
+docs/api.md 'Hook names per family'). For GPT-2, a functional forward over the loaded Hugging
+Face ``GPT2LMHeadModel``'s own parameter tensors (detached views, no copy) that:
 
 * runs Hugging Face's eager operations in Hugging Face's order (Conv1D ``torch.addmm(bias,
   x.view(-1, nx), weight)``, ``F.layer_norm`` with the config eps, ``ACT2FN[activation]``,
@@ -1063,8 +1066,9 @@ def run(model, input_ids, *, cache: Mapping[str, CacheSelect | None] | None = No
         metrics: Mapping[str, AnyMetric] | None = None,
         grad: GradRequest | None = None,
         start: int = 0, resid_pre: torch.Tensor | None = None) -> RunResult:
-    """One hooked GPT-2 forward of ``input_ids`` ``[batch, pos]`` (int64, equal lengths, no
-    padding) on ``model`` (:class:`GPT2Parts`, or a ``GPT2LMHeadModel`` / adapter).
+    """One hooked forward of ``input_ids`` ``[batch, pos]`` (int64, equal lengths, no padding)
+    on ``model`` (:class:`GPT2Parts` / :class:`.hooked_families.FamilyParts`, or a Hugging Face
+    GPT-2, Llama, Mistral, Qwen2, Gemma, Gemma 2 or GPT-NeoX causal LM, or an adapter).
 
     ``cache``: hook name or fnmatch pattern -> :class:`CacheSelect` (or None: all of it);
     ``interventions``: applied in list order at their hook (different hooks in forward order);
