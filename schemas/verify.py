@@ -53,9 +53,7 @@ class VerifyRequest(TextOrTexts):
         "states: max |diff| <= tol * max(1, max |recomputed|)) / logits (relative to max(1, "
         "max |logit|)): float32 1e-4 / 1e-4 / 1e-4, float16 2.5e-2 / 1e-2 / 1e-2, bfloat16 "
         "1.2e-1 / 5e-2 / 5e-2 (measured drift: README 'Numerical precision'); a value given "
-        "here sets all three. Rotary families in float32 drift with the position (Hugging "
-        "Face computes the rotary angles pos * f in float32): verify texts past ~2,000 tokens "
-        "with a larger tolerance (docs/api.md). recorded_qkv: null = 1e-5 for float32 models, 1e-2 for "
+        "here sets all three. recorded_qkv: null = 1e-5 for float32 models, 1e-2 for "
         "float16/bfloat16 (absolute).",
     )
     projections: bool = Field(
@@ -103,6 +101,19 @@ class LogitsDiff(LenientModel):
     tolerance: float = Field(description="The relative tolerance of the logits used (the "
                              "served dtype's, or the request's tolerance).")
     passed: bool = Field(description="Within the logits tolerance (a NaN fails).")
+
+
+class RotaryDiff(LenientModel):
+    max_rel_diff: float | None = Field(
+        description="max_j |served f_j - f_j| / f_j: the served model's rotary inverse "
+        "frequencies (its float32 buffer, what its forward rotates q and k with) against the "
+        "config's formula in float64 (theta, rope_type, rotary dim); null = NaN (another "
+        "number of frequencies).")
+    max_frequency: float = Field(description="The largest frequency f_0 (radians per position).")
+    tolerance: float = Field(description="The relative tolerance (about 8 float32 ulps; fixed, "
+                             "the request's tolerance does not change it).")
+    passed: bool = Field(description="Within the tolerance (a wrong theta, scaling or rotary dim "
+                         "fails here, named as at layer 0).")
 
 
 class RecomputedArchitecture(LenientModel):
@@ -245,6 +256,12 @@ class VerifyResult(LenientModel):
     failed_layers: list[int] = Field(description="Layers that failed, ascending; empty when passed.")
     message: str = Field(description="One line: passed, or which layer/head failed and by how much.")
     layers: list[LayerDiff] = Field(description="Per layer (in the order requested).")
+    rotary: RotaryDiff | None = Field(
+        None, description="from_scratch, rotary families: the served rotary frequencies "
+        "against the config's formula; the recomputation then rounds its angles pos * f_j to "
+        "float32 as the served forward computes them (Hugging Face's rotary embedding, in "
+        "float32 whatever the dtype; exact float64 angles drift by ~pos * 2^-24 rad); null "
+        "otherwise.")
     architecture: RecomputedArchitecture | None = Field(
         None, description="from_scratch: what the recomputation implemented for this model "
         "(positions, rotary, kv heads, norm, MLP, residual form, windows, soft-caps); null in "

@@ -161,7 +161,8 @@ def hf_forward(model, ids, monkeypatch):
     tensors = SimpleNamespace(
         pattern=torch.stack([a[0] for a in out.attentions]),
         hidden_states=torch.stack([h[0] for h in out.hidden_states[:L]] + [rec["last"]]),
-        q=q, k=k, v=v, attn_output=torch.stack(rec["out"]), final_state=out.hidden_states[L][0])
+        q=q, k=k, v=v, attn_output=torch.stack(rec["out"]), final_state=out.hidden_states[L][0],
+        inv_freq=base.rotary_emb.inv_freq.clone())  # the frequencies it rotated with
     return tensors, out.logits[0]
 
 
@@ -247,8 +248,12 @@ def test_inverse_frequencies_and_windows_equal_the_models(variant, ckpt):
 
 
 # --------------------------------------- 2. against the float32 forward: passes, planted faults
-def _verify(hf, logits, m, ids, **kw):
-    return verify_from_scratch(hf, m, ids, "float32", logits=logits, **kw)
+def _verify(hf, logits, m, ids, exact=False, **kw):
+    """verify_from_scratch as the endpoint calls it: with the served model's rotary
+    frequencies (checked, then its float32 angle rounding); ``exact``: without them (exact
+    float64 angles, the frequencies unchecked)."""
+    return verify_from_scratch(hf, m, ids, "float32", logits=logits,
+                               served_inv_freq=None if exact else hf.inv_freq, **kw)
 
 
 def _honest(v, m):
@@ -283,6 +288,8 @@ def test_verify_passes_against_the_float32_forward(variant, served, monkeypatch)
     hf, logits = hf_forward(model, ids, monkeypatch)
     v = _verify(hf, logits, m, ids)
     _honest(v, m)
+    assert v["rotary"]["passed"] and v["rotary"]["max_rel_diff"] < 2e-7
+    _honest(_verify(hf, logits, m, ids, exact=True), m)  # exact angles: T = 38 is short
     a = v["architecture"]
     assert a["family"] == variant[0] and a["positions"] == "rotary"
     assert a["kv_head_of_query_head"] == kv_head_map(m) and a["sliding_window_layers"] == layer_windows(m)
@@ -301,24 +308,44 @@ def _theta(m, factor):
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_wrong_rope_theta_fails(fam, served, monkeypatch):
-    """Planted both ways: the recomputation with theta x 1.5, and a served forward whose rotary
-    embedding uses theta x 1.5 (its inv_freq buffer) while the config keeps the true one."""
+    """Planted three ways: (a) the recomputation's config with theta x 1.5 (the served
+    frequencies then differ from its formula; with exact angles its q differs too); (b) a
+    served model whose inv_freq buffer is theta x 1.5's while the config keeps the true one;
+    (c) a served rotary embedding that ignores its buffer and rotates with theta x 1.5."""
     model, m, ids = served(fam)
     hf, logits = hf_forward(model, ids, monkeypatch)
-    v = _verify(hf, logits, _theta(m, 1.5), ids)
-    assert not v["passed"] and v["failing_layer"] == 0
-    assert "layer 0" in v["message"] and "pattern" in v["message"]
+    wrong = _theta(m, 1.5)
+    for v in (_verify(hf, logits, wrong, ids), _verify(hf, logits, _theta(m, 1 + 1e-5), ids)):
+        assert not v["passed"] and v["failing_layer"] == 0 and not v["rotary"]["passed"]
+        assert v["message"].startswith("failed: first at layer 0: rotary frequencies")
+    v = _verify(hf, logits, wrong, ids, exact=True)
+    assert not v["passed"] and v["failing_layer"] == 0 and "q differs" in v["message"]
     assert v["layers"][0]["q_max_abs_diff"] > 1e-3 and v["layers"][0]["v_max_abs_diff"] < 1e-4
     emb = model.base_model.rotary_emb
     true = emb.inv_freq  # (monkeypatch would delete a module buffer on undo)
-    emb.inv_freq = rope_inv_freq(_theta(m, 1.5)).float()
+    emb.inv_freq = rope_inv_freq(wrong).float()
     try:
         bad, bad_logits = hf_forward(model, ids, monkeypatch)
     finally:
         emb.inv_freq = true
     v = _verify(bad, bad_logits, m, ids)
-    assert not v["passed"] and v["failing_layer"] == 0 and "q differs" in v["message"]
-    assert not v["logits"]["passed"]
+    assert not v["passed"] and v["failing_layer"] == 0 and v["rotary"]["max_rel_diff"] > 1e-2
+    assert "rotary frequencies" in v["message"]
+    forward = type(emb).forward
+
+    def rotates_with_wrong_theta(self, x, position_ids):
+        self.inv_freq, keep = rope_inv_freq(wrong).float(), self.inv_freq
+        try:
+            return forward(self, x, position_ids)
+        finally:
+            self.inv_freq = keep
+    with monkeypatch.context() as mp:
+        mp.setattr(emb, "forward", rotates_with_wrong_theta.__get__(emb))
+        bad, bad_logits = hf_forward(model, ids, monkeypatch)
+    assert torch.equal(bad.inv_freq, true)  # the buffer says theta
+    v = _verify(bad, bad_logits, m, ids)
+    assert not v["passed"] and v["failing_layer"] == 0 and v["rotary"]["passed"]
+    assert "q differs" in v["message"] and not v["logits"]["passed"]
 
 
 def _tiled(m):  # the wrong grouping: query head h -> kv head h % n_kv (tiled, not blocks)
@@ -444,7 +471,8 @@ def test_neox_parallel_residual_is_checked(served, monkeypatch):
     assert v["layers"][0]["pattern_max_abs_diff"] <= v["tolerance"]  # attention itself agrees
     r = dict(m.config["rope_parameters"], partial_rotary_factor=0.5)  # rotary_pct 0.5, not 0.25
     v = _verify(hf, logits, _with_config(m, rope_parameters=r), ids)
-    assert not v["passed"] and v["failing_layer"] == 0 and "q differs" in v["message"]
+    assert not v["passed"] and v["failing_layer"] == 0 and v["rotary"]["max_rel_diff"] is None
+    assert "rotary frequencies" in v["message"] and v["layers"][0]["q_max_abs_diff"] > 1e-3
 
 
 def test_served_tensors_of_another_shape_fail(served, monkeypatch):
@@ -458,6 +486,29 @@ def test_served_tensors_of_another_shape_fail(served, monkeypatch):
     wrong = SimpleNamespace(**{**vars(hf), "k": hf.k[:, :1]})
     v = _verify(wrong, logits, m, ids)
     assert not v["passed"] and v["layers"][0]["k_max_abs_diff"] is None and "NaN" in v["message"]
+
+
+@pytest.mark.slow
+def test_long_text_passes_with_the_served_angle_rounding(monkeypatch):
+    """T = 4096 on a one-layer float32 Llama: Hugging Face's rotary angles pos * f are float32
+    (error ~pos * 2^-24 rad), so against EXACT float64 angles the honest forward fails the
+    float32 tolerance (measured: states 1.2e-4 relative, logits 1.1e-3); with the served
+    frequencies checked and the angle rounded as the forward does, it passes (2.7e-6).
+    ~20 s and 2.4 GB on 2 CPU cores."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(
+        family_config("llama", max_position_embeddings=4096, num_hidden_layers=1),
+        attn_implementation="eager").eval()
+    m = scratch_of(model)
+    ids = torch.randint(1, 2048, (4096,), generator=torch.Generator().manual_seed(1)).tolist()
+    hf, logits = hf_forward(model, ids, monkeypatch)
+    exact = _verify(hf, logits, m, ids, exact=True)
+    assert not exact["passed"] and exact["max_rel_diff"] > exact["state_tolerance"]
+    v = _verify(hf, logits, m, ids)
+    assert v["passed"], v["message"]
+    assert v["max_rel_diff"] < exact["max_rel_diff"] / 10
 
 
 # ------------------------------------------------------------------ unimplemented switches
@@ -523,6 +574,7 @@ def test_verify_endpoint_passes_on_each_family(fam, ckpt):
         assert v["add_bos"] is True and v["tokens"][0]["special"]
         assert [t["id"] for t in v["tokens"]] == ids_of()
         _honest(v, m)
+        assert v["rotary"]["passed"] and v["rotary"]["tolerance"] == 1e-6
         assert v["mode"] == "from_scratch" and v["mask"] == "causal" and v["dtype"] == "float32"
         a = v["architecture"]
         c_ = model.config
@@ -558,21 +610,23 @@ def family_runtime(ckpt):
     return get
 
 
-def _runtime_verify(rt):
+def _runtime_verify(rt, exact=False):
     from attnscope.service.runtime import interventions as I
 
     rt.cache.clear()
     tt = rt.tokenize(TEXT, add_bos=True)
     fw = rt.forward_many([tt])[0]
     return verify_from_scratch(fw.tensors, ScratchModel.of(rt.adapter), tt.input_ids,
-                               rt.info["dtype"], logits=I.served_logits(rt, tt.input_ids))
+                               rt.info["dtype"], logits=I.served_logits(rt, tt.input_ids),
+                               served_inv_freq=None if exact else rt.adapter.rotary()["inv_freq"])
 
 
 @pytest.mark.parametrize("fam", ["llama", "gpt_neox", "gemma2"])
 def test_served_rope_theta_fault_fails_through_the_runtime(fam, family_runtime):
     """The resident model's rotary frequencies changed in place to theta x 1.5 (the config
-    still says theta): the recorded forward and the hooked forward (its logits) both use them;
-    verify fails at layer 0 (q after RoPE) and at the LM head. Restored, it passes again."""
+    still says theta): the recorded and the hooked forward rotate with them; verify fails at
+    layer 0, naming the rotary frequencies (and, recomputed with exact angles, q after RoPE
+    and the LM head's logits). Restored, it passes again."""
     rt = family_runtime(fam)
     assert _runtime_verify(rt)["passed"]
     m = ScratchModel.of(rt.adapter)
@@ -582,12 +636,14 @@ def test_served_rope_theta_fault_fails_through_the_runtime(fam, family_runtime):
         inv.copy_(rope_inv_freq(_theta(m, 1.5)).float())
     try:
         v = _runtime_verify(rt)
+        exact = _runtime_verify(rt, exact=True)
     finally:
         with torch.no_grad():
             inv.copy_(true)
-    assert not v["passed"] and v["failing_layer"] == 0 and "q differs" in v["message"]
-    assert not v["logits"]["passed"]
-    assert _runtime_verify(rt)["passed"]
+    assert not v["passed"] and v["failing_layer"] == 0 and not v["rotary"]["passed"]
+    assert "rotary frequencies" in v["message"]
+    assert not exact["passed"] and "q differs" in exact["message"] and not exact["logits"]["passed"]
+    assert _runtime_verify(rt)["passed"] and _runtime_verify(rt, exact=True)["passed"]
 
 
 def test_served_soft_cap_fault_fails_through_the_runtime(family_runtime, monkeypatch):

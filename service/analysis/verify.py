@@ -76,9 +76,17 @@ a bias wherever the state dict holds one (Qwen2's q/k/v, ``attention_bias``, ``m
     final = RMS(h_L; norm) (GPT-NeoX: LN(h_L; final_layer_norm));  logits = final W_U^T,
         Gemma 2 final_logit_softcapping c: c * tanh(logits / c)
 
-Float32 where Hugging Face computes the rotary angles: its rotary embedding computes
-``pos * f_j`` and the cos/sin in float32 whatever the model's dtype; here they are float64
-(a float32 served model differs by ~1 float32 ulp of the angle, ~1e-7 relative at T = 20).
+Rotary angles. Hugging Face's rotary embedding computes ``f_j`` and ``pos * f_j`` in float32
+whatever the model's dtype, so its angles carry an error that GROWS WITH THE POSITION (~pos *
+2^-24 rad): against exact float64 angles a float32 random Llama drifts by 6.9e-6 (pattern) at
+T = 256, 3.4e-5 at T = 1024 and 1.4e-4 at T = 4096, past the float32 tolerance. So
+:func:`verify_from_scratch` takes the served frequencies (``served_inv_freq``, the buffer the
+served and hooked forwards rotate with), checks them against the config's formula here
+(relative, :data:`ROPE_FREQ_TOLERANCE`: a wrong theta, scaling or rotary dim fails there) and
+rounds the angle ``pos * f_j`` to float32 as that forward does (one IEEE product, the same on
+every device); the cos/sin and everything after stay float64. The drift is then 4.1e-6 at
+T = 4096. :func:`recompute` without it uses exact float64 angles (the tests' comparison with
+Hugging Face run in float64).
 
 A config switch this recomputation does not implement (an activation without a formula here,
 ``add_cross_attention``, ``position_embedding_type`` other than ``absolute``, a decoder BERT, a
@@ -298,6 +306,24 @@ def rope_inv_freq(m: ScratchModel, device=None) -> torch.Tensor:
     return f
 
 
+#: Relative tolerance of the served rotary frequencies against the config's formula: about
+#: 8 float32 ulps (Hugging Face computes them in float32: measured <= 1.2e-7 for default,
+#: linear and llama3 at theta 1e4-1e6, d_head 16-256); theta off by 1e-5 relative moves the
+#: top frequencies by ~1e-5.
+ROPE_FREQ_TOLERANCE = 1e-6
+
+
+def rope_frequency_diff(m: ScratchModel, served_inv_freq: torch.Tensor) -> tuple[float, float]:
+    """``(max_j |served f_j - f_j| / f_j, max_j f_j)``: the served model's rotary inverse
+    frequencies (Hugging Face's float32 buffer ``[rotary_dim / 2]``) against
+    :func:`rope_inv_freq`'s float64 formula; NaN when their counts differ (never a pass)."""
+    ref = rope_inv_freq(m)
+    got = served_inv_freq.detach().to("cpu", torch.float64).reshape(-1)
+    if got.shape != ref.shape:
+        return math.nan, float(ref.max()) if ref.numel() else 0.0
+    return float(((got - ref).abs() / ref).max()), float(ref.max())
+
+
 def layer_windows(m: ScratchModel) -> list[int | None]:
     """Per layer the sliding window w (``key > query - w`` visible) or None (full causal):
     Mistral ``sliding_window`` on every layer; Qwen2, Gemma 2 where ``layer_types[l] ==
@@ -472,6 +498,7 @@ def recompute(
     *,
     scales: Sequence[float] | None = None,
     kv_map: Sequence[int] | None = None,
+    rope_angles_from: torch.Tensor | None = None,
 ) -> Recomputation:
     """The forward of ``input_ids`` from scratch in float64 (formulas: module docstring).
 
@@ -483,6 +510,11 @@ def recompute(
             config switch); default :func:`layer_scale`.
         kv_map: override the key/value head of each query head (tests: a wrong GQA mapping);
             default :func:`kv_head_map`.
+        rope_angles_from: the served model's float32 rotary inverse frequencies
+            ``[rotary_dim / 2]`` (rotary families): the angles are then ``pos * f`` rounded as
+            Hugging Face's rotary embedding computes them, in float32 (cos/sin still float64),
+            instead of exactly (module docstring, "Rotary angles"); check the frequencies
+            themselves with :func:`rope_frequency_diff`. None: exact float64 angles.
 
     Returns a :class:`Recomputation` whose ``layers`` iterator computes one layer per step.
 
@@ -491,7 +523,7 @@ def recompute(
     """
     check_supported(m)
     if family_of(m) in ROTARY_FAMILIES:
-        return _recompute_rotary(m, input_ids, position_ids, scales, kv_map)
+        return _recompute_rotary(m, input_ids, position_ids, scales, kv_map, rope_angles_from)
     W = m.weights
     dev = compute_device(W)
     f64 = torch.float64
@@ -569,7 +601,7 @@ def recompute(
     return out
 
 
-def _recompute_rotary(m, input_ids, position_ids, scales, kv_map) -> Recomputation:
+def _recompute_rotary(m, input_ids, position_ids, scales, kv_map, rope_angles_from=None) -> Recomputation:
     """:func:`recompute` for :data:`ROTARY_FAMILIES` (formulas: module docstring)."""
     W, c, fam = m.weights, m.config, family_of(m)
     dev = compute_device(W)
@@ -598,7 +630,13 @@ def _recompute_rotary(m, input_ids, position_ids, scales, kv_map) -> Recomputati
     softcap = float(softcap) if softcap else None
     act = ACTIVATIONS[c.get("hidden_activation") if fam == "gemma2" and c.get("hidden_activation")
                       else c.get("hidden_act")]
-    angle = pos[:, None] * rope_inv_freq(m, dev)[None, :]  # [pos, r/2]
+    if rope_angles_from is None:  # exact: pos * f_j in float64
+        angle = pos[:, None] * rope_inv_freq(m, dev)[None, :]  # [pos, r/2]
+    else:  # as Hugging Face rounds it: float32 pos times its float32 f_j, one float32 product
+        f32 = rope_angles_from.detach().to(dev, torch.float32).reshape(-1)
+        if f32.numel() != r // 2:
+            raise ValueError(f"rope_angles_from has {f32.numel()} frequencies; rotary_dim {r} needs {r // 2}")
+        angle = (pos.to(torch.float32)[:, None] * f32[None, :]).to(f64)
     cos, sin = angle.cos(), angle.sin()
 
     emb_name = "embed_in.weight" if fam == "gpt_neox" else "embed_tokens.weight"
@@ -708,6 +746,7 @@ def verify_from_scratch(
     scales: Sequence[float] | None = None,
     kv_map: Sequence[int] | None = None,
     logits: torch.Tensor | None = None,
+    served_inv_freq: torch.Tensor | None = None,
 ) -> dict:
     """Compare a served forward with the float64 recomputation, layer by layer, then the
     served logits with the LM head applied to the recomputed final state.
@@ -721,6 +760,12 @@ def verify_from_scratch(
             needs the one before), the embeddings and the final state are always checked.
         tolerance: overrides BOTH tolerances of the dtype (pattern absolute, states relative).
         position_ids, scales, kv_map: see :func:`recompute` (tests plant faults with them).
+        served_inv_freq: rotary families, the served model's rotary inverse frequencies
+            (Hugging Face's float32 ``inv_freq`` buffer ``[rotary_dim / 2]``, what its forward
+            and the hooked forward rotate with): checked against the config's formula
+            (``rotary``, relative, :data:`ROPE_FREQ_TOLERANCE`), then the recomputation's
+            angles are ``pos * f`` rounded as Hugging Face computes them (one float32 product;
+            module docstring, "Rotary angles"). None: not checked, exact float64 angles.
         logits: the served next-token logits ``[pos, vocab]`` of ``input_ids`` (the hooked
             forward's, what /v1/predictions, /v1/ablate, /v1/patch and /v1/run read), compared
             with ``final @ W_U^T`` in float64 (``W_U`` = the weights' ``lm_head.weight``
@@ -733,7 +778,8 @@ def verify_from_scratch(
     ``state_tolerance`` (relative), ``dtype``, ``compute_dtype`` "float64", ``mask``,
     ``failed_layers``, ``failing_layer`` (first, or None; -1 never: the embeddings fail as
     ``"embeddings"`` in the message and layer 0), ``message``, ``embeddings`` and ``final``
-    state diffs, ``architecture`` (:func:`architecture`), and per layer ``{layer, scale,
+    state diffs, ``rotary`` (``{max_rel_diff, max_frequency, tolerance, passed}`` of the
+    served frequencies, or None), ``architecture`` (:func:`architecture`), and per layer ``{layer, scale,
     window, softcap, pattern_max_abs_diff, heads: [{head, pattern_max_abs_diff}],
     q/k/v/output/hidden _max_abs_diff, hidden_scale, passed}`` (q, k compared after RoPE for
     the rotary families, k and v on their key/value heads ``[kv_head, pos, d_head]``; a served
@@ -749,7 +795,15 @@ def verify_from_scratch(
     want = set(range(m.n_layers) if layers is None else layers)
     T = len(input_ids)
     with torch.inference_mode():
-        rc = recompute(m, input_ids, position_ids, scales=scales, kv_map=kv_map)
+        rotary_out = None
+        if served_inv_freq is not None and family_of(m) in ROTARY_FAMILIES:
+            d, top = rope_frequency_diff(m, served_inv_freq)
+            rotary_out = {"max_rel_diff": _num(d), "max_frequency": top,
+                          "tolerance": ROPE_FREQ_TOLERANCE, "passed": _ok(d, ROPE_FREQ_TOLERANCE)}
+            if math.isnan(d):  # another count of frequencies: exact angles, reported failed
+                served_inv_freq = None
+        rc = recompute(m, input_ids, position_ids, scales=scales, kv_map=kv_map,
+                       rope_angles_from=served_inv_freq if family_of(m) in ROTARY_FAMILIES else None)
         checks: list[tuple[int, str, torch.Tensor, torch.Tensor | None]] = []  # layer, what, diff, scale
         extras: dict[int, dict] = {}  # layer -> its window and soft-cap
         checks.append((-1, "embeddings", _maxdiff(served.hidden_states[0], rc.embeddings),
@@ -805,9 +859,13 @@ def verify_from_scratch(
     if not emb_ok:
         failures.append((0, f"embeddings (hidden state 0) differ by {_fmt(d_emb)} "
                             f"(scale {s_emb:.3g})"))
+    if rotary_out is not None and not rotary_out["passed"]:
+        failures.append((0, f"rotary frequencies (inv_freq) differ from the config's by "
+                            f"{_fmt(rotary_out['max_rel_diff'])} relative (tolerance "
+                            f"{ROPE_FREQ_TOLERANCE:g})"))
     layers_out = []
     all_pat, all_rel = [], [rel(d_emb, s_emb)]
-    failed = set() if emb_ok else {0}
+    failed = set() if emb_ok and (rotary_out is None or rotary_out["passed"]) else {0}
     for layer, scale, _ in per_layer:
         heads = heads_of[layer]
         all_pat.extend(heads)
@@ -891,6 +949,7 @@ def verify_from_scratch(
         "failing_layer": None if passed else (failures[0][0] if failures[0][0] < m.n_layers else None),
         "message": message,
         "embeddings": {"max_abs_diff": _num(d_emb), "scale": s_emb, "passed": emb_ok},
+        "rotary": rotary_out,
         "final": final_out,
         "logits": logits_out,
         "layers": layers_out,

@@ -41,9 +41,14 @@ def plan(rt, req: VerifyRequest, items) -> Plan:
             scratch = ScratchModel.of(rt.adapter)
             # the served logits: the hooked forward's (every intervention endpoint's blocks,
             # ln_f and LM head), one text at a time
+            # rotary families: the frequencies the served forward rotates with (checked
+            # against the config's formula; the angles rounded to float32 as it does)
+            rotary = getattr(rt.adapter, "rotary", None)
+            inv_freq = rotary()["inv_freq"] if callable(rotary) else None
             results = [verify_from_scratch(fw.tensors, scratch, fw.tokens.input_ids,
                                            rt.info["dtype"], layers, req.tolerance,
-                                           logits=I.served_logits(rt, fw.tokens.input_ids))
+                                           logits=I.served_logits(rt, fw.tokens.input_ids),
+                                           served_inv_freq=inv_freq)
                        for fw in forwards]
         else:
             params = {layer: AttentionParams.of(rt.adapter, layer) for layer in layers}
