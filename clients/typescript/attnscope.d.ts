@@ -4419,6 +4419,31 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /** RotaryDiff */
+        RotaryDiff: {
+            /**
+             * Max Frequency
+             * @description The largest frequency f_0 (radians per position).
+             */
+            max_frequency: number;
+            /**
+             * Max Rel Diff
+             * @description max_j |served f_j - f_j| / f_j: the served model's rotary inverse frequencies (its float32 buffer, what its forward rotates q and k with) against the config's formula in float64 (theta, rope_type, rotary dim); null = NaN (another number of frequencies).
+             */
+            max_rel_diff: number | null;
+            /**
+             * Passed
+             * @description Within the tolerance (a wrong theta, scaling or rotary dim fails here, named as at layer 0).
+             */
+            passed: boolean;
+            /**
+             * Tolerance
+             * @description The relative tolerance (about 8 float32 ulps; fixed, the request's tolerance does not change it).
+             */
+            tolerance: number;
+        } & {
+            [key: string]: unknown;
+        };
         /**
          * RunRequest
          * @description One hooked forward of the resident causal LM on a batch of prompts of equal length.
@@ -5460,7 +5485,7 @@ export interface components {
             tokens?: number[] | null;
             /**
              * Tolerance
-             * @description Override of the tolerance. from_scratch: null = per the served dtype, pattern (absolute, probability units) / states (q, k, v, attention output, hidden states: max |diff| <= tol * max(1, max |recomputed|)) / logits (relative to max(1, max |logit|)): float32 1e-4 / 1e-4 / 1e-4, float16 2.5e-2 / 1e-2 / 1e-2, bfloat16 1.2e-1 / 5e-2 / 5e-2 (measured drift: README 'Numerical precision'); a value given here sets all three. Rotary families in float32 drift with the position (Hugging Face computes the rotary angles pos * f in float32): verify texts past ~2,000 tokens with a larger tolerance (docs/api.md). recorded_qkv: null = 1e-5 for float32 models, 1e-2 for float16/bfloat16 (absolute).
+             * @description Override of the tolerance. from_scratch: null = per the served dtype, pattern (absolute, probability units) / states (q, k, v, attention output, hidden states: max |diff| <= tol * max(1, max |recomputed|)) / logits (relative to max(1, max |logit|)): float32 1e-4 / 1e-4 / 1e-4, float16 2.5e-2 / 1e-2 / 1e-2, bfloat16 1.2e-1 / 5e-2 / 5e-2 (measured drift: README 'Numerical precision'); a value given here sets all three. recorded_qkv: null = 1e-5 for float32 models, 1e-2 for float16/bfloat16 (absolute).
              */
             tolerance?: number | null;
         };
@@ -5563,6 +5588,8 @@ export interface components {
              * @default false
              */
             projections?: boolean;
+            /** @description from_scratch, rotary families: the served rotary frequencies against the config's formula; the recomputation then rounds its angles pos * f_j to float32 as the served forward computes them (Hugging Face's rotary embedding, in float32 whatever the dtype; exact float64 angles drift by ~pos * 2^-24 rad); null otherwise. */
+            rotary?: components["schemas"]["RotaryDiff"] | null;
             /**
              * State Tolerance
              * @description from_scratch: the relative tolerance of the states used.
