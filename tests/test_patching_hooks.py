@@ -413,3 +413,28 @@ def test_grouped_query_k_grid_counts_key_value_heads(tmp_path, make_client):
     bad = c.post("/v1/patch", json={"clean_tokens": clean, "corrupted_tokens": corrupted,
                                     "hook": "k", "patch_heads": [kv], "metric": "loss"})
     assert_error(bad, 422, param="patch_heads.0")
+
+
+def test_memory_limit_chunks_the_grid_and_refuses_what_cannot_fit(gpt2_runtime, make_client,
+                                                                     client, pair):
+    """Under a small max_request_bytes the grid runs in smaller batches with the same numbers
+    (n_forwards grows); a limit no single patched row fits is 422 memory_limit_exceeded before
+    any forward."""
+    body = _ld_request(pair, hook="z", by_position=True)
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+
+    full = client.post("/v1/patch", json=body).json()["grid"]
+    # the runtime sizes the batches from its settings (the app's and the runtime's are one
+    # Settings in a served process): both small here
+    rt = Runtime.load(Settings(model="bundled", max_request_bytes=3 << 20))
+    small = make_client(rt, max_request_bytes=3 << 20)
+    r = small.post("/v1/patch", json=body)
+    assert r.status_code == 200, r.text
+    g = r.json()["grid"]
+    assert g["n_forwards"] > full["n_forwards"]
+    assert np.abs(_np(g["raw"]) - _np(full["raw"])).max() <= 1e-5
+    tiny = make_client(Runtime.load(Settings(model="bundled", max_request_bytes=200 << 10)),
+                       max_request_bytes=200 << 10)
+    e = assert_error(tiny.post("/v1/patch", json=body), 422, type_="memory_limit_exceeded")
+    assert "patched forward" in e["message"]
