@@ -153,7 +153,8 @@ class HeadScoreSet(LenientModel):
     )
     entropy_normalized: float | None = Field(
         None, description="Mean over query rows with >= 2 visible keys of entropy / "
-        "ln(visible keys) (q+1 causal, T encoder), in [0, 1]; 1 = uniform attention."
+        "ln(visible keys) (q+1 causal, T encoder; min(q+1, w) in a layer with a sliding "
+        "window w), in [0, 1]; 1 = uniform attention over the visible keys."
     )
     mean_distance: float | None = Field(
         None, description="Mean over query rows of sum_k A[q,k] |q-k|: expected query-key "

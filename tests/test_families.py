@@ -378,6 +378,13 @@ def test_every_analysis_endpoint_runs(family, family_client, runtime_of):
     assert r.status_code == 200, r.text
     assert r.json()["sink_is_bos"] == [True] and len(r.json()["heads"]) == 8
     assert all(math.isfinite(h["norm_scores"]["noop"]) for h in r.json()["heads"])
+    from attnscope.service.analysis import heads as H
+
+    want = H.head_scores(fw.pattern, fw.tokens.input_ids, True, windows=rt.windows)
+    for h in r.json()["heads"]:  # the window reaches the entropy normaliser
+        assert math.isclose(h["scores"]["entropy_normalized"],
+                            float(want["entropy_normalized"][h["layer"], h["head"]]),
+                            rel_tol=1e-9, abs_tol=1e-12)
     r = c.post("/v1/heads", json={"text": TEXT, "add_bos": False, "probe": {"enabled": False}})
     assert r.status_code == 200 and r.json()["sink_is_bos"] == [False], r.text
     r = c.post("/v1/links", json={"text": TEXT, "layer": 1, "by": "norm"})
@@ -448,6 +455,24 @@ def test_norms_equal_a_hand_computation_from_hugging_face_hooks(
             f_wrong = v[:, 1 % KV] @ W_o[:, dh:2 * dh].t()
             assert not np.allclose(got[layer][1], (A[1] * f_wrong.norm(dim=-1)[None]).numpy(),
                                    rtol=1e-3, atol=1e-4)
+
+
+def test_entropy_normalized_counts_the_keys_inside_a_sliding_window():
+    """Hand-built: uniform attention over a window of 3 (a Mistral-like layer) has normalised
+    entropy exactly 1 with the window, below 1 when normalised by all q + 1 earlier keys."""
+    from attnscope.service.analysis import heads as H
+
+    T, w = 7, 3
+    vis = torch.ones(T, T, dtype=torch.bool).tril().triu(-(w - 1))
+    A = vis.float() / vis.float().sum(-1, keepdim=True)
+    P = torch.stack([A, torch.ones(T, T).tril() / torch.arange(1, T + 1)[:, None]])[:, None]
+    ids = list(range(T))
+    got = H.head_scores(P, ids, True, windows=[w, None])["entropy_normalized"]
+    assert torch.allclose(got, torch.ones(2, 1, dtype=torch.float64), atol=1e-6)  # float32 A
+    plain = H.head_scores(P, ids, True)["entropy_normalized"]
+    assert plain[0, 0] < 0.95 and abs(float(plain[1, 0]) - 1) < 1e-6
+    with pytest.raises(ValueError, match="one entry per layer"):
+        H.head_scores(P, ids, True, windows=[w])
 
 
 def test_rollout_discard_counts_only_keys_inside_a_sliding_window():

@@ -1850,7 +1850,7 @@ export interface components {
             entropy?: number | null;
             /**
              * Entropy Normalized
-             * @description Mean over query rows with >= 2 visible keys of entropy / ln(visible keys) (q+1 causal, T encoder), in [0, 1]; 1 = uniform attention.
+             * @description Mean over query rows with >= 2 visible keys of entropy / ln(visible keys) (q+1 causal, T encoder; min(q+1, w) in a layer with a sliding window w), in [0, 1]; 1 = uniform attention over the visible keys.
              */
             entropy_normalized?: number | null;
             /**

@@ -21,7 +21,8 @@ Scores (all float, per head; name: formula, range/unit):
 - ``sink_s004``: S004's sink score ``M[:, 0].mean()`` (= ``sink``), compared with S004's 0.6.
 - ``entropy``: mean over query rows of ``-sum_k A[q,k] ln A[q,k]`` (0 ln 0 = 0); nats, >= 0.
 - ``entropy_normalized``: mean over rows with >= 2 visible keys of ``H_q / ln(n_visible_q)``
-  (n_visible_q = q + 1 causal, T encoder); [0, 1], 1 = uniform over the visible keys.
+  (n_visible_q = q + 1 causal, T encoder; in a layer with a sliding window w (Mistral, Gemma 2)
+  min(q + 1, w)); [0, 1], 1 = uniform over the visible keys.
 - ``mean_distance``: mean over query rows of ``sum_k A[q,k] |q - k|``; tokens, [0, T-1].
 - ``induction_probe``: :func:`induction_probe_score` on repeated random tokens; [0, 1].
 
@@ -148,6 +149,7 @@ def head_scores(
     exclude_bos: bool = False,
     exclude_current_token: bool = False,
     error_measure: str = "mul",
+    windows: Sequence[int | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """All text-based scores of every head for one text (see the module docstring).
 
@@ -161,6 +163,8 @@ def head_scores(
         error_measure: TransformerLens' measure for those four scores: ``"mul"`` (fraction of
             attention mass on the pattern, [0, 1]) or ``"abs"`` (``1 - round(sum |A - P| / T,
             3)``, (-1, 1]); the other scores do not depend on it.
+        windows: per layer, the sliding key window (None: full attention): a windowed
+            layer's query sees min(q + 1, w) keys, the entropy normaliser's count.
 
     Returns:
         name -> float64 ``[layer, head]`` for every name in :data:`SCORE_NAMES` except
@@ -243,6 +247,13 @@ def head_scores(
                 np.einsum("cqk,cqk->cq", x, lx, out=ent[c0:c1, r0:r1])
     np.negative(ent, out=ent)
     n_visible = np.arange(1, T + 1, dtype=np.float64) if causal else np.full(T, float(T))
+    if windows is not None and len(windows) != L:
+        raise ValueError(f"windows must give one entry per layer ({L}); got {len(windows)}")
+    # per head (layer-major), each query's visible key count: a layer's window caps it
+    n_vis = np.broadcast_to(n_visible, (n_heads, T))
+    if windows is not None and any(w is not None for w in windows):
+        n_vis = np.repeat(np.stack([n_visible if w is None else np.minimum(n_visible, w)
+                                    for w in windows]), NH, axis=0)
     rows = n_visible >= 2
     ok = den > 0
     safe = np.where(ok, den, 1.0)
@@ -260,7 +271,7 @@ def head_scores(
     res["previous_s004"] = prev_s004
     res["sink_s004"] = sink
     res["entropy"] = ent.mean(-1)
-    res["entropy_normalized"] = ((ent[:, rows] / np.log(n_visible[rows])).mean(-1)
+    res["entropy_normalized"] = ((ent[:, rows] / np.log(n_vis[:, rows])).mean(-1)
                                  if rows.any() else np.full(n_heads, math.nan))
     res["mean_distance"] = dist_sum / T
     return {n: torch.from_numpy(np.ascontiguousarray(res[n])).reshape(L, NH)

@@ -114,9 +114,11 @@ def plan(rt: Runtime, req: HeadsRequest, items: list[TokenizedText]) -> Plan:
         # the norm scores (independent of the pattern scores) on the second core meanwhile
         norms = (_helper().submit(_norm_score_lists, rt, forwards[: len(items)],
                                   torch.get_num_threads()) if req.norm_scores else None)
+        # a layer's sliding window caps the entropy normaliser's count of visible keys
+        win = ({"windows": rt.windows} if any(w is not None for w in rt.windows) else {})
         per_text = [H.head_scores(fw.pattern, fw.tokens.input_ids, rt.adapter.causal,
                                   req.exclude_bos, req.exclude_current_token,
-                                  req.error_measure)
+                                  req.error_measure, **win)
                     for fw in forwards[: len(items)]]
         scores = H.mean_over_texts(per_text)
         L, NH = scores["self"].shape
