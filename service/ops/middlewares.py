@@ -239,12 +239,12 @@ class TimeoutMiddleware:
 
     The handler runs in the request's own task as usual; a timer armed at the start fires at
     the deadline and, if no response has started, sends the 504 at once. The handler is
-    *abandoned, not cancelled*: a forward pass already running in its worker thread cannot be
-    interrupted, so it finishes in the background (whatever it then sends is dropped) and
-    releases the device slot normally. The slot's accounting therefore stays true: an
-    abandoned forward still counts against ``max_queue`` until it ends, so a burst of timeouts
-    turns into 429s rather than a pile-up, and the device is never used by two forwards at
-    once. ``attnscope_abandoned_requests`` shows them. A response that has already started
+    *abandoned* (whatever it then sends is dropped) and its device job stops at the same
+    deadline: the engine's cancel token (service/serving/core/cancel.py) is checked at every
+    torch op and loop checkpoint, so the job ends within milliseconds and releases the device
+    slot normally (issue 29; before, it ran to its end). The slot's accounting stays true: an
+    abandoned job counts against ``max_queue`` until it ends, and the device is never used by
+    two jobs at once. ``attnscope_abandoned_requests`` shows them. A response that has already started
     cannot be replaced by a 504: a streamed one (``service.encoding.ChunkedResponse``, every
     big JSON or safetensors body) stops at the deadline (put in the scope under
     ``DEADLINE_KEY``), logs a warning and closes the connection without the end of the body,
@@ -276,12 +276,12 @@ class TimeoutMiddleware:
                 return
             state["timed_out"] = True
             self.abandoned.add(token)
-            log.warning("request timed out after %.3g s; its work finishes in the background",
+            log.warning("request timed out after %.3g s; its job is stopped (cancel token)",
                         self.seconds, extra={"fields": {"path": scope.get("path")}})
             await send_envelope(
                 send, 504, "timeout",
                 f"the request took longer than {self.seconds:g} s (request_timeout_s); its work "
-                "was abandoned — retry with a smaller request, or later",
+                "was stopped — retry with a smaller request, or later",
             )
 
         state["done"] = False
