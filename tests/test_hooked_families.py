@@ -364,6 +364,18 @@ def test_every_hook_equals_transformerlens_by_name_shape_and_value(fam):
     assert "hook_pos_embed" not in names
 
 
+def test_a_wrong_name_map_fails_the_transformerlens_comparison(fam):
+    """Planted fault: the catalogue serving hook_k's values under hook_v's name (and back)
+    is caught by the value comparison with TL's cache."""
+    names = dict(fam.parts.names, k="attn.hook_v", v="attn.hook_k")
+    bad = K.with_names(fam.parts, names)
+    with torch.no_grad():
+        _, cache = fam.tl.run_with_cache(IDS)
+    tl = _tl_legacy(cache)
+    ours = K.run(bad, IDS, cache={"blocks.0.attn.hook_v": None}).cache["blocks.0.attn.hook_v"]
+    assert _diff(ours, tl["blocks.0.attn.hook_v"]) > 10 * _bound(tl["blocks.0.attn.hook_v"])
+
+
 def _tl_edits(fam):
     """(our interventions, TL hook list) pairs of the same edit."""
     p = fam.parts
