@@ -438,3 +438,15 @@ def test_memory_limit_chunks_the_grid_and_refuses_what_cannot_fit(gpt2_runtime, 
                        max_request_bytes=200 << 10)
     e = assert_error(tiny.post("/v1/patch", json=body), 422, type_="memory_limit_exceeded")
     assert "patched forward" in e["message"]
+
+
+def test_device_work_limit(gpt2_runtime, make_client, pair):
+    """The grid's patched rows count as device work: under a small max_request_flops the
+    head x position grid is 422 device_limit_exceeded naming the clean prompt, while one
+    layer's all-position grid fits."""
+    small = make_client(gpt2_runtime, max_request_flops=2e8)
+    e = assert_error(small.post("/v1/patch", json=_ld_request(pair, hook="z", by_position=True)),
+                     422, type_="device_limit_exceeded", param="clean_tokens")
+    assert "the job" in e["message"]
+    ok = small.post("/v1/patch", json=_ld_request(pair, hook="z", patch_layers=[1]))
+    assert ok.status_code == 200, ok.text

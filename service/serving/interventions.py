@@ -29,7 +29,9 @@ from ..runtime import interventions as I
 from .core.engine import Plan
 from .core.table import Endpoint
 from attnscope.schemas import AblateResponse, PatchResponse, PredictionsResponse
+from .core.cancel import checkpoint
 from .core.checks import check_distinct, check_index
+from .core.estimates import forward_flops
 from .common import text_or_results
 from .core.inputs import list_length, tokenized, tokenized_list
 
@@ -699,6 +701,21 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
                   f"{est} bytes)")
     cells = sum(math.prod(I.patch_grid_shape(rt, h, b, T)) for h, b, _ in grids)
     est += 2 * 16 * cells + 4 * 4 * cells  # the grids (float32) and their JSON numbers
+    # device work: the clean and corrupted runs, then each layer's patched rows from that layer
+    # (attribution: a clean forward, and a forward and backward of the corrupted run, per grid)
+    p_ = I.lm_parts(rt)
+    dims = dict(n_layers=a.n_layers, d_model=a.d_model,
+                d_mlp=hooked.resolve(p_, "blocks.0.mlp.hook_post")[0].sizes[-1],
+                logit_positions=len(P), d_vocab=_vocab(rt))
+    flops = 2 * forward_flops(T, **dims)
+    for h, b, _ in grids:
+        if attribution:
+            flops += 4 * forward_flops(T, rows=1 + (dm.kind == "kl"), **dims)
+            continue
+        hs = heads if I.PATCH_HOOKS[h][1] != "pos" else None
+        per_layer = I.patch_cells(rt, h, b, T, [0], hs, ppos)
+        flops += sum(forward_flops(T, rows=per_layer, layers=a.n_layers - lyr, **dims)
+                     for lyr in (layers if layers is not None else range(a.n_layers)))
 
     def job(_forwards) -> dict:
         p = I.lm_parts(rt)
@@ -748,7 +765,8 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
                 n_fwd = 0
             else:
                 raw = I.hook_patch_grid(rt, clean_t.input_ids, corr_t.input_ids, h, by_pos,
-                                        metric, P, layers, hs, ppos, max_rows=rows_per)
+                                        metric, P, layers, hs, ppos, max_rows=rows_per,
+                                        progress=lambda done, total: checkpoint())
                 n_fwd = math.ceil(I.patch_cells(rt, h, by_pos, T, None, hs, ppos)
                                   / a.n_layers / rows_per) * len(layers or range(a.n_layers))
             computed = ~torch.isnan(raw) if (layers or hs or ppos) else None
@@ -772,7 +790,7 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
                 body["residual"] = _grid(normed)
         return body
 
-    return Plan([], job, est, detail=detail)
+    return Plan([], job, est, detail=detail, device_flops=flops, device_param=clean)
 
 
 def _mask_cells(raw: torch.Tensor, kind: str, by_pos: bool, layers, heads, positions):
