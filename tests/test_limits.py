@@ -405,6 +405,7 @@ def _spin_app(gpt2_runtime, **settings):
 
     class SpinRequest(BaseModel):
         python: bool = False
+        matmul: bool = False
 
     class SpinResponse(BaseModel):
         done: bool
@@ -417,9 +418,12 @@ def _spin_app(gpt2_runtime, **settings):
             started.set()
             try:
                 x = torch.ones(4)
+                m = torch.ones(64, 64)
                 while True:
                     if req.python:
                         checkpoint()
+                    elif req.matmul:
+                        m = (m @ m) * 0.0 + 1.0
                     else:
                         x = x * 1.0
             except BaseException as exc:
@@ -571,3 +575,51 @@ def test_tokenize_is_admitted_by_the_memory_limits(make_client, gpt2_runtime):
         c.portal.call(held.release)
     r = c.post("/v1/tokenize", json={"text": "word word"})
     assert r.status_code == 200 and budget.in_use == 0
+
+
+def test_the_counted_work_of_a_forward_is_its_estimate(gpt2_runtime):
+    """The torch mode counts the FLOP of every matrix product a job runs (from the shapes
+    of each call); for a recorded forward that count equals the closed formula the estimates
+    use (forward_flops: projections, MLP, scores and weighted values), exactly."""
+    from attnscope.service.serving.core import cancel
+    from attnscope.service.serving.core.engine import model_dims
+    from attnscope.service.serving.core.estimates import forward_flops
+
+    it = gpt2_runtime.tokenize(f"counted flops {time_tag()}: the cat sat on the mat " * 3, True)
+    t = cancel.CancelToken(None, 1e18)
+    with cancel.running(t):
+        gpt2_runtime.forward_many([it])
+    assert t.flops == forward_flops(len(it), **model_dims(gpt2_runtime)) > 0
+
+
+def time_tag() -> str:
+    import uuid
+
+    return uuid.uuid4().hex  # a text no other test sends: its forward is not cached
+
+
+def test_a_job_without_an_estimate_stops_at_the_limit_as_it_runs(gpt2_runtime):
+    """A job that multiplies matrices forever, with no device estimate: it is stopped once
+    its counted work passes 1.5 x max_request_flops, answered 422 device_limit_exceeded
+    naming the limit, and the service keeps serving."""
+    from fastapi.testclient import TestClient
+
+    app, started, ended = _spin_app(gpt2_runtime, request_timeout_s=0, max_request_flops=1e8)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        err = _err(c.post("/v1/spin", json={"matmul": True}), 422, "device_limit_exceeded")
+        assert "max_request_flops" in err["message"] and "passed" in err["message"]
+        assert ended == ["JobCancelled"] and app.state.slot.depth == 0
+        _still_serving(c)
+
+
+def test_patch_is_bounded_by_the_device_limit(make_client, gpt2_runtime):
+    """/v1/patch per_position + residual (the breaker's 46 s request, here on the bundled
+    model) under a small max_request_flops: a named 422, before or while it runs."""
+    toks = [0] + SEG + SEG
+    body = {"clean_tokens": toks, "corrupted_tokens": [0] + SEG[::-1] + SEG, "metric": "loss",
+            "per_position": True, "residual": True}
+    c = make_client(gpt2_runtime, max_request_flops=1e6)
+    err = _err(c.post("/v1/patch", json=body), 422, "device_limit_exceeded")
+    assert "max_request_flops" in err["message"]
+    assert c.app.state.slot.depth == 0
+    assert make_client(gpt2_runtime).post("/v1/patch", json=body).status_code == 200

@@ -14,6 +14,11 @@ request's device turn under :func:`running`. Inside the turn the token is checke
 * explicitly, by :func:`checkpoint`, between the pairs, chunks, prompts and layers of long
   jobs (path patching, the logit lens) and between forwards, also covering pure-Python work.
 
+The mode also counts the FLOP of every matrix product the job runs (``F.linear``, ``addmm``,
+``matmul``, ``bmm``, ...: the bulk of a transformer's work) against the token's
+``flops_limit``: a job whose work was not estimated beforehand, or was estimated too low,
+still stops once it has run that much (:data:`OVER_LIMIT`, 422 ``device_limit_exceeded``).
+
 A cancelled job raises :class:`JobCancelled` (a ``BaseException``, like ``KeyboardInterrupt``,
 so an analysis' ``except Exception`` cannot swallow it); the engine turns it into the
 request's error (504 ``timeout``, 503 ``shutting_down``, or nothing for a client that went
@@ -26,10 +31,12 @@ import threading
 import time
 from contextlib import contextmanager
 
+import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 #: why a token was cancelled
-DEADLINE, DISCONNECT, SHUTDOWN = "deadline", "disconnect", "shutdown"
+DEADLINE, DISCONNECT, SHUTDOWN, OVER_LIMIT = "deadline", "disconnect", "shutdown", "over_limit"
 
 
 class JobCancelled(BaseException):
@@ -45,12 +52,16 @@ class CancelToken:
     """One request's cancel flag. ``deadline``: ``time.monotonic()`` past which the job stops
     (None: none). :meth:`cancel` may be called from any thread (a plain attribute write)."""
 
-    __slots__ = ("deadline", "reason", "checks")
+    __slots__ = ("deadline", "reason", "checks", "flops", "flops_limit")
 
-    def __init__(self, deadline: float | None = None):
+    def __init__(self, deadline: float | None = None, flops_limit: float = 0.0):
         self.deadline = deadline
         self.reason: str | None = None
         self.checks = 0  # how often the job looked (tests, logs)
+        #: matrix-multiply FLOP the job has run so far (counted by the torch mode), and the
+        #: most it may run (0 = no limit): past it the job stops (:data:`OVER_LIMIT`)
+        self.flops = 0.0
+        self.flops_limit = float(flops_limit or 0)
 
     def cancel(self, reason: str) -> None:
         if self.reason is None:
@@ -86,8 +97,39 @@ def checkpoint() -> None:
         token.check()
 
 
+def _matmul_flops(func, args, kwargs) -> float:
+    """Floating-point operations of one matrix product (a multiply-add = 2), from shapes."""
+    try:
+        if func is F.linear:
+            x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            return 2.0 * x.numel() * w.shape[0]
+        if func in (torch.addmm, torch.Tensor.addmm, torch.baddbmm, torch.Tensor.baddbmm):
+            a, b = args[1], args[2]
+        else:
+            a, b = args[0], args[1]
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() == 0:
+            return 0.0
+        k = a.shape[-1]
+        rows = a.numel() // max(k, 1)
+        cols = b.shape[-1] if b.dim() > 1 else 1
+        if b.dim() > 2:  # batched on b's side too: the larger batch counts
+            rows = max(rows, (b.numel() // max(b.shape[-2] * b.shape[-1], 1)) *
+                       (a.shape[-2] if a.dim() > 1 else 1))
+        return 2.0 * rows * k * cols
+    except Exception:  # noqa: BLE001 - an odd call: not counted, never an error
+        return 0.0
+
+
+_MATMULS = frozenset({
+    torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
+    torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm, torch.baddbmm,
+    torch.Tensor.baddbmm, F.linear,
+})
+
+
 class _CancelMode(TorchFunctionMode):
-    """Checks the token before every torch function or Tensor method called from Python."""
+    """Checks the token before every torch function or Tensor method called from Python, and
+    counts the matrix products' FLOP against its ``flops_limit``."""
 
     def __init__(self, token: CancelToken):
         super().__init__()
@@ -95,6 +137,10 @@ class _CancelMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         t = self.token
+        if t.flops_limit and func in _MATMULS:
+            t.flops += _matmul_flops(func, args, kwargs or {})
+            if t.flops > t.flops_limit:
+                t.cancel(OVER_LIMIT)
         if t.reason is not None or (t.deadline is not None and
                                     time.monotonic() >= t.deadline):
             t.check()

@@ -30,7 +30,9 @@ from fastapi import Response
 
 from ...analysis._blas import torch_threads_for
 from ...encoding import respond
-from ...errors import BatchTooLarge, ClientClosed, NotReady, ShuttingDown, Timeout
+from ...errors import (
+    BatchTooLarge, ClientClosed, DeviceLimitExceeded, NotReady, ShuttingDown, Timeout,
+)
 from . import cancel
 from .budget import MemoryBudget, Ticket, default_budget
 from .estimates import check_device, forward_flops
@@ -149,7 +151,9 @@ class Engine:
             from ...encoding import DEADLINE_KEY
 
             deadline = request.scope.get(DEADLINE_KEY)
-        return cancel.CancelToken(deadline)
+        s = getattr(self._state, "settings", None)
+        limit = float(getattr(s, "max_request_flops", 0) or 0)
+        return cancel.CancelToken(deadline, RUN_FLOPS_SLACK * limit)
 
     @property
     def jobs(self) -> set:
@@ -292,7 +296,7 @@ class Engine:
         try:
             return await self._turn(rt, p, token)
         except cancel.JobCancelled as exc:
-            raise stopped(exc.reason) from None
+            raise stopped(exc.reason, token) from None
 
     async def _turn(self, rt: Runtime | None, p: Plan, token) -> Any:
         hits = rt.cached_forwards(p.items) if (rt is not None and p.items) else None
@@ -327,8 +331,23 @@ def in_cache(rt: Runtime, key) -> bool:
     return data is not None and key in data
 
 
-def stopped(reason: str) -> Exception:
+#: a job may run this many times ``max_request_flops`` of matrix products (counted as it runs)
+#: before it is stopped: room for the estimates' own error, a bound for jobs without one
+RUN_FLOPS_SLACK = 1.5
+
+
+def stopped(reason: str, token: cancel.CancelToken | None = None) -> Exception:
     """The request's error for a job stopped for ``reason`` (service/serving/core/cancel.py)."""
+    if reason == cancel.OVER_LIMIT:
+        from .estimates import fmt_flops
+
+        ran = token.flops if token is not None else 0.0
+        limit = token.flops_limit / RUN_FLOPS_SLACK if token is not None else 0.0
+        return DeviceLimitExceeded(
+            f"this request's device work passed {fmt_flops(ran)} of matrix products and was "
+            f"stopped: the limit is {fmt_flops(limit)} (max_request_flops = {limit:.4g}; a job "
+            f"may run {RUN_FLOPS_SLACK:g}x it). Send fewer or shorter texts, fewer positions, "
+            "layers or variants")
     if reason == cancel.SHUTDOWN:
         return ShuttingDown("the service is shutting down and stopped this request's work at "
                             "the end of its grace period; retry (another replica answers)")
