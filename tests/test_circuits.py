@@ -211,3 +211,49 @@ def test_circuits_equal_transformerlens_and_numpy_gpt2_small(tmp_path_factory):
     rt = Runtime.load(Settings(model=str(path)))
     with _client(rt, model=str(path)) as c:
         check_circuits(c, Ref(path), heads=[(0, 0), (0, 11), (5, 3), (6, 7), (11, 0), (11, 11)])
+
+
+def test_circuits_are_computed_at_start_up_before_ready():
+    """A service that loads its model (the lifespan) computes the circuits before /readyz says
+    ready, so the first /v1/circuits request only reads them (issue 26: its first request on
+    GPT-2-small shapes took seconds); an app whose table has no /v1/circuits skips it."""
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from attnscope.service.app import create_app
+    from attnscope.service.config import Settings
+    from attnscope.service.serving.core.table import default_table
+
+    def started(endpoints=None):
+        c = TestClient(create_app(Settings(model="bundled"), endpoints=endpoints))
+        c.__enter__()
+        while c.get("/readyz").status_code != 200:  # the load runs in the lifespan's task
+            assert c.app.state.load_error is None, c.app.state.load_error
+            time.sleep(0.05)
+        return c
+
+    c = started()
+    try:
+        rt = c.app.state.runtime
+        key = ("circuits", rt.model_ref()["id"], rt.model_ref()["revision"])
+        assert key in rt.memo  # already there when ready
+        kept = rt.memo[key]
+        assert c.post("/v1/circuits").status_code == 200
+        assert rt.memo[key] is kept  # read, not computed again
+    finally:
+        c.__exit__(None, None, None)
+    c = started([ep for ep in default_table() if ep.path != "/v1/circuits"])
+    try:
+        rt = c.app.state.runtime
+        assert not any(isinstance(k, tuple) and k[0] == "circuits" for k in rt.memo)
+    finally:
+        c.__exit__(None, None, None)
+
+
+def test_start_up_on_an_encoder_skips_the_circuits(bert_runtime):
+    from attnscope.service.app import precompute
+    from attnscope.service.serving.core.table import default_table
+
+    precompute(bert_runtime, default_table())  # no error: the feature does not serve encoders
+    assert not any(isinstance(k, tuple) and k[0] == "circuits" for k in bert_runtime.memo)
