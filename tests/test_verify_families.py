@@ -646,6 +646,39 @@ def test_served_rope_theta_fault_fails_through_the_runtime(fam, family_runtime):
     assert _runtime_verify(rt)["passed"] and _runtime_verify(rt, exact=True)["passed"]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("fam", [f if f in ("llama", "gemma2") else pytest.param(f, marks=pytest.mark.slow)
+                                 for f in FAMILIES])  # ~3 s each: two in the fast tier
+def test_half_precision_families_pass_at_their_tolerance(fam, dtype, ckpt):
+    """Each family served in float16 / bfloat16 passes at the dtype's tolerances (measured on
+    these checkpoints: pattern <= 7.5e-3 in float16, <= 7.3e-2 in bfloat16 against 2.5e-2 /
+    1.2e-1); the rotary check is dtype-independent (the frequencies stay float32) and still
+    fails a theta off by 1e-5; a tiled kv-head map fails too."""
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+    from attnscope.service.runtime import interventions as I
+
+    rt = Runtime.load(Settings(model=str(ckpt(fam)), dtype=dtype))
+    tt = rt.tokenize(TEXT, add_bos=True)
+    fw = rt.forward_many([tt])[0]
+    m = ScratchModel.of(rt.adapter)
+    inv = rt.adapter.rotary()["inv_freq"]
+    assert inv.dtype == torch.float32
+
+    def check(model, **kw):
+        return verify_from_scratch(fw.tensors, model, tt.input_ids, dtype, served_inv_freq=inv,
+                                   logits=I.served_logits(rt, tt.input_ids), **kw)
+    v = check(m)
+    assert v["passed"], v["message"]
+    assert v["tolerance"] == TOLERANCES[dtype][0] and v["max_abs_diff"] > TOLERANCES["float32"][0]
+    assert v["logits"]["passed"] and v["rotary"]["passed"]
+    v = check(_theta(m, 1 + 1e-5))
+    assert not v["passed"] and not v["rotary"]["passed"] and v["failing_layer"] == 0
+    if fam != "gpt_neox":
+        v = check(m, kv_map=_tiled(m))
+        assert not v["passed"] and v["failing_layer"] == 0 and "pattern" in v["message"]
+
+
 def test_served_soft_cap_fault_fails_through_the_runtime(family_runtime, monkeypatch):
     """Gemma 2's attention modules told to skip the soft-cap (the config keeps it): the
     recorded patterns lose it, verify fails at layer 0's pattern."""
