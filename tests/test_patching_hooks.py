@@ -450,3 +450,36 @@ def test_device_work_limit(gpt2_runtime, make_client, pair):
     assert "the job" in e["message"]
     ok = small.post("/v1/patch", json=_ld_request(pair, hook="z", patch_layers=[1]))
     assert ok.status_code == 200, ok.text
+
+
+def test_nan_checkpoint_is_500_non_finite(tmp_path, bundled_dir, make_client):
+    """The one non-finite rule on the new requests: a checkpoint whose forward makes NaN
+    answers 500 non_finite_values (never nulls standing for the model's numbers)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+
+    d = tmp_path / "nan-gpt2"
+    shutil.copytree(bundled_dir, d)
+    w = load_file(str(d / "model.safetensors"))
+    key = next(k for k in w if k.endswith("h.1.ln_1.weight"))
+    w[key] = w[key].clone()
+    w[key][0] = float("nan")
+    save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+    c = make_client(Runtime.load(Settings(model=str(d))))
+    ids = induction_ids(0, 6, 2)
+    other = ids[:7] + induction_ids(100, 6, 1)[1:]
+    m = {"kind": "loss", "terms": [{"position": 8}]}
+    for path, body in [
+        ("/v1/patch", {"clean_tokens": ids, "corrupted_tokens": other, "metric": m, "hook": "z"}),
+        ("/v1/patch", {"clean_tokens": ids, "corrupted_tokens": other, "metric": m,
+                       "hook": "resid_pre", "method": "attribution"}),
+        ("/v1/ablate", {"tokens": ids, "components": [{"kind": "mlp", "layer": 0}]}),
+        ("/v1/ablate", {"tokens": ids, "components": [{"kind": "neuron", "layer": 0,
+                                                       "neurons": [1]}], "metric": m}),
+    ]:
+        e = assert_error(c.post(path, json=body), 500, type_="non_finite_values")
+        assert "NaN" in e["message"]
