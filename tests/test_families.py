@@ -492,3 +492,53 @@ def test_rollout_discard_counts_only_keys_inside_a_sliding_window():
     with pytest.raises(ValueError, match="one entry per layer"):
         RO.augmented_matrices(P, True, windows=[2, 2])
     assert math.isclose(float(win[0].sum()), 4.0)
+
+
+def _sentencepiece_tokenizer():
+    """A SentencePiece-style fast tokenizer as Llama 2 / Mistral ship it: '▁' for a space
+    (normalizer Prepend + Replace), BPE with byte fallback (<0xNN> tokens), decoder Replace +
+    ByteFallback + Fuse + Strip."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["\u2581", *"abcdefghijklmnopqrstuvwxyzHW", "ll", "\u2581w", "\u2581wo"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("l", "l"), ("\u2581", "w"), ("\u2581w", "o")]
+    tk = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True,
+                              fuse_unk=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                          normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def test_sentencepiece_tokens_are_labelled_by_their_text_and_bytes(family_root):
+    """Llama 2 / Mistral / Gemma tokenizers spell a space '▁' and fall back to <0xNN> bytes:
+    labels and bytes are the text (' world', the two bytes of 'ö', each partial), as byte-level
+    pieces are for GPT-2; the ids and the forward are the tokenizer's own."""
+    path = family_checkpoint("llama", family_root / "sentencepiece")
+    tok = _sentencepiece_tokenizer()
+    tok.save_pretrained(path)
+    rt = Runtime.load(Settings(model=str(path)))
+    assert rt.piece_style == "sentencepiece"
+    text = "Hello w\u00f6rld\nall"
+    tt = rt.tokenize(text, add_bos=True)
+    assert list(tt.input_ids) == [1, *tok(text, add_special_tokens=False)["input_ids"]]
+    toks = tt.tokens
+    assert toks[0].special and toks[0].label == "<s>"
+    # the normalizer's leading '▁' is a space the text does not have; the rest is the text
+    assert b"".join(t.raw for t in toks[1:]) == b" " + text.encode("utf-8")
+    o = [t for t in toks if t.raw in (b"\xc3", b"\xb6")]
+    assert [t.label for t in o] == ["\\xc3", "\\xb6"] and all(t.partial for t in o)
+    assert [t.label for t in toks if t.raw == b"\n"] == ["\\n"]
+    assert " w" in [t.label for t in toks] and not any("\u2581" in t.label for t in toks)
+    assert rt.token_refs([vocab_id := tok.convert_tokens_to_ids("\u2581wo")])[0]["bytes"] == \
+        b" wo".hex() and vocab_id > 258
+    # bytelevel stays bytelevel: the bundled GPT-2 tokenizer of the other checkpoints
+    assert Runtime.load(Settings(model=str(family_checkpoint("llama", family_root)))) \
+        .piece_style == "bytelevel"

@@ -15,6 +15,7 @@ positions and a text's numbers never depend on its batch mates.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -35,7 +36,7 @@ from .results import (
     TokenInfo,
     TokenizedText,
 )
-from .tokens import bytelevel_label, token_bytes, visible
+from .tokens import bytelevel_label, is_partial, token_bytes, visible
 
 __all__ = ["ForwardResult", "ForwardTensors", "ModelLoadError", "Runtime", "TokenInfo",
            "TokenizedText"]
@@ -73,6 +74,10 @@ class Runtime:
         #: per layer, the key window (None = full attention) and the logit soft-cap
         self.windows = tuple(h.window for h in self._handles)
         self.softcaps = tuple(h.softcap for h in self._handles)
+        #: how token strings spell text: "bytelevel" (GPT-2's byte alphabet: GPT-2, Pythia,
+        #: Llama 3, Qwen2), "sentencepiece" ('▁' for a space, <0xNN> byte fallback: Llama 2,
+        #: Mistral, Gemma) or "plain" (WordPiece: encoders)
+        self.piece_style = _piece_style(tokenizer, adapter.causal)
         self._tok_lock = threading.Lock()  # the tokenizer (not shared between threads)
         self._tok_cache_lock = threading.Lock()  # its LRU (also read on the event loop)
         self._tok_cache: OrderedDict[tuple[str, bool], TokenizedText] = OrderedDict()
@@ -259,15 +264,21 @@ class Runtime:
         characters escaped (``\\n``; service/runtime/tokens.py)."""
         if special:
             return piece
-        if not self.adapter.causal:
+        if self.piece_style == "plain":
             return visible(piece)
+        if self.piece_style == "sentencepiece":
+            return visible(_sentencepiece_bytes(piece).decode("utf-8", errors="backslashreplace"))
         return bytelevel_label(piece)
 
     def _bytes(self, piece: str, special: bool) -> tuple[bytes, bool]:
         """``(raw bytes, partial)`` of one token string (:func:`.tokens.token_bytes`): the
         bytes a byte-level BPE piece (causal models) stands for; a special token's or a
-        WordPiece piece's UTF-8, never partial."""
-        return token_bytes(piece, self.adapter.causal and not special)
+        WordPiece piece's UTF-8, never partial; a SentencePiece piece's text ('▁' = a space)
+        or its ``<0xNN>`` byte, partial when that is not a whole UTF-8 character."""
+        if self.piece_style == "sentencepiece" and not special:
+            raw = _sentencepiece_bytes(piece)
+            return raw, is_partial(raw)
+        return token_bytes(piece, self.piece_style == "bytelevel" and not special)
 
     def token_refs(self, ids: Sequence[int]) -> list[dict]:
         """``{"id", "label", "bytes", "partial"}`` of vocabulary ids (predicted tokens, metric
@@ -517,6 +528,37 @@ class Runtime:
     # ------------------------------------------------------------------- misc
     def model_ref(self) -> dict:
         return {"id": self.info["id"], "revision": self.info["revision"]}
+
+
+_SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _sentencepiece_bytes(piece: str) -> bytes:
+    """The bytes a SentencePiece-style token string stands for: ``<0xNN>`` (byte fallback) ->
+    that byte; otherwise the text with '▁' (U+2581) as a space, in UTF-8."""
+    m = _SP_BYTE.fullmatch(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def _piece_style(tokenizer, causal: bool) -> str:
+    """"plain" for encoders; for causal models "sentencepiece" when the fast tokenizer's
+    decoder turns '▁' into spaces or has a byte fallback (Llama 2, Mistral, Gemma), else
+    "bytelevel" (GPT-2's byte alphabet)."""
+    if not causal:
+        return "plain"
+    try:
+        state = tokenizer.backend_tokenizer.decoder.__getstate__()
+        text = state.decode("utf-8") if isinstance(state, bytes) else str(state)
+    except Exception:  # no backend decoder: GPT-2's convention
+        return "bytelevel"
+    if '"ByteLevel"' in text:
+        return "bytelevel"
+    if '"ByteFallback"' in text or '"Metaspace"' in text or "\u2581" in text \
+            or "\\u2581" in text:  # '▁', raw or JSON-escaped
+        return "sentencepiece"
+    return "bytelevel"
 
 
 class _Recorder:
