@@ -593,7 +593,13 @@ def test_verify_endpoint_passes_on_each_family(fam, ckpt):
         assert [row["scale"] for row in v["layers"]] == pytest.approx([16 ** -0.5] * 2)
         rq = c.post("/v1/verify", json={"text": TEXT, "mode": "recorded_qkv"})
         assert rq.status_code == 200, rq.text
+        assert rq.json()["verification"]["passed"]
         assert rq.json()["verification"].get("architecture") is None
+        r = c.post("/v1/verify", json={"texts": [TEXT, "hi"], "layers": [1]})  # a batch, one layer
+        assert r.status_code == 200, r.text
+        for v in r.json()["results"]:
+            assert v["passed"], v["message"]
+            assert [row["layer"] for row in v["layers"]] == [1]
 
 
 @pytest.fixture(scope="module")
