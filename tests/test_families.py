@@ -542,3 +542,34 @@ def test_sentencepiece_tokens_are_labelled_by_their_text_and_bytes(family_root):
     # bytelevel stays bytelevel: the bundled GPT-2 tokenizer of the other checkpoints
     assert Runtime.load(Settings(model=str(family_checkpoint("llama", family_root)))) \
         .piece_style == "bytelevel"
+
+
+def test_llama3_rope_scaling_is_reported_and_served_exactly(family_root):
+    """A Llama 3 rope (rope_type 'llama3', theta 5e5, factor 8): GET /v1/model's rope_theta and
+    rope_scaling are the config's; patterns equal HF's bit for bit; the recorded verification
+    (projections rotated by the model's own scaled inv_freq) matches exactly."""
+    import shutil
+
+    from attnscope.service.config import BUNDLED_MODEL_DIR
+    from families import family_config
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    path = family_root / "llama3-rope"
+    if not (path / "model.safetensors").exists():
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_config(family_config("llama", rope_parameters=rope),
+                                             attn_implementation="eager")
+        m.save_pretrained(path)
+        for n in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(BUNDLED_MODEL_DIR / n, path / n)
+    rt = Runtime.load(Settings(model=str(path)))
+    facts = rt.info["attention"]
+    assert facts["rope_theta"] == 500000.0
+    assert facts["rope_scaling"] == {k: v for k, v in rope.items() if k != "rope_theta"}
+    (fw,) = rt.forward_many([rt.tokenize(TEXT, add_bos=True)])
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    out = hf_forward(hf, torch.tensor([fw.tokens.input_ids]))
+    assert torch.equal(fw.pattern, torch.stack(out.attentions)[:, 0])
+    params = {lyr: AttentionParams.of(rt.adapter, lyr) for lyr in range(2)}
+    assert verify(fw.tensors, params, projections=True)["max_abs_diff"] == 0.0
