@@ -479,7 +479,14 @@ class PatchGrid(LenientModel):
     normalized: list[Any] = Field(description="(raw - corrupted) / (clean - corrupted) per cell "
                                   "(0 = no change, 1 = the clean value restored; Wang et al. "
                                   "2022; Heimersheim & Nanda 2024); null where undefined.")
-    n_forwards: int = Field(description="Patched forwards run for the grid (0 for attribution).")
+    n_forwards: int = Field(description="Batched patched forwards run for the grid (0 for "
+                            "attribution).")
+    cells_skipped: int = Field(0, description="Cells not run because they cannot change the "
+                               "metric (their value is the corrupted run's, as a run would "
+                               "give): the clean activation equals the corrupted one at every "
+                               "patched entry (e.g. positions before the prompts' first "
+                               "difference), or every patched position comes after the last "
+                               "position the metric reads (causal model).")
 
 
 PatchResponse.model_rebuild()

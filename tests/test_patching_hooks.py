@@ -483,3 +483,23 @@ def test_nan_checkpoint_is_500_non_finite(tmp_path, bundled_dir, make_client):
     ]:
         e = assert_error(c.post(path, json=body), 500, type_="non_finite_values")
         assert "NaN" in e["message"]
+
+
+def test_cells_that_cannot_change_the_metric_are_skipped(client, pair):
+    """The clean and corrupted prompts share BOS + 6 tokens: every z of those positions is the
+    same in both runs, so those cells are the corrupted value without a forward (they are
+    compared with TL's full forwards in test_grid_equals_transformerlens); so is the last
+    position (after the metric's position T - 2). A corrupted prompt that differs from the
+    first position skips the last position only."""
+    clean, corrupted = pair
+    T, L, H = len(clean), 2, 4
+    g = client.post("/v1/patch", json=_ld_request(pair, hook="z", by_position=True)).json()
+    grid = g["grid"]
+    assert grid["cells_skipped"] == L * H * (1 + SEG) + L * H
+    raw = _np(grid["raw"])
+    assert np.all(raw[:, : 1 + SEG] == g["corrupted_value"])
+    assert np.all(raw[:, T - 1] == g["corrupted_value"])
+    other = [clean[0] + 1] + corrupted[1:]  # differs at position 0 too
+    g2 = client.post("/v1/patch", json={**_ld_request(pair, hook="z", by_position=True),
+                                        "corrupted_tokens": other}).json()["grid"]
+    assert g2["cells_skipped"] == L * H

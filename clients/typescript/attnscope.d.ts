@@ -3447,6 +3447,12 @@ export interface components {
              */
             axes: string[];
             /**
+             * Cells Skipped
+             * @description Cells not run because they cannot change the metric (their value is the corrupted run's, as a run would give): the clean activation equals the corrupted one at every patched entry (e.g. positions before the prompts' first difference), or every patched position comes after the last position the metric reads (causal model).
+             * @default 0
+             */
+            cells_skipped?: number;
+            /**
              * Function
              * @description The TransformerLens 4.3 ``patching`` function whose result this grid equals (same metric, same axes).
              */
@@ -3463,7 +3469,7 @@ export interface components {
             hook_name: string;
             /**
              * N Forwards
-             * @description Patched forwards run for the grid (0 for attribution).
+             * @description Batched patched forwards run for the grid (0 for attribution).
              */
             n_forwards: number;
             /**

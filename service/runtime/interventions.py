@@ -466,38 +466,60 @@ def hook_patch_grid(rt, clean_ids: Sequence[int], corrupted_ids: Sequence[int], 
     len(positions), vocab]) -> [rows]`` reads the logits at ``positions``. ``layers`` /
     ``heads`` / ``patch_positions``: the cells computed (by position: the positions of the
     grid; all positions: the positions patched together; null = all); the rest stay NaN.
-    ``progress(done, total)`` is called after each forward. Returns the raw metric grid
-    (float32, CPU), shaped :func:`patch_grid_shape` (axes :func:`patch_grid_axes`)."""
+    ``progress(done, total)`` is called after each forward.
+
+    Cells that cannot change the metric are not run and get the corrupted run's value: those
+    whose clean activation equals the corrupted one at every patched entry (bit for bit: e.g.
+    positions before the first token where the prompts differ, in a causal model), and those
+    whose patched positions all come after the last position the metric reads (causal: later
+    positions never reach earlier logits). Returns ``(grid, skipped)``: the raw metric grid
+    (float32, CPU), shaped :func:`patch_grid_shape` (axes :func:`patch_grid_axes`), and the
+    number of cells skipped."""
     a = rt.adapter
     L, Hn, T = a.n_layers, hook_heads(rt, hook), len(clean_ids)
     suffix, kind = PATCH_HOOKS[hook]
     lyrs = list(range(L)) if layers is None else list(layers)
-    clean = hook_runs(rt, clean_ids, [f"blocks.{lyr}.{suffix}" for lyr in lyrs])
-    corr = hook_runs(rt, corrupted_ids, [f"blocks.{lyr}.hook_resid_pre" for lyr in lyrs])
+    names = [f"blocks.{lyr}.{suffix}" for lyr in lyrs]
+    clean = hook_runs(rt, clean_ids, names)
+    corr = hook_runs(rt, corrupted_ids, names + [f"blocks.{lyr}.hook_resid_pre" for lyr in lyrs],
+                     positions)
+    k_val = metric(corr.logits).float().cpu()[0]
     idx, mask = _cells(kind, by_position, T, Hn, heads, patch_positions)
     dev = lm_parts(rt).device
     mask = mask.to(dev)
+    # positions after the last one the metric reads cannot change it (causal models)
+    pos_axis = 1 if kind == "pattern" else 0
+    shape = [1] * (mask.dim() - 1)
+    shape[pos_axis] = T
+    late = (torch.arange(T, device=dev) > max(positions)).view(shape)
     out = torch.full(patch_grid_shape(rt, hook, by_position, T), float("nan"))
     index = torch.tensor(idx, dtype=torch.long)  # [n, k] grid indices within a layer
-    total = len(lyrs) * ((len(idx) + max_rows - 1) // max_rows)
-    done = 0
-    for layer in lyrs:
-        name = f"blocks.{layer}.{suffix}"
+    todo = {}
+    for layer, name in zip(lyrs, names):
+        c, k = clean.cache[name][0], corr.cache[name][0]
+        n_lead = mask.dim() - 1
+        differ = (c != k).flatten(n_lead).any(-1) & ~late  # [*lead]
+        todo[layer] = (mask & differ).flatten(1).any(1).nonzero()[:, 0].cpu()
+    total = sum((len(t) + max_rows - 1) // max_rows for t in todo.values())
+    done, skipped = 0, 0
+    for layer, name in zip(lyrs, names):
         value = clean.cache[name][0]
         resid = corr.cache[f"blocks.{layer}.hook_resid_pre"]
-        vals = []
-        for s in range(0, len(idx), max_rows):
-            m = mask[s:s + max_rows]
+        rows = todo[layer]
+        v = torch.full((len(idx),), float(k_val))  # cells that change nothing: the corrupted run
+        skipped += len(idx) - len(rows)
+        for s in range(0, len(rows), max_rows):
+            sel = rows[s:s + max_rows]
+            m = mask[sel.to(dev)]
             edit = hooked.Set(hook=name, value=value, mask=m)
             run = run_variants(rt, corrupted_ids, resid.expand(m.shape[0], -1, -1), layer,
                                [edit], positions)
-            vals.append(metric(run.logits).float().cpu())
+            v[sel] = metric(run.logits).float().cpu()
             done += 1
             if progress is not None:
                 progress(done, total)
-        v = torch.cat(vals)
         out[(torch.full((len(idx),), layer),) + tuple(index.T)] = v
-    return out
+    return out, skipped
 
 
 def hook_attribution(rt, clean_ids: Sequence[int], corrupted_ids: Sequence[int], hook: str,

@@ -762,13 +762,14 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
                     per = (per[:, ppos].sum(1) if hkind == "head" else per[:, :, ppos].sum(2))
                 raw = k_val + sign * per
                 raw = _mask_cells(raw, hkind, by_pos, layers, hs, ppos)
-                n_fwd = 0
+                n_fwd, skipped = 0, 0
             else:
-                raw = I.hook_patch_grid(rt, clean_t.input_ids, corr_t.input_ids, h, by_pos,
-                                        metric, P, layers, hs, ppos, max_rows=rows_per,
-                                        progress=lambda done, total: checkpoint())
-                n_fwd = math.ceil(I.patch_cells(rt, h, by_pos, T, None, hs, ppos)
-                                  / a.n_layers / rows_per) * len(layers or range(a.n_layers))
+                n_done = []
+                raw, skipped = I.hook_patch_grid(
+                    rt, clean_t.input_ids, corr_t.input_ids, h, by_pos, metric, P, layers, hs,
+                    ppos, max_rows=rows_per,
+                    progress=lambda done, total: (checkpoint(), n_done.append(done)))
+                n_fwd = len(n_done)
             computed = ~torch.isnan(raw) if (layers or hs or ppos) else None
             if computed is not None:
                 _finite(raw[computed], "the patched metric grid holds")
@@ -781,7 +782,8 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
                                                                             "blocks.{layer}."),
                     "function": I.TL_FUNCTIONS[(h, by_pos)],
                     "axes": list(I.patch_grid_axes(h, by_pos)), "shape": list(raw.shape),
-                    "raw": _grid(raw), "normalized": _grid(normed), "n_forwards": n_fwd}
+                    "raw": _grid(raw), "normalized": _grid(normed), "n_forwards": n_fwd,
+                    "cells_skipped": skipped}
             elif field == "heads":
                 body["heads"], body["heads_raw"] = _grid(normed), _grid(raw)
             elif field == "heads_per_position":  # [layer, pos, head] -> [layer, head, pos]
