@@ -698,6 +698,27 @@ def test_served_soft_cap_fault_fails_through_the_runtime(family_runtime, monkeyp
     assert _runtime_verify(rt)["passed"]
 
 
+@pytest.mark.parametrize("fam", ["mistral", "gemma2"])
+def test_served_window_off_by_one_fails_through_the_runtime(fam, family_runtime, monkeypatch):
+    """The resident model's config says window + 1 while it records a forward (Hugging Face
+    builds the sliding mask from it); verified against the true config: the first windowed
+    layer's pattern fails (layer 0 for both)."""
+    rt = family_runtime(fam)
+    m = ScratchModel.of(rt.adapter)  # the true config, as plain values
+    w = rt.model.config.sliding_window
+    rt.cache.clear()
+    tt = rt.tokenize(TEXT, add_bos=True)
+    with monkeypatch.context() as mp:
+        mp.setattr(rt.model.config, "sliding_window", w + 1)
+        fw = rt.forward_many([tt])[0]
+    rt.cache.clear()
+    v = verify_from_scratch(fw.tensors, m, tt.input_ids, "float32",
+                            served_inv_freq=rt.adapter.rotary()["inv_freq"])
+    assert not v["passed"] and v["failing_layer"] == 0 and "pattern" in v["message"]
+    assert v["layers"][0]["window"] == w and v["layers"][0]["pattern_max_abs_diff"] > 1e-2
+    assert _runtime_verify(rt)["passed"]
+
+
 def test_unimplemented_rope_type_is_a_422_naming_it(ckpt):
     """A served Llama with rope_type 'yarn': from_scratch is the 422 unsupported_model_config
     naming rope_parameters.rope_type; the cheap mode still answers."""
