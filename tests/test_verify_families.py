@@ -2,18 +2,21 @@
 Gemma, Gemma 2 and GPT-NeoX (Pythia), random small checkpoints from ``tests/families.py``.
 
 1. The float64 recomputation (service/analysis/verify.py, our own formulas) equals Hugging
-   Face's own modules run in TRUE float64 to ~1e-12: patterns, q/k/v (after RoPE, k/v on the
+   Face's own modules run in TRUE float64 to 1e-12 (measured <= 3e-14): patterns, q/k/v (after RoPE, k/v on the
    key/value heads), attention outputs, every hidden state, the final norm and the logits.
    ``model.double()`` alone is not float64: Hugging Face's eager attention takes the softmax
    with ``dtype=torch.float32``, its RMSNorms and rotary embeddings compute in float32 (the
    agreement is then ~1e-6). :class:`Float64Everywhere` (a ``TorchFunctionMode``) turns every
    float32 those modules ask for into float64, and the rotary inverse frequencies are
    recomputed by Hugging Face's own rope init functions under it.
-2. Against Hugging Face's float32 forward (what the service serves) verify passes within the
-   float32 tolerances, with honest nonzero differences; it fails on planted faults, in the
-   served forward and in the recomputation: a wrong rope theta, a wrong kv-head mapping, the
-   sliding window off by one, a missing attention / final-logit soft-cap.
-3. ``POST /v1/verify`` on an app started on each family's checkpoint passes.
+2. Against Hugging Face's float32 forward (what the service serves; also in float16 and
+   bfloat16 through the runtime) verify passes within the dtype's tolerances, with honest
+   nonzero differences, the served rotary frequencies checked against the config's formula;
+   it fails on planted faults, in the served forward and in the recomputation: a wrong rope
+   theta, a wrong kv-head mapping, the sliding window off by one, a missing attention /
+   final-logit soft-cap (and Gemma's norm and embedding scale, NeoX's residual form).
+3. ``POST /v1/verify`` on an app started on each family's checkpoint passes; served faults
+   planted in the runtime's model fail; an unimplemented rope type is the 422.
 """
 
 from __future__ import annotations
