@@ -381,9 +381,10 @@ def test_idle_connections_are_shed_and_healthz_answers(server):
 
 def test_planted_fault_a_server_that_keeps_idle_connections_is_seen(tmp_path):
     """The flood's check (the excess over MAX_CONNECTIONS closed) fails against a server that
-    never sheds idle connections (its limit above the flood, no header timeout)."""
+    never sheds idle connections (its limits above the flood, no header timeout, no
+    per-client limit)."""
     s = start_server(tmp_path, "--model", "bundled", "--max-connections", "4096",
-                     "--header-timeout-s", "0")
+                     "--header-timeout-s", "0", "--max-client-connections", "0")
     flood = IdleFlood(s.url, 1500)
     try:
         assert flood.wait(lambda: flood.opened() is not None, 300), flood.lines
