@@ -5,7 +5,8 @@ attention patterns ``[layer, head, query_pos, key_pos]`` (post-softmax, exactly 
 ``output_attentions``), the L+1 residual-stream hidden states ``[layer+1, pos, d_model]``
 (index 0 = embedding output, index i = block i-1's output; the last is the last block's output
 BEFORE any final LayerNorm), the post-final-LayerNorm state ``final_state [pos, d_model]``
-(GPT-2's ``ln_f`` output = Hugging Face's last ``hidden_states`` entry; None for BERT, which has
+(GPT-2's ``ln_f`` output, the rotary families' final RMSNorm / GPT-NeoX ``final_layer_norm``
+output = Hugging Face's last ``hidden_states`` entry; None for BERT, which has
 no final LayerNorm: there Hugging Face's last entry is ``hidden_states[-1]``),
 q ``[layer, head, pos, d_head]`` and k, v ``[layer, kv_head, pos, d_head]`` (kv_head = head
 except under grouped-query attention, where query head h reads key/value head
@@ -76,7 +77,8 @@ class ForwardTensors:
     v: torch.Tensor  # [layer, kv_head, pos, d_head]
     attn_input: torch.Tensor  # [layer, pos, d_model]
     attn_output: torch.Tensor  # [layer, pos, d_model], after the output projection
-    #: [pos, d_model]: the final LayerNorm's output (GPT-2 ln_f; = HF's last hidden_states
+    #: [pos, d_model]: the final norm's output (GPT-2 ln_f, Llama-style ``norm``, GPT-NeoX
+    #: ``final_layer_norm``; = HF's last hidden_states
     #: entry); None where the model has no final LayerNorm (BERT)
     final_state: torch.Tensor | None = None
 
