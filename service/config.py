@@ -15,6 +15,16 @@ from attnscope.schemas.common import MAX_TEXTS
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled_model"
 BUNDLED_MODEL_ID = "attnscope-tiny-gpt2"
+#: the second bundled checkpoint: a LlamaForCausalLM (RoPE, GQA 4/2, RMSNorm, SwiGLU)
+BUNDLED_LLAMA_DIR = Path(__file__).resolve().parent / "bundled_llama"
+BUNDLED_LLAMA_ID = "attnscope-tiny-llama"
+#: model names that mean a bundled checkpoint -> (directory, model id, its training recipe)
+BUNDLED = {
+    "bundled": (BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID, "training/train_bundled_gpt2.py"),
+    BUNDLED_MODEL_ID: (BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID, "training/train_bundled_gpt2.py"),
+    "bundled-llama": (BUNDLED_LLAMA_DIR, BUNDLED_LLAMA_ID, "training/train_bundled_llama.py"),
+    BUNDLED_LLAMA_ID: (BUNDLED_LLAMA_DIR, BUNDLED_LLAMA_ID, "training/train_bundled_llama.py"),
+}
 
 
 class Settings(BaseSettings):
@@ -24,7 +34,8 @@ class Settings(BaseSettings):
 
     model: str = Field(
         "gpt2",
-        description="Hub id or local directory of the model. 'bundled' = the bundled checkpoint. "
+        description="Hub id or local directory of the model. 'bundled' = the bundled checkpoint "
+        "(GPT-2), 'bundled-llama' = the bundled Llama (RoPE, grouped-query attention). "
         "When the default 'gpt2' cannot be had (no network, not cached) the service falls back to "
         "the bundled checkpoint unless strict_model is set.",
     )

@@ -137,7 +137,8 @@ def test_dockerignore_keeps_what_copy_needs():
         kept = [f for f in files if not _dockerignored(f, patterns)]
         assert kept, f"{src} is COPY'd but every file of it is ignored"
     for needed in ("service/app.py", "service/healthcheck.py", "schemas/__init__.py",
-                   "service/bundled_model/model.safetensors", "pyproject.toml", "README.md"):
+                   "service/bundled_model/model.safetensors",
+                   "service/bundled_llama/model.safetensors", "pyproject.toml", "README.md"):
         assert not _dockerignored(needed, patterns), needed
     # every package pyproject.toml installs must be in the image
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]

@@ -145,7 +145,7 @@ def train(model, corpus: Corpus, args, t0: float) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses[kind].append(loss.item())
-        if step % 100 == 0 or step == args.steps - 1:
+        if step % 100 in (0, 1) or step == args.steps - 1:
             print(f"step {step} {kind} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
     return losses
 
@@ -179,7 +179,8 @@ def induction_score(attentions, seg: int = PROBE_SEGMENT) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model, corpus: Corpus, args) -> dict:
     """Held-out perplexity (windows of text_len) and the per-head scores, [layer][head]:
-    previous-token on the first text_len held-out tokens, induction on the probe."""
+    previous-token on the first text_len held-out tokens, induction on the probe, and
+    previous-token on the probe (random tokens: no prose statistics to lean on)."""
     T = args.text_len
     hold_ids = corpus.hold_ids
     nll, n = 0.0, 0
@@ -191,11 +192,14 @@ def evaluate(model, corpus: Corpus, args) -> dict:
     x = hold_ids[:T][None]
     prev = previous_token_score(model(input_ids=x, output_attentions=True).attentions)
     x = induction_probe_ids(corpus.vocab, corpus.eot_id)[None]
-    ind = induction_score(model(input_ids=x, output_attentions=True).attentions)
+    att = model(input_ids=x, output_attentions=True).attentions
+    ind = induction_score(att)
+    prev_probe = previous_token_score(att)
     return {
         "heldout_perplexity": round(ppl, 2),
         "previous_token_score": [[round(v, 3) for v in row] for row in prev.tolist()],
         "induction_probe_score": [[round(v, 3) for v in row] for row in ind.tolist()],
+        "previous_token_probe_score": [[round(v, 3) for v in row] for row in prev_probe.tolist()],
     }
 
 

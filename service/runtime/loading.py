@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID, Settings
+from ..config import BUNDLED, Settings
 from .adapters import ADAPTERS, CAUSAL_TYPES
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -130,12 +130,10 @@ def _load_pretrained(name: str, settings: Settings):
     eager attention, never remote code."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    if name in ("bundled", BUNDLED_MODEL_ID):
-        path, model_id = BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
+    if name in BUNDLED:
+        path, model_id, recipe = BUNDLED[name]
         if not (path / "model.safetensors").exists():
-            raise ModelLoadError(
-                f"bundled checkpoint missing at {path}: run training/train_bundled_gpt2.py"
-            )
+            raise ModelLoadError(f"bundled checkpoint missing at {path}: run {recipe}")
     else:
         path, model_id = Path(name).expanduser(), name
     local = path.is_dir()
@@ -153,7 +151,7 @@ def _load_pretrained(name: str, settings: Settings):
         kw["revision"] = settings.revision
         os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
         os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
-    elif name not in ("bundled", BUNDLED_MODEL_ID):
+    elif name not in BUNDLED:
         # the directory's name (not its full path); a generic name keeps its parent's
         resolved = path.resolve()
         model_id = resolved.name
