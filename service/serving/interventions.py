@@ -695,8 +695,14 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
         widest = min(rows_per, max(I.patch_cells(rt, h, b, T, None, heads if I.PATCH_HOOKS[h][1]
                                                  != "pos" else None, ppos) // a.n_layers
                                    for h, b, _ in grids))
-        est = per_row * widest + 2 * I.variant_batch_bytes(rt, 1, T, len(P)) \
-            + es * T * a.d_model * a.n_layers * 4
+        # the clean and corrupted runs, every layer's hook values and residual stream kept,
+        # and the per-layer cell masks (bool, cells x the hook's leading axes)
+        est = per_row * widest + 2 * I.variant_batch_bytes(rt, 1, T, len(P))
+        for h, b, _ in grids:
+            hp = hooked.resolve(I.lm_parts(rt), I.patch_hook_name(h, 0))[0]
+            lead = math.prod(hp.shape(1, T)[1:3 if hp.head_axis is not None else 2])
+            est += es * a.n_layers * (3 * math.prod(hp.shape(1, T)) + T * a.d_model) \
+                + I.patch_cells(rt, h, b, T, [0], None, ppos) * lead
         detail = (f", plus {n_rows} patched forward rows in batches of up to {widest} (est. "
                   f"{est} bytes)")
     cells = sum(math.prod(I.patch_grid_shape(rt, h, b, T)) for h, b, _ in grids)
