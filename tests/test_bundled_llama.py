@@ -311,3 +311,16 @@ def test_served_heads_find_the_induction_and_previous_token_heads(llama_client, 
     assert r.status_code == 200, r.text
     hp = {(h["layer"], h["head"]): h for h in r.json()["heads"]}[prev_head]
     assert hp["label"] == "previous_token" and hp["scores"]["previous_s004"] > 0.5, hp
+
+
+def test_shipped_as_package_data_like_the_gpt2():
+    """pyproject.toml lists the checkpoint as a package with all its files (so a wheel ships
+    it, as the GPT-2's); the image COPYs service/ (tests/test_containers.py)."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for pkg in ("attnscope.service.bundled_model", "attnscope.service.bundled_llama"):
+        assert pkg in tool["packages"] and tool["package-data"][pkg] == ["*"], pkg
+    assert BUNDLED_LLAMA_DIR == root / "service" / "bundled_llama"
