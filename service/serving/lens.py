@@ -164,13 +164,18 @@ def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
                 k = st.top_ids.shape[1]
                 tgt_refs = _refs(rt, targets.clamp(min=0).tolist())
                 rows = []
+                # plain lists: no torch op per value (each is one call through the cancel
+                # mode, service/serving/core/cancel.py); the same floats as float(tensor[i])
+                probs, lgts = st.top_probs.tolist(), st.top_logits.tolist()
+                tgts, lps = targets.tolist(), st.target_logprob.tolist()
+                ranks = st.target_rank.tolist()
                 for j, q in enumerate(pos):
-                    top = [dict(top_refs[j * k + c], prob=_f(st.top_probs[j, c]),
-                                logit=_f(st.top_logits[j, c])) for c in range(k)]
+                    top = [dict(top_refs[j * k + c], prob=_f(probs[j][c]),
+                                logit=_f(lgts[j][c])) for c in range(k)]
                     tg = None
-                    if int(targets[j]) >= 0:
-                        lp = float(st.target_logprob[j])
-                        tg = dict(tgt_refs[j], rank=int(st.target_rank[j]), logprob=_f(lp),
+                    if int(tgts[j]) >= 0:
+                        lp = float(lps[j])
+                        tg = dict(tgt_refs[j], rank=int(ranks[j]), logprob=_f(lp),
                                   prob=_f(np.exp(lp)))
                     rows.append({"position": q, "top": top, "target": tg})
                 states.append({"label": label, "hook": hook,
