@@ -503,3 +503,49 @@ def test_cells_that_cannot_change_the_metric_are_skipped(client, pair):
     g2 = client.post("/v1/patch", json={**_ld_request(pair, hook="z", by_position=True),
                                         "corrupted_tokens": other}).json()["grid"]
     assert g2["cells_skipped"] == L * H
+
+
+@pytest.mark.slow
+def test_gpt2_small_grids_equal_transformerlens(tmp_path, make_client):
+    """On a random GPT-2-small-shaped model (12 layers, 12 heads, d_model 768, vocabulary
+    50257): the [layer, head] grid of q and the [layer, head, dest_pos] pattern grid of layer 7
+    (TL on those cells through index_df) equal TransformerLens 4.3 to max(1e-5, 2 x TL's
+    clean logit gap)."""
+    import pandas as pd
+    from transformer_lens import patching
+    from transformers import GPT2LMHeadModel
+
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+    from interventions_reference import gpt2_small_dir
+
+    d = gpt2_small_dir(tmp_path / "gpt2small")
+    c = make_client(Runtime.load(Settings(model=str(d))), model=str(d))
+    b = tl_bridge(d)
+    clean = induction_ids(1, 4, 2)  # ids of the bundled tokenizer (gpt2_small_dir uses it)
+    corrupted = clean[:2] + induction_ids(7, 7, 1)[1:]
+    T = len(clean)
+    pr = (clean, corrupted)
+    _, cache = b.run_with_cache(torch.tensor([clean]))
+    metric = _tl_metric(pr)
+    hf = GPT2LMHeadModel.from_pretrained(d, attn_implementation="eager").eval()
+    with torch.no_grad():
+        gap = max(float((b(torch.tensor([x])) - hf(torch.tensor([x]), use_cache=False).logits
+                         ).abs().max()) for x in pr)
+    bound = max(1e-5, 2 * gap)
+    r = c.post("/v1/patch", json=_ld_request(pr, hook="q"))
+    assert r.status_code == 200, r.text
+    ours = _np(r.json()["grid"]["raw"])
+    ref = patching.get_act_patch_attn_head_q_all_pos(b, torch.tensor([corrupted]), cache,
+                                                     metric).double().numpy()
+    assert ours.shape == ref.shape == (12, 12)
+    assert np.abs(ours - ref).max() <= bound, (np.abs(ours - ref).max(), gap)
+    r = c.post("/v1/patch", json=_ld_request(pr, hook="pattern", by_position=True,
+                                             patch_layers=[7]))
+    ours = _np(r.json()["grid"]["raw"])[7]
+    df = pd.DataFrame([(7, h, q) for h in range(12) for q in range(T)],
+                      columns=["layer", "head_index", "dest_pos"])
+    ref = patching.get_act_patch_attn_head_pattern_by_pos(
+        b, torch.tensor([corrupted]), cache, metric, index_axis_names=None,
+        index_df=df).double().numpy().reshape(12, T)
+    assert np.abs(ours - ref).max() <= bound, (np.abs(ours - ref).max(), gap)
