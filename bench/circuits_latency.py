@@ -6,7 +6,8 @@ speed-up: its ``service/serving/circuits.py`` and ``service/analysis/circuits.py
 as the endpoint of a second app on the same runtime) against the working tree's, in one run,
 alternating (old, new, old, new, ...): each
 run drops the kept circuits first, so every run is a first request; then a second request
-(served from what the first kept).
+(served from what the first kept). Last, the service as started (the lifespan loads the model
+and computes the circuits before /readyz says ready): the time to ready and its first request.
 
     .venv/bin/python bench/circuits_latency.py                   # 3 runs each
     .venv/bin/python bench/circuits_latency.py --runs 5 --old-ref 75c80c3
@@ -160,6 +161,15 @@ def main() -> None:
         parts_new = breakdown(S, S.C, rt)
         _, t_resp, _ = timed(lambda: (drop_kept(rt), S._kept(rt)))
         drop_kept(rt)
+    # the service as started: the lifespan loads the model and precomputes the circuits
+    # before /readyz says ready; then the first request
+    t0 = time.perf_counter()
+    with TestClient(create_app(Settings(model=str(path)))) as c:
+        while c.get("/readyz").status_code != 200:
+            assert c.app.state.load_error is None, c.app.state.load_error
+            time.sleep(0.02)
+        t_ready = time.perf_counter() - t0
+        _, t_first_started, _ = timed(lambda: c.post("/v1/circuits"))
     load_after = os.getloadavg()
     diff = max(float(np.abs(np.array(bodies["old"]["composition"][m])
                             - np.array(bodies["new"]["composition"][m])).max())
@@ -173,12 +183,15 @@ def main() -> None:
     print("new first request, by part (s): " + ", ".join(f"{k} {v:.2f}" for k, v in
                                                         parts_new.items())
           + f"; computed and kept with the response's numbers {t_resp:.2f}")
+    print(f"started service (model load + circuits at start-up): ready after {t_ready:.2f} s; "
+          f"first /v1/circuits request then {t_first_started * 1e3:.0f} ms (empty body)")
     print(f"max |old - new| composition score: {diff:.2e}")
     print(f"load average before {load_before}, after {load_after}")
     out = ROOT / "bench" / "results"
     out.mkdir(exist_ok=True)
     f = out / f"circuits_latency-{time.strftime('%Y%m%d-%H%M%S')}.json"
     f.write_text(json.dumps({"runs": res, "parts_new": parts_new, "kept_total": t_resp,
+                             "started_ready_s": t_ready, "started_first_request_s": t_first_started,
                              "max_abs_diff": diff, "old_ref": args.old_ref,
                              "loadavg_before": load_before, "loadavg_after": load_after,
                              "cpus": os.cpu_count(), "threads": torch.get_num_threads()},
