@@ -576,3 +576,22 @@ def test_llama3_rope_scaling_is_reported_and_served_exactly(family_root):
     assert torch.equal(fw.pattern, torch.stack(out.attentions)[:, 0])
     params = {lyr: AttentionParams.of(rt.adapter, lyr) for lyr in range(2)}
     assert verify(fw.tensors, params, projections=True)["max_abs_diff"] == 0.0
+
+
+def test_bundled_llama_is_served_bit_for_bit():
+    """``--model bundled-llama`` (RoPE, GQA 4/2, RMSNorm, SwiGLU): patterns and the final
+    norm's output equal HF eager's; GET /v1/model's facts say so."""
+    from attnscope.service.config import BUNDLED
+
+    rt = Runtime.load(Settings(model="bundled-llama"))
+    f = rt.info["attention"]
+    assert rt.info["family"] == "llama" and f["positions"] == "rotary"
+    assert f["n_kv_heads"] < rt.adapter.n_heads and f["norm"] == "rmsnorm"
+    (fw,) = rt.forward_many([rt.tokenize("In the beginning God created the heaven and the "
+                                         "earth.", add_bos=True)])
+    hf = AutoModelForCausalLM.from_pretrained(BUNDLED["bundled-llama"][0],
+                                              attn_implementation="eager").eval()
+    out = hf_forward(hf, torch.tensor([fw.tokens.input_ids]))
+    assert torch.equal(fw.pattern, torch.stack(out.attentions)[:, 0])
+    assert torch.equal(fw.tensors.final_state, out.hidden_states[-1][0])
+    assert torch.equal(fw.scores().softmax(-1), fw.pattern)
