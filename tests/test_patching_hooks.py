@@ -549,3 +549,21 @@ def test_gpt2_small_grids_equal_transformerlens(tmp_path, make_client):
         b, torch.tensor([corrupted]), cache, metric, index_axis_names=None,
         index_df=df).double().numpy().reshape(12, T)
     assert np.abs(ours - ref).max() <= bound, (np.abs(ours - ref).max(), gap)
+
+
+def test_attribution_subsets(client, pair):
+    """Attribution with subsets: an all-position head cell with patch_positions is the sum of
+    its by-position cells over those positions (first order: the estimates add); cells
+    outside patch_layers / patch_heads are null, as in the exact grid."""
+    ps = [7, 9, 11]
+    base = _ld_request(pair, method="attribution", add_bos=False)
+    by = _np(client.post("/v1/patch", json={**base, "hook": "z", "by_position": True}
+                         ).json()["grid"]["raw"])
+    r = client.post("/v1/patch", json={**base, "hook": "z", "patch_positions": ps}).json()
+    k = r["corrupted_value"]
+    together = _np(r["grid"]["raw"])
+    assert np.abs(together - (k + (by[:, ps] - k).sum(1))).max() <= 1e-5
+    sub = _np(client.post("/v1/patch", json={**base, "hook": "z", "patch_layers": [0],
+                                             "patch_heads": [1, 3]}).json()["grid"]["raw"])
+    assert np.isnan(sub[1]).all() and np.isnan(sub[0, [0, 2]]).all()
+    assert np.isfinite(sub[0, [1, 3]]).all()
