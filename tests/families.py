@@ -15,6 +15,8 @@ embedding scale (Gemma).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -70,7 +72,8 @@ def family_checkpoint(family: str, root: Path, seed: int = 0, **overrides) -> Pa
     bundled tokenizer under ``root / family``; returns that directory (reused if present)."""
     import transformers as tf
 
-    path = Path(root) / (family if not overrides else f"{family}-{abs(hash(tuple(sorted(overrides.items()))))}")
+    tag = hashlib.sha256(json.dumps(overrides, sort_keys=True, default=str).encode()).hexdigest()
+    path = Path(root) / (family if not overrides else f"{family}-{tag[:12]}")
     if (path / "model.safetensors").exists():
         return path
     torch.manual_seed(seed)
