@@ -729,7 +729,8 @@ export function compositionGraph(container, c, opts = {}) {
 export function patchView(box, r, opts = {}) {
   box.replaceChildren();
   const add = (cls) => { const d = document.createElement("div"); d.className = cls; box.append(d); return d; };
-  const metricName = r.metric === "loss" ? "loss (nats)" : `logit difference ${JSON.stringify(r.logit_diff.target.label)} \u2212 ${JSON.stringify(r.logit_diff.distractor.label)}`;
+  const metricName = r.logit_diff ? `logit difference ${JSON.stringify(r.logit_diff.target.label)} \u2212 ${JSON.stringify(r.logit_diff.distractor.label)}`
+    : r.metric === "loss" ? "loss (nats)" : `declared metric ${r.metric}`;
   const head = add("note");
   head.textContent = `${metricName}: clean ${fmtNum(r.clean_value, 4)}, corrupted ${fmtNum(r.corrupted_value, 4)}` +
     (r.approximation ? `; ${r.approximation}` : "");
@@ -740,11 +741,35 @@ export function patchView(box, r, opts = {}) {
   let perPos = r.heads_per_position, resid = r.residual;
   if (equal) {  // 0 / 0: no grid at all (a symmetric scale would paint float noise dark red)
     let raw = 0;
-    for (const row of r.heads_raw) for (const v of row) if (v !== null) raw = Math.max(raw, Math.abs(v - r.corrupted_value));
+    const flat = (a) => Array.isArray(a) ? a.flatMap(flat) : [a];
+    for (const v of flat(r.grid ? r.grid.raw : r.heads_raw)) if (v !== null) raw = Math.max(raw, Math.abs(v - r.corrupted_value));
     const msg = add("panel-msg patch-equal");
     msg.textContent = `The clean and corrupted runs give the same ${metricName} (${fmtNum(r.clean_value, 6)}): the normalised ` +
       "effect (patched \u2212 corrupted) / (clean \u2212 corrupted) divides by zero, so no cell has a value and no grid is drawn. " +
       `The largest raw change any patched head makes is ${fmtNum(raw, 2)}. Choose a corrupted text that changes the metric.`;
+    return;
+  }
+  if (r.grid) {  // /v1/patch hook: TransformerLens' get_act_patch_* grid at that hook
+    const g = r.grid, isPos = (a) => a === "pos" || a === "dest_pos";
+    const opt = (ax) => ({ rowTitle: ax[0], colTitle: ax[1], label: norm, colLabels: isPos(ax[1]) ? labels : undefined,
+      rowLabels: isPos(ax[0]) ? labels : undefined });
+    const title = `${opts.model || r.model.id} \u00b7 ${g.hook_name} patched (${g.function})`;
+    if (g.axes.length === 2) {
+      divergingGrid(add("patch-grid"), g.normalized, { ...opt(g.axes), title });
+    } else {
+      let vmax = 0;
+      for (const L of g.normalized) for (const row of L) for (const v of row) if (v !== null) vmax = Math.max(vmax, Math.abs(v));
+      const ctl = add("ctrl");
+      const sel = document.createElement("select");
+      sel.className = "patch-layer";
+      g.normalized.forEach((_, l) => sel.append(new Option(`layer ${l}`, String(l))));
+      const lab = document.createElement("label"); lab.append("layer: ", sel); ctl.append(lab);
+      const box2 = add("patch-grid");
+      const draw = () => divergingGrid(box2, g.normalized[+sel.value], { ...opt(g.axes.slice(1)), vmax: vmax || 1,
+        title: `${title}, layer ${sel.value} (scale shared by every layer)` });
+      sel.addEventListener("change", draw);
+      draw();
+    }
     return;
   }
   divergingGrid(add("patch-heads"), heads, { rowTitle: "layer", colTitle: "head", label: norm,
