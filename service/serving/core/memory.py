@@ -4,12 +4,14 @@ The estimate counts the big tensors only (activations are O(T^2) or O(T * d_mode
 the tokenizer and Python objects are outside it), from the model's shapes:
 
 * recorded, per text of T tokens (what :class:`ForwardTensors` keeps, in the model dtype):
-  pattern ``L*H*T^2`` + hidden states ``(L+1)*T*D`` + q, k, v, attention input and output
-  ``5*L*T*D`` elements;
+  pattern ``L*H*T^2`` + hidden states and the final norm's output ``(L+2)*T*D`` + q, k, v
+  ``L*T*W`` + attention input and output ``2*L*T*D`` elements, where ``W`` = q, k and v's widths
+  together, ``(n_heads + 2 * n_kv_heads) * d_head`` (:func:`qkv_width`: ``3*D`` for GPT-2, less
+  with grouped-query attention, other than ``3*D`` where ``n_heads * d_head != d_model``, Gemma);
 * transient, per padded forward chunk of ``b`` texts padded to ``Tp`` tokens (Hugging Face's
   eager attention with ``output_attentions``): all layers' attentions ``b*L*H*Tp^2`` (kept until
   unpadded), one layer's scores + softmax ``2*b*H*Tp^2``, hidden states ``b*(L+1)*Tp*D``, the
-  captured q/k/v + attention input/output ``5*b*L*Tp*D``, the MLP ``4*b*Tp*D``;
+  captured q/k/v + attention input/output ``b*L*Tp*(W+2*D)``, the MLP ``4*b*Tp*D``;
 * plus what the endpoint says its response needs (``extra``, e.g.
   :func:`attnscope.service.encoding.estimate_encoded_bytes`).
 
@@ -32,19 +34,28 @@ from ...errors import MemoryLimitExceeded
 from ...runtime.results import recorded_bytes
 
 
+def qkv_width(adapter) -> int:
+    """Recorded q, k and v's widths together per token and layer:
+    ``(n_heads + 2 * n_kv_heads) * d_head`` (q ``[head, pos, d_head]``, k/v on the key/value
+    heads ``[kv_head, pos, d_head]``)."""
+    return (adapter.n_heads + 2 * adapter.n_kv_heads) * adapter.d_head
+
+
 def forward_bytes(
     n_layers: int, n_heads: int, d_model: int, lengths: Sequence[int], element_size: int,
-    batch_size: int,
+    batch_size: int, qkv_width: int | None = None,
 ) -> int:
     """Estimated peak bytes of the forwards of texts of ``lengths`` tokens, in chunks of
-    ``batch_size`` texts (padded to the chunk's longest), dtype of ``element_size`` bytes."""
+    ``batch_size`` texts (padded to the chunk's longest), dtype of ``element_size`` bytes;
+    ``qkv_width``: q, k and v's widths together (:func:`qkv_width`; default ``3 * d_model``)."""
     L, H, D = n_layers, n_heads, d_model
-    total = sum(recorded_bytes(L, H, D, T, element_size) for T in lengths)
+    W = 3 * D if qkv_width is None else int(qkv_width)
+    total = sum(recorded_bytes(L, H, D, T, element_size, qkv_width=W) for T in lengths)
     transient = 0
     for s in range(0, len(lengths), max(1, batch_size)):
         chunk = lengths[s : s + batch_size]
         b, Tp = len(chunk), max(chunk)
-        t = b * (L * H * Tp * Tp + 2 * H * Tp * Tp + (L + 1) * Tp * D + 5 * L * Tp * D + 4 * Tp * D)
+        t = b * (L * H * Tp * Tp + 2 * H * Tp * Tp + (L + 1) * Tp * D + (W + 2 * D) * L * Tp + 4 * Tp * D)
         transient = max(transient, element_size * t)
     return total + transient
 
@@ -63,7 +74,7 @@ def check_memory(
     """Raise :class:`MemoryLimitExceeded` (422) when the forwards of texts of ``lengths`` tokens
     plus ``extra`` bytes (the endpoint's ``what``) exceed ``rt.settings.max_request_bytes``.
 
-    ``rt``: a Runtime (its adapter's n_layers/n_heads/d_model, the weights' dtype, the
+    ``rt``: a Runtime (its adapter's n_layers/n_heads/n_kv_heads/d_head/d_model, the weights' dtype, the
     settings' forward_batch_size). ``limit``: the app's ``max_request_bytes`` when it differs
     from the runtime's (an app built around an existing Runtime); the smaller non-zero of the
     two applies. ``detail`` is appended to the text count in the message (e.g. ", one of them
@@ -75,7 +86,7 @@ def check_memory(
         a = rt.adapter
         es = torch.empty((), dtype=next(rt.model.parameters()).dtype).element_size()
         fwd = forward_bytes(a.n_layers, a.n_heads, a.d_model, list(lengths), es,
-                            rt.settings.forward_batch_size)
+                            rt.settings.forward_batch_size, qkv_width=qkv_width(a))
     total = fwd + int(extra)
     limits = [x for x in (getattr(getattr(rt, "settings", None), "max_request_bytes", 0), limit) if x]
     limit = min(limits) if limits else 0
