@@ -14,6 +14,7 @@ ERROR_TYPES: dict[str, int] = {
     "out_of_range": 422,             # a layer or head index outside the model
     "batch_too_large": 422,          # more texts than max_batch
     "memory_limit_exceeded": 422,    # the memory estimate is over max_request_bytes
+    "device_limit_exceeded": 422,    # the device-work estimate (FLOP) is over max_request_flops
     "unsupported_model": 422,        # predictions / ablate / patch on a model without an LM head
     "unsupported_model_config": 422,  # the model's config sets a switch an analysis lacks
     "unauthorized": 401,             # API keys configured, none or a wrong one given
@@ -25,6 +26,7 @@ ERROR_TYPES: dict[str, int] = {
     "internal_error": 500,           # a bug (logged with the request id)
     "non_finite_values": 500,        # the model produced NaN/inf
     "not_ready": 503,                # the model is not loaded (yet)
+    "shutting_down": 503,            # the server is draining (SIGTERM); retry elsewhere
     "timeout": 504,                  # the request ran past request_timeout_s
 }
 """Envelope ``error.type`` -> HTTP status."""

@@ -153,10 +153,11 @@ class Settings(BaseSettings):
         "the proxy's address: raise it or set 0 (no limit).",
     )
     slow_sender_s: float = Field(
-        1.0, ge=0, description="A connection whose request has been arriving (headers, or a "
-        "body the server reads) this many seconds is a slow sender: when max_connections or "
-        "max_client_connections is reached and no connection is idle, the slowest is evicted "
-        "with 408 to make room before a newcomer is refused.",
+        0.25, ge=0, description="When max_connections or max_client_connections is reached "
+        "and no connection is idle, of the connections whose request has been arriving "
+        "(headers, or a body the server reads) at least this many seconds the one that sent "
+        "the fewest bytes per second is evicted with 408 to make room, before a newcomer is "
+        "refused (slow-loris clients cannot hold every slot).",
     )
     shutdown_grace_s: float = Field(
         30.0, ge=1, description="On SIGTERM/SIGINT: seconds the requests in flight may take "

@@ -93,14 +93,6 @@ class DeviceLimitExceeded(InvalidRequest):
     type = "device_limit_exceeded"
 
 
-class ClientClosed(AttnscopeError):
-    """The client went away while its job ran; the job was stopped. Never sent (nobody
-    listens); the access log records 499."""
-
-    type = "client_closed"
-    status = 499
-
-
 class Unauthorized(AttnscopeError):
     type = "unauthorized"
     status = 401

@@ -60,6 +60,10 @@ log = logging.getLogger("attnscope.server")
 
 FD_RESERVE = 256  # descriptors kept for everything but client connections
 LINGER_S = 5.0
+FRESH_GRACE_S = 0.05
+"""A connection just accepted is not evicted as idle for this long: its client's first bytes
+are on their way (under a connection flood each newcomer would otherwise evict the one
+accepted just before it)."""
 """Most seconds a closing connection keeps reading (and dropping) what its client still sends
 after the last response and a FIN (the lingering close; nginx's ``lingering_timeout``)."""
 
@@ -123,7 +127,7 @@ class _CycleTransport:
 
 def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,
                      body_timeout_s: float = 0.0, max_client_connections: int = 0,
-                     slow_sender_s: float = 1.0):
+                     slow_sender_s: float = 0.25):
     """A uvicorn HTTP protocol class enforcing the limits of the module docstring."""
     from .ops.middlewares import CLIENT_STATUS_KEY
 
@@ -134,7 +138,9 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
         from uvicorn.protocols.http.h11_impl import H11Protocol as Base
         httptools = False
 
-    idle: dict[Any, None] = {}  # connections with no request in flight, oldest first
+    # connections with no request in flight, oldest first, each with the loop time before
+    # which it is not evicted (a fresh connection's first bytes are on their way)
+    idle: dict[Any, float] = {}
     # connections whose client is sending a request (headers, or a body the server reads),
     # oldest first, with the loop time the request began: the slow ones go before others
     sending: dict[Any, float] = {}
@@ -157,6 +163,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             peer = transport.get_extra_info("peername")
             self._peer = peer[0] if isinstance(peer, tuple) and peer else str(peer)
             self._counted = False
+            self._rx = 0  # bytes received since the current request began
             if max_client_connections and \
                     per_client.get(self._peer, 0) >= max_client_connections and \
                     not self._make_room(self._peer):
@@ -169,7 +176,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
                     "shortly", "max_connections")
             per_client[self._peer] = per_client.get(self._peer, 0) + 1
             self._counted = True
-            idle[self] = None
+            idle[self] = self.loop.time() + FRESH_GRACE_S
             self._arm()
 
         def _refuse_connection(self, message: str, limit: str) -> None:
@@ -181,22 +188,36 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
 
         def _make_room(self, peer: str | None) -> bool:
             """Close one connection (of client ``peer`` only, when given) to make room: the
-            one idle the longest; else the one sending its request the longest, once that is
-            over ``slow_sender_s`` (a trickling client: 408; a body the server is not reading
-            is not the client's fault and never counts). False when none qualifies."""
+            one idle the longest (past its first FRESH_GRACE_S); else, of the connections whose request has been arriving for
+            at least ``slow_sender_s``, the one that sent the fewest bytes per second since
+            (a trickling client: 408; a body the server is not reading is not the client's
+            fault and never counts); else the oldest fresh one. False when none qualifies."""
+            now = self.loop.time()
+            victim = next((c for c, until in idle.items() if until <= now and
+                           (peer is None or c._peer == peer)), None)
+            if victim is not None:
+                idle.pop(victim, None)
+                victim._drop()
+                return True
+            best, best_rate, best_age = None, float("inf"), 0.0
+            for c, since in sending.items():  # oldest first
+                age = now - since
+                if age < slow_sender_s:
+                    break  # the rest began later
+                if (peer is None or c._peer == peer) and not c.flow.read_paused and \
+                        not c.transport.is_closing():
+                    rate = c._rx / max(age, 1e-9)  # bytes per second since its request began
+                    if rate < best_rate:
+                        best, best_rate, best_age = c, rate, age
+            if best is not None:
+                best._evict_slow(best_age)
+                return True
+            # a flood of fresh connections: the oldest of them, within its grace too
             victim = next((c for c in idle if peer is None or c._peer == peer), None)
             if victim is not None:
                 idle.pop(victim, None)
                 victim._drop()
                 return True
-            now = self.loop.time()
-            for c, since in list(sending.items()):  # oldest first
-                if now - since < slow_sender_s:
-                    break
-                if (peer is None or c._peer == peer) and not c.flow.read_paused and \
-                        not c.transport.is_closing():
-                    c._evict_slow(now - since)
-                    return True
             return False
 
         def _evict_slow(self, age: float) -> None:
@@ -228,6 +249,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
                     sending[self] = self.loop.time()
             else:
                 sending.pop(self, None)
+                self._rx = 0  # the next request counts from its own first byte
 
         def _drop(self) -> None:
             self._disarm()
@@ -352,7 +374,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             self._unset_keepalive_if_required()
             if httptools:
                 self.pipeline.clear()  # requests queued behind the last one: not answered
-            idle[self] = None  # first to go when connections run short
+            idle[self] = 0.0  # first to go when connections run short
             try:
                 self.transport.write_eof()
             except (OSError, RuntimeError, NotImplementedError):
@@ -386,6 +408,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
                 return  # after the last response: read and dropped
             if self.transport.is_closing():
                 return
+            self._rx += len(data)
             if self._reading:
                 self._hdr_bytes += len(data)  # a header trickled in over many reads
                 if not self._any_bytes:
@@ -485,7 +508,7 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
                 if not self.transport.is_closing() and not self._lingering and \
                         not self.pipeline:
                     self._reading, self._hdr_bytes, self._any_bytes = True, 0, False
-                    idle[self] = None  # uvicorn's keep-alive timer closes it in time
+                    idle[self] = 0.0  # uvicorn's keep-alive timer closes it in time
 
     return GuardedProtocol
 
@@ -523,8 +546,8 @@ def uvicorn_config(app, settings) -> "Any":
         http=guarded_protocol(max_conn, settings.header_timeout_s, settings.max_header_bytes,
                               settings.body_timeout_s,
                               getattr(settings, "max_client_connections", 0),
-                              getattr(settings, "slow_sender_s", 1.0)),
-        limit_concurrency=max_conn + 8,
+                              getattr(settings, "slow_sender_s", 0.25)),
+        limit_concurrency=max_conn + 64,  # evicted ones count until their close completes
         timeout_keep_alive=max(1, int(round(settings.keep_alive_timeout_s))),
         h11_max_incomplete_event_size=settings.max_header_bytes,
         backlog=2048,  # accept at once: the guard, not the kernel queue, sheds the excess

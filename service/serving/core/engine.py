@@ -31,7 +31,7 @@ from fastapi import Response
 from ...analysis._blas import torch_threads_for
 from ...encoding import respond
 from ...errors import (
-    BatchTooLarge, ClientClosed, DeviceLimitExceeded, NotReady, ShuttingDown, Timeout,
+    BatchTooLarge, DeviceLimitExceeded, NotReady, ShuttingDown, Timeout,
 )
 from . import cancel
 from .budget import MemoryBudget, Ticket, default_budget
@@ -121,7 +121,7 @@ class Engine:
         :class:`BatchTooLarge` / context-length 422s from tokenizing,
         ``MemoryLimitExceeded`` / ``DeviceLimitExceeded`` (422), ``Overloaded`` (429),
         :class:`NotReady` / ``ShuttingDown`` (503), ``Timeout`` (504, the job stopped at the
-        deadline), ``ClientClosed`` (the client went away; never sent).
+        deadline, or the client went away: never sent, logged as 499).
         """
         rt = self.runtime if needs_model else getattr(self._state, "runtime", None)
         req = self.resolve(rt, req)
@@ -286,7 +286,7 @@ class Engine:
         by the caller (who holds the ticket); else the budget is held for this turn only.
         ``token``: the turn runs under it (service/serving/core/cancel.py): a cancelled job
         stops at its next torch op or checkpoint and its turn ends at once (504 ``timeout``,
-        503 ``shutting_down``, or ``ClientClosed``)."""
+        503 ``shutting_down``; a client gone: never sent)."""
         if not admitted:
             ticket = await self.admit(rt, p)
             try:
@@ -351,8 +351,8 @@ def stopped(reason: str, token: cancel.CancelToken | None = None) -> Exception:
     if reason == cancel.SHUTDOWN:
         return ShuttingDown("the service is shutting down and stopped this request's work at "
                             "the end of its grace period; retry (another replica answers)")
-    if reason == cancel.DISCONNECT:
-        return ClientClosed("the client went away; its work was stopped")
+    if reason == cancel.DISCONNECT:  # never sent (nobody listens); the access log says 499
+        return Timeout("the client went away; its work was stopped")
     return Timeout("the request ran past its time limit (request_timeout_s); its work was "
                    "stopped and the device given to the next request")
 
