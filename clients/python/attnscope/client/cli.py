@@ -1133,15 +1133,18 @@ def cmd_logit_attribution(args) -> int:
                       f"  (parts {_fmt(d.sum_of_parts)} + ln_final bias {_fmt(d.ln_final_bias)},"
                       f" error {_fmt(d.residual_error)}; frozen scale {_fmt(d.scale)})")
                 n_heads = len(d.heads[0]) if d.heads else 0
+                bias = getattr(d, "attn_bias", None)  # null: a model without b_O (rotary families)
                 rows = [[layer] + [f"{v:+.3f}" for v in d.heads[layer]]
-                        + [f"{d.attn_bias[layer]:+.3f}", f"{d.mlp[layer]:+.3f}"]
-                        for layer in range(len(d.heads))]
-                print(_table(rows, ["layer"] + [f"H{h}" for h in range(n_heads)] + ["b_O", "MLP"]))
-                parts = [("embed", d.embed), ("pos_embed", d.pos_embed)]
+                        + ([] if bias is None else [f"{bias[layer]:+.3f}"])
+                        + [f"{d.mlp[layer]:+.3f}"] for layer in range(len(d.heads))]
+                print(_table(rows, ["layer"] + [f"H{h}" for h in range(n_heads)]
+                             + ([] if bias is None else ["b_O"]) + ["MLP"]))
+                parts = [("embed", d.embed), ("pos_embed", getattr(d, "pos_embed", None))]
                 parts += [(f"L{la}H{h}", v) for la, row in enumerate(d.heads)
                           for h, v in enumerate(row)]
                 parts += [(f"MLP{la}", v) for la, v in enumerate(d.mlp)]
-                parts += [(f"b_O{la}", v) for la, v in enumerate(d.attn_bias)]
+                parts += [(f"b_O{la}", v) for la, v in enumerate(bias or [])]
+                parts = [(n, v) for n, v in parts if v is not None]
                 top = sorted(parts, key=lambda x: -abs(x[1]))[:max(0, args.top)]
                 print("largest parts: " + ", ".join(f"{n} {v:+.3f}" for n, v in top))
     if args.plot:
