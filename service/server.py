@@ -60,6 +60,9 @@ log = logging.getLogger("attnscope.server")
 
 FD_RESERVE = 256  # descriptors kept for everything but client connections
 LINGER_S = 5.0
+SLOW_SCAN = 64
+"""At most this many of the oldest senders are compared when one is evicted (bounded loop
+time per new connection under a flood)."""
 FRESH_GRACE_S = 0.05
 """A connection just accepted is not evicted as idle for this long: its client's first bytes
 are on their way (under a connection flood each newcomer would otherwise evict the one
@@ -199,13 +202,14 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
                 idle.pop(victim, None)
                 victim._drop()
                 return True
-            best, best_rate, best_age = None, float("inf"), 0.0
+            best, best_rate, best_age, seen = None, float("inf"), 0.0, 0
             for c, since in sending.items():  # oldest first
                 age = now - since
-                if age < slow_sender_s:
-                    break  # the rest began later
+                if age < slow_sender_s or seen >= SLOW_SCAN:
+                    break  # the rest began later (or: enough candidates, the loop's time)
                 if (peer is None or c._peer == peer) and not c.flow.read_paused and \
                         not c.transport.is_closing():
+                    seen += 1
                     rate = c._rx / max(age, 1e-9)  # bytes per second since its request began
                     if rate < best_rate:
                         best, best_rate, best_age = c, rate, age
