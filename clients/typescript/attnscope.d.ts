@@ -1627,7 +1627,7 @@ export interface components {
             param?: string | null;
             /**
              * Type
-             * @description Machine-readable error type (branch on this): validation_error (422), context_length_exceeded (422), out_of_range (422), batch_too_large (422), memory_limit_exceeded (422), unsupported_model (422), unsupported_model_config (422), unauthorized (401), not_found (404), method_not_allowed (405), not_acceptable (406), payload_too_large (413), overloaded (429), internal_error (500), non_finite_values (500), not_ready (503), timeout (504).
+             * @description Machine-readable error type (branch on this): validation_error (422), context_length_exceeded (422), out_of_range (422), batch_too_large (422), memory_limit_exceeded (422), device_limit_exceeded (422), unsupported_model (422), unsupported_model_config (422), unauthorized (401), not_found (404), method_not_allowed (405), not_acceptable (406), payload_too_large (413), overloaded (429), internal_error (500), non_finite_values (500), not_ready (503), shutting_down (503), timeout (504).
              */
             type: string;
         } & {
