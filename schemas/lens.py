@@ -137,22 +137,35 @@ class DLAPosition(LenientModel):
     logit_diff: float = Field(description="The served value: logits[target] (- logits["
                               "distractor]) of the model's forward at this position.")
     scale: float = Field(description="ln_final.hook_scale at this position, sqrt(var(x) + "
-                         "eps) of the last residual state: the frozen scale every part is "
-                         "divided by.")
+                         "eps) of the last residual state (RMSNorm: sqrt(mean(x^2) + eps)): "
+                         "the frozen scale every part is divided by.")
     embed: float = Field(description="hook_embed's part.")
-    pos_embed: float = Field(description="hook_pos_embed's part.")
+    pos_embed: float | None = Field(description="hook_pos_embed's part; null on the rotary "
+                                    "families (positions enter through RoPE: no such "
+                                    "component).")
     heads: list[list[float]] = Field(description="[layer][head]: blocks.{l}.attn.hook_result's "
-                                     "part (z_h W_O^h, without b_O).")
-    attn_bias: list[float] = Field(description="[layer]: the attention output bias b_O's part.")
+                                     "part (z_h W_O^h, without b_O). Gemma 2: the head's share "
+                                     "of hook_attn_out (after the post-attention norm, what "
+                                     "enters the residual stream) with ln1_post's scale frozen "
+                                     "from the run, result_h / s_post * (1 + w_post).")
+    attn_bias: list[float] | None = Field(description="[layer]: the attention output bias "
+                                          "b_O's part; null where the model has no b_O "
+                                          "(Llama, Mistral, Qwen2, Gemma, Gemma 2).")
     mlp: list[float] = Field(description="[layer]: blocks.{l}.hook_mlp_out's part (its b_out "
                              "included).")
     ln_final_bias: float = Field(description="b · d: ln_final's bias on the direction, the "
-                                 "one term that is not a residual component.")
+                                 "one term that is not a residual component (0 for RMSNorm, "
+                                 "which has no bias).")
+    pre_softcap_logit_diff: float | None = Field(
+        None, description="Gemma 2 only (else null): the logit difference before the final "
+        "soft-cap tanh(z / cap) * cap, which the parts decompose (the capped logit_diff is "
+        "not a sum of parts).")
     sum_of_parts: float = Field(description="embed + pos_embed + sum(heads) + sum(attn_bias) + "
                                 "sum(mlp).")
-    residual_error: float = Field(description="logit_diff - (sum_of_parts + ln_final_bias): "
-                                  "float rounding only (the parts decompose the final state "
-                                  "exactly once the scale is frozen).")
+    residual_error: float = Field(description="logit_diff (Gemma 2: pre_softcap_logit_diff) - "
+                                  "(sum_of_parts + ln_final_bias): float rounding only (the "
+                                  "parts decompose the final state exactly once the scale is "
+                                  "frozen).")
 
 
 class DLAPrompt(LenientModel):

@@ -668,7 +668,6 @@ def test_path_patch_equals_a_transformerlens_hand_loop(fam, served, case):
 
 
 @pytest.mark.parametrize("path,body,words", [
-    ("/v1/logit-attribution", {"token_lists": [[0, 5, 6, 7]], "target": 5}, "hook_pos_embed"),
     ("/v1/circuits", {"top_k": 3}, "attn_w"),
 ])
 def test_gpt2_only_analyses_are_a_named_422(fam, served, path, body, words):
@@ -681,16 +680,10 @@ def test_gpt2_only_analyses_are_a_named_422(fam, served, path, body, words):
 
 
 def test_logit_lens_on_the_families(fam, served):
-    """GPT-NeoX (LayerNorm): the lens' final state equals the served logits; the RMSNorm
-    families: a 422 naming RMSNorm."""
-    from conftest import assert_error
-
+    """Every family (LayerNorm and RMSNorm, Gemma 2's soft-cap): the lens' final state equals
+    the served logits (more in tests/test_lens_families.py)."""
     client, rt = served
     r = client.post("/v1/logit-lens", json={"token_lists": [IDS[0].tolist()], "top_k": 1})
-    if fam.parts.norm != "ln":
-        e = assert_error(r, 422, type_="unsupported_model_config")
-        assert "RMSNorm" in e["message"], e
-        return
     assert r.status_code == 200, r.text
     final = r.json()["prompts"][0]["states"][-1]  # final_post, ln "own" = ln_final: the logits
     lp = torch.log_softmax(fam.hf_logits(IDS[:1]).logits[0].double(), -1)

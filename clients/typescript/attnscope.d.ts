@@ -1463,9 +1463,9 @@ export interface components {
         DLAPosition: {
             /**
              * Attn Bias
-             * @description [layer]: the attention output bias b_O's part.
+             * @description [layer]: the attention output bias b_O's part; null where the model has no b_O (Llama, Mistral, Qwen2, Gemma, Gemma 2).
              */
-            attn_bias: number[];
+            attn_bias: number[] | null;
             /**
              * Distractor
              * @description Distractor token id, or null.
@@ -1478,12 +1478,12 @@ export interface components {
             embed: number;
             /**
              * Heads
-             * @description [layer][head]: blocks.{l}.attn.hook_result's part (z_h W_O^h, without b_O).
+             * @description [layer][head]: blocks.{l}.attn.hook_result's part (z_h W_O^h, without b_O). Gemma 2: the head's share of hook_attn_out (after the post-attention norm, what enters the residual stream) with ln1_post's scale frozen from the run, result_h / s_post * (1 + w_post).
              */
             heads: number[][];
             /**
              * Ln Final Bias
-             * @description b · d: ln_final's bias on the direction, the one term that is not a residual component.
+             * @description b · d: ln_final's bias on the direction, the one term that is not a residual component (0 for RMSNorm, which has no bias).
              */
             ln_final_bias: number;
             /**
@@ -1498,22 +1498,27 @@ export interface components {
             mlp: number[];
             /**
              * Pos Embed
-             * @description hook_pos_embed's part.
+             * @description hook_pos_embed's part; null on the rotary families (positions enter through RoPE: no such component).
              */
-            pos_embed: number;
+            pos_embed: number | null;
             /**
              * Position
              * @description The position (negatives resolved).
              */
             position: number;
             /**
+             * Pre Softcap Logit Diff
+             * @description Gemma 2 only (else null): the logit difference before the final soft-cap tanh(z / cap) * cap, which the parts decompose (the capped logit_diff is not a sum of parts).
+             */
+            pre_softcap_logit_diff?: number | null;
+            /**
              * Residual Error
-             * @description logit_diff - (sum_of_parts + ln_final_bias): float rounding only (the parts decompose the final state exactly once the scale is frozen).
+             * @description logit_diff (Gemma 2: pre_softcap_logit_diff) - (sum_of_parts + ln_final_bias): float rounding only (the parts decompose the final state exactly once the scale is frozen).
              */
             residual_error: number;
             /**
              * Scale
-             * @description ln_final.hook_scale at this position, sqrt(var(x) + eps) of the last residual state: the frozen scale every part is divided by.
+             * @description ln_final.hook_scale at this position, sqrt(var(x) + eps) of the last residual state (RMSNorm: sqrt(mean(x^2) + eps)): the frozen scale every part is divided by.
              */
             scale: number;
             /**

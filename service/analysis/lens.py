@@ -143,3 +143,85 @@ def direct_logit_attribution(stack: torch.Tensor, scale: torch.Tensor, w: torch.
 def ln_bias_term(b: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
     """``b . direction`` ``[n]`` (float64): ln_final's bias on the logit direction."""
     return direction.double() @ b.double()
+
+
+# ----------------------------------------------------------- RMSNorm families (issue 28)
+RMS_LN_DESCRIPTION = {
+    "own": "each residual state x through the model's own final RMSNorm, as Hugging Face "
+           "computes it (float32 upcast: h = x * rsqrt(mean(x^2) + eps); Llama, Mistral, "
+           "Qwen2: w * h cast to the dtype; Gemma, Gemma 2: (h * (1 + w)) cast), then the "
+           "unembedding (and Gemma 2's final soft-cap tanh(z / cap) * cap): logits = "
+           "norm(x) W_U. No centring, no bias. The final_post state is bit for bit the model's "
+           "own logits",
+    "final": "the final RMSNorm's scale frozen from the run: logits = (x / s * w') W_U (then "
+             "Gemma 2's soft-cap), s = ln_final.hook_scale = sqrt(mean(x_L^2) + eps) of the "
+             "last residual state x_L at that position (float32), w' = w (Llama, Mistral, "
+             "Qwen2) or 1 + w (Gemma, Gemma 2); no centring (RMSNorm has none), no bias",
+}
+
+RMS_DLA_DESCRIPTION = (
+    "direct logit attribution through the final RMSNorm with its scale frozen from the run: "
+    "part(c) = (c / s) . (w' * (W_U[:, target] - W_U[:, distractor])), s = "
+    "ln_final.hook_scale = sqrt(mean(x^2) + eps) of the last residual state at the position, "
+    "w' = w (Llama, Mistral, Qwen2) or 1 + w (Gemma, Gemma 2); no centring and no bias "
+    "(RMSNorm has neither; ln_final_bias is 0). Components: hook_embed (no hook_pos_embed: "
+    "positions enter through RoPE), every blocks.{l}.attn.hook_result head (without b_O), "
+    "b_O per layer where the model has one (attn_bias, else null), every "
+    "blocks.{l}.hook_mlp_out. Gemma 2: each head's part is its share of hook_attn_out (what "
+    "enters the residual stream) with the post-attention norm ln1_post's scale frozen too, "
+    "result_h / s_post * (1 + w_post); and the parts sum to the logit difference before the "
+    "final soft-cap (pre_softcap_logit_diff; the capped logit_diff is tanh of it, not a sum). "
+    "residual_error is what float rounding leaves."
+)
+
+
+def rms_final(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The final RMSNorm ``[pos, d_model]`` of ``x`` ``[pos, d_model]`` as Hugging Face computes
+    it (LlamaRMSNorm: ``w * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype)``; GemmaRMSNorm
+    ``(x_f32 * rsqrt(...) * (1 + w_f32)).to(dtype)``), or with ``scale`` ``[pos, 1]`` (float32,
+    ``ln_final.hook_scale``) frozen: ``x_f32 / scale`` in place of the rsqrt."""
+    xf = x.float()  # HF upcasts to float32 in every dtype (float64 too)
+    if scale is None:
+        h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        h = xf / scale.float()
+    if gemma:
+        return (h * (1.0 + w.float())).to(x.dtype)
+    return w * h.to(x.dtype)
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's final-logit soft-cap ``tanh(z / cap) * cap`` (HF's three operations); the
+    identity for ``cap`` None."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+def rms_lens_logits(x: torch.Tensor, unembed: torch.Tensor, w: torch.Tensor, eps: float,
+                    ln: str, gemma: bool, cap: float | None,
+                    final_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Lens logits ``[pos, vocab]`` of one residual state ``x`` ``[pos, d_model]`` on an
+    RMSNorm model (:data:`RMS_LN_DESCRIPTION`): ``ln`` "own" (the norm recomputed from x, as
+    HF) or "final" (``final_scale`` ``[pos, 1]`` = ln_final.hook_scale); ``unembed``
+    lm_head.weight ``[vocab, d_model]``; ``cap`` Gemma 2's final_logit_softcapping or None."""
+    if ln == "own":
+        h = rms_final(x, w, eps, gemma)
+    elif ln == "final":
+        if final_scale is None:
+            raise ValueError("ln 'final' needs the run's ln_final scale")
+        h = rms_final(x, w, eps, gemma, final_scale)
+    else:
+        raise ValueError(f"ln is 'own' or 'final', got {ln!r}")
+    return softcap(F.linear(h, unembed), cap)
+
+
+def rms_direct_logit_attribution(stack: torch.Tensor, scale: torch.Tensor, w_eff: torch.Tensor,
+                                 direction: torch.Tensor) -> torch.Tensor:
+    """Each component's part ``[component, n]`` of the logit direction through a frozen
+    RMSNorm, float64: ``(c / s) . (w_eff * direction)`` (no centring). ``stack``
+    ``[component, n, d_model]``, ``scale`` ``[n, 1]`` (ln_final.hook_scale), ``w_eff`` the
+    norm's effective weight (``w``, Gemma ``1 + w``), ``direction`` ``[n, d_model]``."""
+    s = stack.double() / scale.double()
+    return torch.einsum("cnd,nd->cn", s, direction.double() * w_eff.double())

@@ -22,6 +22,14 @@ from .core.table import Endpoint
 from .interventions import _single_token, check_lm
 from .run import parts
 
+#: the ``weights`` field on the RMSNorm families (no centring, no bias to apply)
+RMS_WEIGHTS_DOC = (
+    "The weights used: the checkpoint's own, unprocessed (no norm folding, b_V not folded into "
+    "b_O): TransformerLens' enable_compatibility_mode(no_processing=True). The final RMSNorm's "
+    "weight is therefore applied explicitly: norm(x) = x / scale * w (Gemma: * (1 + w)), "
+    "scale = sqrt(mean(x^2) + eps) in float32, as Hugging Face computes it."
+)
+
 #: one top-k or target entry of a response (dict + JSON: id, label, bytes, partial, numbers)
 ENTRY_BYTES = 400
 
@@ -112,6 +120,12 @@ def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
     statistics (service/analysis/lens.py)."""
     p = parts(rt)
     L, V, D = p.n_layers, p.d_vocab, p.d_model
+    rms = getattr(p, "norm", "ln") != "ln"  # Llama, Mistral, Qwen2, Gemma, Gemma 2
+    if req.incl_mid and getattr(p, "parallel", False):
+        raise UnsupportedModelConfig(
+            f"incl_mid: {p.family} with use_parallel_residual has no hook_resid_mid (attention "
+            "and MLP both read hook_resid_pre; TransformerLens' bridge has none either)",
+            "incl_mid")
     target = None if req.target is None else _token(rt, req.target, "target", V)
     n_states = L + 1 + (L if req.incl_mid else 0)
     per_prompt = []
@@ -156,8 +170,13 @@ def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
             states = []
             for hook, label in zip(hooks, labels):
                 checkpoint()  # between states (layers)
-                logits = A.lens_logits(res.cache[hook][0], p.unembed, p.lnf_w, p.lnf_b, p.eps,
-                                       req.ln, None if scale is None else scale[0])
+                fs = None if scale is None else scale[0]
+                if rms:
+                    logits = A.rms_lens_logits(res.cache[hook][0], p.unembed, p.lnf_w, p.eps,
+                                               req.ln, p.norm == "rms1p", p.final_softcap, fs)
+                else:
+                    logits = A.lens_logits(res.cache[hook][0], p.unembed, p.lnf_w, p.lnf_b,
+                                           p.eps, req.ln, fs)
                 st = A.lens_stats(logits, tid, pos, req.top_k, targets)
                 del logits
                 top_refs = _refs(rt, st.top_ids.reshape(-1).tolist())
@@ -183,8 +202,8 @@ def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
                                "positions": rows})
             prompts.append({**_prompt_body(it), "states": states})
         return {"model": rt.model_ref(), "add_bos": bool(req.add_bos), "ln": req.ln,
-                "ln_description": A.LN_DESCRIPTION[req.ln], "weights": WEIGHTS_DOC,
-                "prompts": prompts}
+                "ln_description": (A.RMS_LN_DESCRIPTION if rms else A.LN_DESCRIPTION)[req.ln],
+                "weights": RMS_WEIGHTS_DOC if rms else WEIGHTS_DOC, "prompts": prompts}
 
     return Plan([], job, int(est_job + est_body), device_flops=flops,
                 device_param="texts" if len(items) > 1 else "text")
@@ -211,11 +230,12 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
     response's numbers), and the job: per prompt one hooked forward caching the components at
     the chosen positions, their parts of the logit direction and the served logits there."""
     p = parts(rt)
-    if getattr(p, "family", "gpt2") != "gpt2":  # issue 28: no hook_pos_embed, RMSNorm
-        raise UnsupportedModelConfig(
-            f"{p.family}: direct logit attribution here splits the logit into embed, pos_embed, "
-            "heads, attn_bias and mlp through GPT-2's LayerNorm ln_final; this rotary model has "
-            "no hook_pos_embed (and, but for GPT-NeoX, RMSNorm)", "model")
+    fam = getattr(p, "family", "gpt2")
+    rms = getattr(p, "norm", "ln") != "ln"  # Llama, Mistral, Qwen2, Gemma, Gemma 2
+    has_pos = fam == "gpt2"  # the rotary families have no hook_pos_embed
+    has_bias = fam == "gpt2" or any(getattr(blk, "o_b", None) is not None for blk in p.blocks)
+    post = any(getattr(blk, "lnpa_w", None) is not None for blk in p.blocks)  # Gemma 2
+    cap = getattr(p, "final_softcap", None)
     L, Hn, D, V = p.n_layers, p.n_heads, p.d_model, p.d_vocab
     n = len(items)
     tgt = _per_prompt(rt, req.target, n, "target", V)
@@ -228,7 +248,7 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
                                      "logit difference would be 0", param)
     per_prompt = []
     est_job, est_body, flops = 0, 0, 0.0
-    n_comp = 2 + L * Hn + 2 * L
+    n_comp = 1 + has_pos + L * Hn + (L if has_bias else 0) + L
     es = p.wte.element_size()
     for i, it in enumerate(items):
         T = len(it)
@@ -240,12 +260,20 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
         job = _forward_bytes(p, T) + es * T * Hn * D + es * P * n_comp * D + 8 * 3 * n_comp * P * D
         est_job = max(est_job, job)
         est_body += tokens_bytes(T) + P * (400 + 30 * n_comp)
-    comps = {"hook_embed": None, "hook_pos_embed": None, "ln_final.hook_scale": None,
+    comps = {"hook_embed": None, "ln_final.hook_scale": None,
              "blocks.*.attn.hook_result": None, "blocks.*.hook_mlp_out": None}
+    if has_pos:
+        comps["hook_pos_embed"] = None
+    if post:
+        comps["blocks.*.ln1_post.hook_scale"] = None
+    if cap is not None:
+        comps["ln_final.hook_normalized"] = None
+    # the final norm's effective weight: RMSNorm w (Gemma 1 + w); LayerNorm w (and b apart)
+    w_eff = (1.0 + p.lnf_w.double()) if getattr(p, "norm", "ln") == "rms1p" else p.lnf_w
 
     def job(_forwards) -> dict:
         prompts = []
-        b_O = torch.stack([blk.proj_b for blk in p.blocks])  # [layer, d_model]
+        b_O = torch.stack([blk.proj_b for blk in p.blocks]) if has_bias else None  # [layer, D]
         for i, (it, pos) in enumerate(zip(items, per_prompt)):
             checkpoint()
             ids = torch.tensor([list(it.input_ids)], dtype=torch.long)
@@ -255,39 +283,65 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
             c = res.cache
             P = len(pos)
             heads = torch.stack([c[f"blocks.{layer}.attn.hook_result"][0] for layer in range(L)])
-            # stack [component, P, d_model]: embed, pos_embed, L x H heads, L biases, L MLPs
-            stack = torch.cat([
-                c["hook_embed"][0][None], c["hook_pos_embed"][0][None],
-                heads.permute(0, 2, 1, 3).reshape(L * Hn, P, D),
-                b_O[:, None, :].expand(L, P, D),
-                torch.stack([c[f"blocks.{layer}.hook_mlp_out"][0] for layer in range(L)]),
-            ])
+            if post:  # Gemma 2: each head's share of hook_attn_out, ln1_post's scale frozen
+                heads = torch.stack([
+                    heads[layer].double() / c[f"blocks.{layer}.ln1_post.hook_scale"][0][:, None]
+                    .double() * (1.0 + p.blocks[layer].lnpa_w.double()) for layer in range(L)])
+            dt = torch.float64 if post else heads.dtype
+            # stack [component, P, d_model]: embed, (pos_embed), L x H heads, (L biases), L MLPs
+            pieces = [c["hook_embed"][0][None].to(dt)]
+            if has_pos:
+                pieces.append(c["hook_pos_embed"][0][None].to(dt))
+            pieces.append(heads.permute(0, 2, 1, 3).reshape(L * Hn, P, D))
+            if has_bias:
+                pieces.append(b_O[:, None, :].expand(L, P, D).to(dt))
+            pieces.append(torch.stack([c[f"blocks.{layer}.hook_mlp_out"][0]
+                                       for layer in range(L)]).to(dt))
+            stack = torch.cat(pieces)
             t = torch.full((P,), tgt[i], dtype=torch.long)
             d = None if dis is None else torch.full((P,), dis[i], dtype=torch.long)
             direction = A.logit_direction(p.unembed, t, d)
             scale = c["ln_final.hook_scale"][0]  # [P, 1]
-            parts_ = A.direct_logit_attribution(stack, scale, p.lnf_w, direction)  # [C, P]
-            bias = A.ln_bias_term(p.lnf_b, direction)
+            if rms:
+                parts_ = A.rms_direct_logit_attribution(stack, scale, w_eff, direction)
+                bias = torch.zeros(P, dtype=torch.float64)
+            else:
+                parts_ = A.direct_logit_attribution(stack, scale, p.lnf_w, direction)  # [C, P]
+                bias = A.ln_bias_term(p.lnf_b, direction)
             lg = res.logits[0].double()  # [P, vocab], the forward's own logits
-            served = lg[torch.arange(P), t] - (0 if d is None else lg[torch.arange(P), d])
+            ar = torch.arange(P)
+            served = lg[ar, t] - (0 if d is None else lg[ar, d])
+            attributed = served
+            if cap is not None:  # Gemma 2: the parts add up to the logits before the soft-cap
+                # HF's GemmaRMSNorm from its normalised value: (h * (1 + w_f32)).to(dtype)
+                h = (c["ln_final.hook_normalized"][0] * (1.0 + p.lnf_w.float())).to(p.dtype)
+                pre = torch.nn.functional.linear(h, p.unembed).double()
+                attributed = pre[ar, t] - (0 if d is None else pre[ar, d])
             rows = []
+            o = 1 + has_pos  # first head's row
+            ob = o + L * Hn  # first bias (or MLP) row
+            om = ob + (L if has_bias else 0)
             for j, q in enumerate(pos):
                 col = parts_[:, j]
                 total = float(col.sum())
                 rows.append({
                     "position": q, "target": tgt[i], "distractor": None if dis is None
-                    else dis[i], "logit_diff": _f(served[j]), "scale": _f(scale[j, 0]),
-                    "embed": _f(col[0]), "pos_embed": _f(col[1]),
-                    "heads": [[_f(v) for v in col[2 + layer * Hn: 2 + (layer + 1) * Hn]]
+                    else dis[i], "logit_diff": _f(served[j]),
+                    "pre_softcap_logit_diff": None if cap is None else _f(attributed[j]),
+                    "scale": _f(scale[j, 0]),
+                    "embed": _f(col[0]), "pos_embed": _f(col[1]) if has_pos else None,
+                    "heads": [[_f(v) for v in col[o + layer * Hn: o + (layer + 1) * Hn]]
                               for layer in range(L)],
-                    "attn_bias": [_f(v) for v in col[2 + L * Hn: 2 + L * Hn + L]],
-                    "mlp": [_f(v) for v in col[2 + L * Hn + L:]],
+                    "attn_bias": [_f(v) for v in col[ob:om]] if has_bias else None,
+                    "mlp": [_f(v) for v in col[om:]],
                     "ln_final_bias": _f(bias[j]), "sum_of_parts": _f(total),
-                    "residual_error": float(f"{float(served[j]) - total - float(bias[j]):.3g}"),
+                    "residual_error": float(
+                        f"{float(attributed[j]) - total - float(bias[j]):.3g}"),
                 })
             prompts.append({**_prompt_body(it), "positions": rows})
         return {"model": rt.model_ref(), "add_bos": bool(req.add_bos),
-                "method": A.DLA_DESCRIPTION, "weights": WEIGHTS_DOC, "prompts": prompts}
+                "method": A.RMS_DLA_DESCRIPTION if rms else A.DLA_DESCRIPTION,
+                "weights": RMS_WEIGHTS_DOC if rms else WEIGHTS_DOC, "prompts": prompts}
 
     return Plan([], job, int(est_job + est_body), device_flops=flops,
                 device_param="texts" if len(items) > 1 else "text")
