@@ -27,11 +27,13 @@ from ._blas import one_blas_thread
 from ..errors import InvalidRequest, NonFiniteValues, OutOfRange, n_tokens
 
 
-def state_names(n_layers: int, include_final: bool) -> list[str]:
+def state_names(n_layers: int, include_final: bool, final_norm: str = "LayerNorm") -> list[str]:
     """Names of the states :func:`trajectories` uses: ``embeddings``, ``block i output`` for
-    i < n_layers (the last pre-final-LayerNorm), and ``final LayerNorm output`` when included."""
+    i < n_layers (the last before the final norm), and ``final <final_norm> output`` when
+    included (``final_norm``: the model's final norm, "LayerNorm" for GPT-2 / GPT-NeoX,
+    "RMSNorm" for Llama, Mistral, Qwen2, Gemma, Gemma 2)."""
     names = ["embeddings"] + [f"block {i} output" for i in range(n_layers)]
-    return names + (["final LayerNorm output"] if include_final else [])
+    return names + ([f"final {final_norm} output"] if include_final else [])
 
 
 def trajectories(
@@ -42,6 +44,7 @@ def trajectories(
     random_state: int = 0,
     where: str = "text",
     final_state: torch.Tensor | None = None,  # [pos, d_model]
+    final_norm: str = "LayerNorm",
 ) -> dict:
     """PCA trajectories of one text's hidden states (see the module docstring for the steps).
 
@@ -52,6 +55,7 @@ def trajectories(
         include_final: append ``final_state`` (the final LayerNorm's output) as one more state.
         final_state: ``[n_tokens, d_model]``, required with ``include_final`` (ValueError
             without it).
+        final_norm: the final norm's kind as named in ``state_names`` ("LayerNorm", "RMSNorm").
         n_components: PCA components, 1 <= n <= min(n_state * n_tokens, d_model).
         positions: selected token positions (each in [0, n_tokens)), null = all; the PCA is
             always fitted on every token and state.
@@ -129,7 +133,7 @@ def trajectories(
     cosine = np.clip(cosine, -1.0, 1.0)
     return {
         "states": states,
-        "state_names": state_names(n_total - 1, include_final),
+        "state_names": state_names(n_total - 1, include_final, final_norm),
         "positions": list(positions),
         "n_components": n_components,
         "explained_variance_ratio": evr,

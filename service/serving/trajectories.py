@@ -11,12 +11,22 @@ from .core.engine import Plan
 from .core.table import Endpoint
 from .common import text_or_results
 
+#: adapter norm kind -> the name in ``state_names`` ("final RMSNorm output")
+NORM_NAMES = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm", "rmsnorm_1p": "RMSNorm"}
+
+
+def final_norm_name(adapter) -> str:
+    """The final norm's name for ``state_names``: "LayerNorm" (GPT-2, GPT-NeoX) or "RMSNorm"
+    (Llama, Mistral, Qwen2; Gemma / Gemma 2's ``x * (1 + weight)`` RMSNorm)."""
+    return NORM_NAMES.get(getattr(adapter, "norm_kind", "layernorm"), "LayerNorm")
+
 
 def plan(rt, req: TrajectoriesRequest, items) -> Plan:
     """Checks (PCA feasible, positions in range, include_final only where the model has a
-    final LayerNorm) and the job: per text the PCA-projected paths ``[token, state,
-    component]`` over the L+1 residual-stream states (and the final LayerNorm's output with
-    include_final), distances and explained variance."""
+    norm) and the job: per text the PCA-projected paths ``[token, state, component]`` over the
+    L+1 residual-stream states (and the final norm's output with include_final, named
+    ``final LayerNorm output`` or ``final RMSNorm output`` after the family's norm),
+    distances and explained variance."""
     n_hidden, d_model = rt.adapter.n_layers + 1, rt.adapter.d_model
     if req.include_final and rt.adapter.final_norm() is None:
         raise InvalidRequest(
@@ -28,11 +38,14 @@ def plan(rt, req: TrajectoriesRequest, items) -> Plan:
         check_trajectory_request(n_hidden, len(it), d_model, req.include_final,
                                  req.n_components, req.positions, where)
 
+    norm_name = final_norm_name(rt.adapter)
+
     def job(forwards) -> dict:
         out = []
         for fw, where in zip(forwards, wheres):
             r = trajectories(fw.hidden_states, req.include_final, req.n_components,
-                             req.positions, where=where, final_state=fw.tensors.final_state)
+                             req.positions, where=where, final_state=fw.tensors.final_state,
+                             final_norm=norm_name)
             pfx = "trajectories" if req.single else f"results.{where.split('.')[1]}"
             out.append({
                 "tokens": [t.as_dict() for t in fw.tokens.tokens],
