@@ -623,3 +623,38 @@ def test_patch_is_bounded_by_the_device_limit(make_client, gpt2_runtime):
     assert "max_request_flops" in err["message"]
     assert c.app.state.slot.depth == 0
     assert make_client(gpt2_runtime).post("/v1/patch", json=body).status_code == 200
+
+
+def test_attention_flow_is_refused_by_its_device_estimate_before_it_runs(make_client,
+                                                                        gpt2_runtime):
+    """/v1/rollout with flow declares its cost (estimates.flow_flops, one term per text and
+    flow layer ``top + 1`` deep): the estimate with flow is the one without plus the hand sum
+    of those terms, and under a max_request_flops that the forwards and rollout fit, flow on
+    16 tokens is a 422 device_limit_exceeded naming ``flow`` before any forward, while
+    rollout alone is served. Planted fault: without the declared cost flow is served."""
+    from attnscope.service.serving.core.estimates import flow_flops
+
+    probe = make_client(gpt2_runtime, max_request_flops=1)
+    texts = [" ".join(["w"] * 15), " ".join(["w"] * 14)]
+    lengths = [len(probe.post("/v1/tokenize", json={"text": t}).json()["tokens"]["tokens"])
+               for t in texts]
+    assert max(lengths) <= 16, lengths
+
+    def estimate(body):
+        err = _err(probe.post("/v1/rollout", json=body), 422, "device_limit_exceeded")
+        return float(re.search(r"\(([0-9.e+]+) floating-point operations\)",
+                               err["message"]).group(1))
+
+    plain = {"texts": texts}
+    body = {**plain, "flow": True, "flow_layers": [0, 1]}
+    flow = sum(flow_flops(T, d) for T in lengths for d in (1, 2))
+    assert estimate(body) - estimate(plain) == pytest.approx(flow, rel=1e-3)
+    limit = 2 * estimate(plain)
+    assert flow > limit  # the test's premise: flow alone is over the limit
+    c = make_client(gpt2_runtime, max_request_flops=limit)
+    before = gpt2_runtime.forward_count
+    err = _err(c.post("/v1/rollout", json=body), 422, "device_limit_exceeded", "flow")
+    assert "max_request_flops" in err["message"] and "estimated" in err["message"]
+    assert gpt2_runtime.forward_count == before
+    assert c.app.state.slot.depth == 0 and c.app.state.engine.budget.in_use == 0
+    assert c.post("/v1/rollout", json=plain).status_code == 200

@@ -9,6 +9,7 @@ from ..analysis import rollout as RO
 from ..encoding import encode_tensor, estimate_encoded_bytes
 from ..errors import InvalidRequest, NonFiniteValues, n_tokens
 from .core.engine import Plan
+from .core.estimates import flow_flops
 from .core.table import Endpoint
 from .core.checks import check_indices
 from .common import text_or_results
@@ -78,7 +79,18 @@ def plan(rt, req, items, *, binary: bool = False) -> Plan:
     lengths = [len(it) for it in items]
     check_lengths(req, lengths)
     return Plan(items, lambda forwards: build(rt, req, forwards, encoding),
-                estimate(rt, req, lengths, encoding))
+                estimate(rt, req, lengths, encoding), device_flops=flow_cost(rt, req, lengths),
+                device_param="flow" if req.flow else None)
+
+
+def flow_cost(rt, req, lengths: list[int]) -> float:
+    """Attention flow's device cost (FLOP-equivalents, counted against ``max_request_flops``
+    before the job starts): one :func:`~.core.estimates.flow_flops` term per text and flow
+    layer, that layer ``top + 1`` deep; 0 without ``flow``."""
+    _, flow_layers = selection(rt, req)
+    if not flow_layers:
+        return 0.0
+    return sum(flow_flops(T, top + 1) for T in lengths for top in flow_layers)
 
 
 def build(rt, req, forwards, encoding: str) -> dict:
