@@ -71,6 +71,12 @@ class CircuitsResponse(LenientModel):
     n_layers: int = Field(description="Layers of the model.")
     n_heads: int = Field(description="Heads per layer.")
     d_head: int = Field(description="Dimension of each head's query/key/value (d_model / n_heads).")
+    qk_definition: str | None = Field(
+        None, description="Null for GPT-2. On the rotary families (Llama, Mistral, Qwen2, "
+        "Gemma, Gemma 2, GPT-NeoX): what W_QK and the Q-/K-composition scores mean there. RoPE "
+        "makes the query-key bilinear form position-dependent (W_Q R(j - i) W_K^T); the served "
+        "W_QK = W_Q W_K^T is that form at relative position 0, the matrix TransformerLens' "
+        "model.QK and all_composition_scores use (they ignore rotary).")
     heads: list[HeadCircuit] = Field(description="Every head, layer-major.")
     composition: CompositionScores | None = Field(
         None, description="Composition scores (Elhage et al. 2021; TransformerLens "

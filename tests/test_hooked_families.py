@@ -667,18 +667,6 @@ def test_path_patch_equals_a_transformerlens_hand_loop(fam, served, case):
         assert abs(out[k]["mean"] - ref[k]) <= 1e-5, (k, out[k], ref[k])
 
 
-@pytest.mark.parametrize("path,body,words", [
-    ("/v1/circuits", {"top_k": 3}, "attn_w"),
-])
-def test_gpt2_only_analyses_are_a_named_422(fam, served, path, body, words):
-    from conftest import assert_error
-
-    client, rt = served
-    e = assert_error(client.post(path, json=body), 422, type_="unsupported_model_config")
-    assert words in e["message"], e
-    assert client.post("/v1/run", json={"token_lists": [[0, 5, 6]]}).status_code == 200
-
-
 def test_logit_lens_on_the_families(fam, served):
     """Every family (LayerNorm and RMSNorm, Gemma 2's soft-cap): the lens' final state equals
     the served logits (more in tests/test_lens_families.py)."""

@@ -426,3 +426,97 @@ def test_planted_dla_faults_fail(fam, monkeypatch, fault):
         assert abs(row["residual_error"]) > 1e-3, row
     monkeypatch.setattr(A, "rms_direct_logit_attribution", real)
     check_dla(fam, IDS, [-1, 6], target=17, distractor=300)
+
+
+# ------------------------------------------------------------------------------ circuits
+def test_circuits_equal_transformerlens(fam):
+    """/v1/circuits on the rotary families: composition scores (Q, K, V) equal TL 4.3's
+    ``all_composition_scores`` (which ignores rotary; with GQA TL repeats the key/value heads
+    as we do) <= 1e-5 (measured ~6e-8); OV/QK Frobenius norms equal ``model.OV`` / ``model.QK``
+    (TL float32) to 1e-5 relative; qk_definition says the QK reading is at relative position 0."""
+    with fam.client() as c:
+        r = c.post("/v1/circuits", json={"top_k": 64})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert "relative position 0" in got["qk_definition"] and "RoPE" in got["qk_definition"]
+    assert "repeat_kv" in got["weights"]
+    worst = 0.0
+    for m in "qkv":
+        tl = fam.tl.all_composition_scores(m.upper()).scores.detach().double()
+        worst = max(worst, float((tl - torch.tensor(got["composition"][m])).abs().max()))
+    assert worst <= 1e-5, worst
+    H = fam.cfg.num_attention_heads
+    with torch.no_grad():
+        for row in got["heads"]:
+            ov = fam.tl.OV[row["layer"], row["head"]]
+            qk = fam.tl.QK[row["layer"], row["head"]]
+            for mat, fro, sv in ((ov, row["ov_frobenius"], row["ov_singular_values"]),
+                                 (qk, row["qk_frobenius"], row["qk_singular_values"])):
+                want = float(mat.norm())
+                assert abs(want - fro) <= 1e-5 * max(1.0, want), (row, want)
+                want_sv = torch.tensor(mat.svd()[1].tolist()[:len(sv)], dtype=torch.float64)
+                assert (want_sv - torch.tensor(sv)).abs().max() <= 1e-5 * max(1.0, want), row
+    assert len(got["heads"]) == fam.cfg.num_hidden_layers * H
+
+
+def test_a_wrong_kv_head_mapping_fails_the_circuits_comparison(monkeypatch, tmp_path_factory):
+    """Planted fault: query head h given kv head h % n_kv (not h // group) in W_K changes the
+    K-composition scores beyond the bound (Llama, 4 query / 2 kv heads)."""
+    from attnscope.service.serving import circuits as S
+
+    if "llama" not in _FAMS:
+        _FAMS["llama"] = Fam("llama", tmp_path_factory.getbasetemp() / "families")
+    f = _FAMS["llama"]
+    real = S.weights
+
+    def wrong(p):
+        w = real(p)
+        W_K = w.W_K.clone()
+        W_K[:, [1, 2]] = W_K[:, [2, 1]]  # heads 1 and 2 read each other's kv head
+        return S.C.CircuitWeights(w.W_Q, W_K, w.W_V, w.W_O, w.W_E, w.W_U)
+
+    tl = f.tl.all_composition_scores("K").scores.detach().double()
+    f.rt.memo.clear()
+    monkeypatch.setattr(S, "weights", wrong)
+    try:
+        with f.client() as c:
+            bad = torch.tensor(c.post("/v1/circuits").json()["composition"]["k"])
+    finally:
+        monkeypatch.setattr(S, "weights", real)
+        f.rt.memo.clear()
+    assert float((tl - bad).abs().max()) > 1e-3
+    with f.client() as c:
+        good = torch.tensor(c.post("/v1/circuits").json()["composition"]["k"])
+    assert float((tl - good).abs().max()) <= 1e-5
+
+
+def test_start_up_precomputes_the_circuits_quietly(fam):
+    """Start-up on a rotary family computes /v1/circuits (no 'precomputing ... failed'
+    traceback, issue 28: it asked for GPT-2's fused attn_w) and keeps it for the first request."""
+    import logging
+
+    from attnscope.service.app import precompute
+    from attnscope.service.serving.core.table import default_table
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    log = logging.getLogger("attnscope")
+    h = Keep(level=logging.DEBUG)
+    log.addHandler(h)
+    old = log.level
+    log.setLevel(logging.DEBUG)
+    try:
+        fam.rt.memo.clear()
+        precompute(fam.rt, default_table())
+    finally:
+        log.removeHandler(h)
+        log.setLevel(old)
+    assert not [r for r in records if r.levelno >= logging.WARNING], \
+        [r.getMessage() for r in records]
+    assert any("precomputed at start-up" in r.getMessage() for r in records)
+    key = ("circuits", fam.rt.model_ref()["id"], fam.rt.model_ref()["revision"])
+    assert key in fam.rt.memo

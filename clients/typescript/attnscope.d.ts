@@ -167,7 +167,12 @@ export interface paths {
          *     ``enable_compatibility_mode(no_processing=True)`` / ``from_pretrained_no_processing``: no
          *     LayerNorm folding, no centring, biases ignored (said in ``weights``). Computed in float64 once
          *     per model revision and kept; equal to TransformerLens 4.3 and numpy to <= 1e-5
-         *     (tests/test_circuits.py).
+         *     (tests/test_circuits.py). Rotary families (Llama, Mistral, Qwen2, Gemma, Gemma 2, GPT-NeoX):
+         *     W_K / W_V of the key/value head each query head reads; RoPE makes the query-key form
+         *     position-dependent (``W_Q R(j - i) W_K^T``), so W_QK and the Q-/K-composition are served at
+         *     relative position 0 (TransformerLens' ``QK`` / ``all_composition_scores``, which ignore rotary),
+         *     said in ``qk_definition``; OV, copying and V-composition as for GPT-2
+         *     (tests/test_lens_families.py).
          *     Errors: 422 a model the hooked forward does not run (encoders, other families).
          */
         post: operations["circuits_v1_circuits_post"];
@@ -293,7 +298,11 @@ export interface paths {
          *     the served logit difference up to ln_final's bias term ``b . d``, which is reported
          *     (``ln_final_bias``), and ``residual_error`` = served - parts - bias is float rounding only
          *     (<= 1e-4, tests/test_lens.py). Raw weights: b_V stays inside each head's result (a processed
-         *     TransformerLens model folds it into b_O).
+         *     TransformerLens model folds it into b_O). Rotary families: no ``pos_embed`` (null),
+         *     ``attn_bias`` null without a b_O; a final RMSNorm gives ``part(c) = (c / s) . (w' * d)`` (no
+         *     centring, ``w'`` = ``w`` or Gemma's ``1 + w``, ln_final_bias 0); Gemma 2's heads are their share
+         *     of ``hook_attn_out`` with the post-attention norm's scale frozen, and its parts sum to
+         *     ``pre_softcap_logit_diff`` (the logit difference before the final soft-cap).
          *     Errors: 422 a position out of range or repeated, a target or distractor that is not one token,
          *     a distractor equal to the target, a per-prompt list of the wrong length; 429 over the memory
          *     budget.
@@ -329,10 +338,14 @@ export interface paths {
          *     top-k tokens (probability, logit) and the rank (tokens with a higher logit; 0 = top) and
          *     log-prob of the actual next token or of ``target``. The ``final_post`` state is the model's own
          *     prediction. Equal to TransformerLens 4.3 (``enable_compatibility_mode(no_processing=True)``)
-         *     to <= 1e-5 (tests/test_lens.py).
+         *     to <= 1e-5 (tests/test_lens.py). RMSNorm families (Llama, Mistral, Qwen2, Gemma, Gemma 2):
+         *     the model's own final RMSNorm as Hugging Face computes it (float32 upcast, ``w * h`` or Gemma's
+         *     ``1 + w``, no centring, no bias), then lm_head and Gemma 2's final soft-cap; ``"final"`` = ``x /
+         *     s * w'`` with ``s`` = ``ln_final.hook_scale`` = ``sqrt(mean(x_L^2) + eps)`` of the run's last
+         *     state (tests/test_lens_families.py: HF's own norm module, TL 4.3, <= 1e-5).
          *     Errors: 422 a position out of range or repeated, a target that is not one token or not in the
-         *     vocabulary, too many tokens, a model the hooked forward does not run; 429 over the memory
-         *     budget.
+         *     vocabulary, too many tokens, ``incl_mid`` on GPT-NeoX's parallel residual (no
+         *     hook_resid_mid), a model the hooked forward does not run; 429 over the memory budget.
          */
         post: operations["logit_lens_v1_logit_lens_post"];
         delete?: never;
@@ -1431,6 +1444,11 @@ export interface components {
              * @description Layers of the model.
              */
             n_layers: number;
+            /**
+             * Qk Definition
+             * @description Null for GPT-2. On the rotary families (Llama, Mistral, Qwen2, Gemma, Gemma 2, GPT-NeoX): what W_QK and the Q-/K-composition scores mean there. RoPE makes the query-key bilinear form position-dependent (W_Q R(j - i) W_K^T); the served W_QK = W_Q W_K^T is that form at relative position 0, the matrix TransformerLens' model.QK and all_composition_scores use (they ignore rotary).
+             */
+            qk_definition?: string | null;
             /**
              * Weights
              * @description The checkpoint's raw weights, as TransformerLens' enable_compatibility_mode(no_processing=True) / from_pretrained_no_processing gives them: no LayerNorm folding (ln1's and ln_final's weights are not multiplied in), no centring, biases ignored. Row-vector convention: W_Q, W_K, W_V [d_model, d_head] per head (columns of c_attn), W_O [d_head, d_model] (rows of c_proj), W_E = wte [d_vocab, d_model], W_U = lm_head.weight^T [d_model, d_vocab]; W_OV = W_V W_O, W_QK = W_Q W_K^T (d_model x d_model, rank <= d_head, without the 1/sqrt(d_head) score scaling).

@@ -365,10 +365,14 @@ the mean next-token cross entropy (nats) over every position; per requested posi
 top-k tokens (probability, logit) and the rank (tokens with a higher logit; 0 = top) and
 log-prob of the actual next token or of ``target``. The ``final_post`` state is the model's own
 prediction. Equal to TransformerLens 4.3 (``enable_compatibility_mode(no_processing=True)``)
-to <= 1e-5 (tests/test_lens.py).
+to <= 1e-5 (tests/test_lens.py). RMSNorm families (Llama, Mistral, Qwen2, Gemma, Gemma 2):
+the model's own final RMSNorm as Hugging Face computes it (float32 upcast, ``w * h`` or Gemma's
+``1 + w``, no centring, no bias), then lm_head and Gemma 2's final soft-cap; ``"final"`` = ``x /
+s * w'`` with ``s`` = ``ln_final.hook_scale`` = ``sqrt(mean(x_L^2) + eps)`` of the run's last
+state (tests/test_lens_families.py: HF's own norm module, TL 4.3, <= 1e-5).
 Errors: 422 a position out of range or repeated, a target that is not one token or not in the
-vocabulary, too many tokens, a model the hooked forward does not run; 429 over the memory
-budget.""",
+vocabulary, too many tokens, ``incl_mid`` on GPT-NeoX's parallel residual (no
+hook_resid_mid), a model the hooked forward does not run; 429 over the memory budget.""",
         plan=lens_plan, check=check,
         invalid="Invalid request: a position out of range or repeated, a target that is not one "
                 "token, too many tokens, an unsupported model, memory.",
@@ -389,7 +393,11 @@ layer's attention output bias ``b_O`` and every ``blocks.{l}.hook_mlp_out``. The
 the served logit difference up to ln_final's bias term ``b . d``, which is reported
 (``ln_final_bias``), and ``residual_error`` = served - parts - bias is float rounding only
 (<= 1e-4, tests/test_lens.py). Raw weights: b_V stays inside each head's result (a processed
-TransformerLens model folds it into b_O).
+TransformerLens model folds it into b_O). Rotary families: no ``pos_embed`` (null),
+``attn_bias`` null without a b_O; a final RMSNorm gives ``part(c) = (c / s) . (w' * d)`` (no
+centring, ``w'`` = ``w`` or Gemma's ``1 + w``, ln_final_bias 0); Gemma 2's heads are their share
+of ``hook_attn_out`` with the post-attention norm's scale frozen, and its parts sum to
+``pre_softcap_logit_diff`` (the logit difference before the final soft-cap).
 Errors: 422 a position out of range or repeated, a target or distractor that is not one token,
 a distractor equal to the target, a per-prompt list of the wrong length; 429 over the memory
 budget.""",
