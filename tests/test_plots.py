@@ -230,3 +230,37 @@ def test_head_classification_title_names_model_and_texts(api, tmp_path):
     title = fig.axes[0].get_title()
     assert MODEL in title and f"1 text, {res.n_tokens[0]} tokens" in title
     assert min(t.get_fontsize() for t in fig.axes[0].texts) >= 8
+
+
+@pytest.fixture
+def llama_api(make_client):
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime.model import Runtime
+
+    rt = Runtime.load(Settings(model="bundled-llama"))
+    return Client("http://testserver", http_client=make_client(rt), max_retries=0)
+
+
+def test_head_grid_labels_key_value_groups_on_the_bundled_llama(llama_api, api, tmp_path):
+    """Bundled Llama: 4 query heads, 2 key/value heads; query head h reads kv head h // 2."""
+    info = llama_api.model()
+    res = llama_api.attention(SENTENCE)
+    fig = plots.head_grid(res, layer=1, kv_heads=info)
+    titles = [a.get_title() for a in fig.axes if a.images]
+    assert titles == ["Head 0 \u00b7 kv 0", "Head 1 \u00b7 kv 0", "Head 2 \u00b7 kv 1",
+                      "Head 3 \u00b7 kv 1"]
+    assert fig.get_suptitle().endswith("(2 query heads per key/value head)")
+    _png(fig, tmp_path / "llama-heads.png")
+    # the same from n_kv_heads or the map itself; a head subset keeps the model's mapping
+    assert [a.get_title() for a in plots.head_grid(res, layer=1, kv_heads=2).axes if a.images] == titles
+    sub = llama_api.attention(SENTENCE, heads=[3])
+    assert [a.get_title() for a in plots.head_grid(sub, layer=0, kv_heads=info).axes
+            if a.images] == ["Head 3 \u00b7 kv 1"]
+    fig = plots.attention_heatmap(res, layer=0, head=2, kv_heads=info)
+    assert fig.axes[0].get_title().endswith("(layer 0, head 2 \u00b7 kv 1)")
+    with pytest.raises(ValueError, match="does not divide"):
+        plots.head_grid(res, layer=1, kv_heads=3)
+    # GPT-2 (no GQA): nothing to label
+    g = api.attention(SENTENCE)
+    assert [a.get_title() for a in plots.head_grid(g, layer=1, kv_heads=api.model()).axes
+            if a.images] == [f"Head {h}" for h in range(4)]

@@ -195,10 +195,43 @@ def _pattern(result: Any):
             _headline(_model_id(result), _text_of(res.tokens)))
 
 
+def kv_head_map(kv_heads: Any, n_heads: int) -> list[int] | None:
+    """Query head -> key/value head for grouped-query attention labels: ``kv_heads`` is GET
+    /v1/model's ``attention.kv_head_of_query_head`` (a list), its ``n_kv_heads`` (an int:
+    head h reads kv head ``h // (n_heads // n_kv_heads)``, Hugging Face's ``repeat_kv``), a
+    ``ModelInfo`` (or its dict), or None (no labels). Returns None where every query head has
+    its own key/value head (no GQA: nothing to label).
+
+    Raises:
+        ValueError: an int that does not divide ``n_heads``, or a list not ``n_heads`` long."""
+    if kv_heads is None:
+        return None
+    att = _get(kv_heads, "attention", None)
+    if att is not None:
+        kv_heads = _get(att, "kv_head_of_query_head", None)
+        if kv_heads is None:
+            return None
+    if isinstance(kv_heads, (int, np.integer)):
+        n_kv = int(kv_heads)
+        if n_kv <= 0 or n_heads % n_kv:
+            raise ValueError(f"kv_heads {n_kv} does not divide the {n_heads} query heads")
+        out = [h // (n_heads // n_kv) for h in range(n_heads)]
+    else:
+        out = [int(x) for x in kv_heads]
+        if len(out) != n_heads:
+            raise ValueError(f"kv_heads has {len(out)} entries for {n_heads} query heads")
+    return None if len(set(out)) == n_heads else out
+
+
+def _kv_suffix(kv: list[int] | None, head: int) -> str:
+    return "" if kv is None else f" \u00b7 kv {kv[head]}"
+
+
 def attention_heatmap(result: Any, layer: int | None = None, head: int | None = None, *,
                       labels: Sequence[str] | None = None, causal: bool | None = None,
                       title: str | None = None, vmin: float | None = None,
-                      vmax: float | None = None, figsize=(6.5, 6)) -> Figure:
+                      vmax: float | None = None, figsize=(6.5, 6),
+                      kv_heads: Any = None) -> Figure:
     """Heat map of one attention matrix ``[query_pos, key_pos]`` with one labelled tick per
     token on each axis (every n-th above 40 tokens); for a causal model the masked upper
     triangle is left blank (said on the colour bar).
@@ -214,6 +247,10 @@ def attention_heatmap(result: Any, layer: int | None = None, head: int | None = 
         head: a head index in ``result.heads``; None = the mean over the returned heads (or
             the head mean the server computed).
         causal: blank the strict upper triangle; None = infer (it is all zero).
+        kv_heads: grouped-query attention: the model's query head -> key/value head map
+            (:func:`kv_head_map`: ``client.model()``, its ``attention.kv_head_of_query_head``
+            or ``n_kv_heads``); the title then says which key/value head ``head`` reads
+            ("head 3 \u00b7 kv 1").
 
     Raises:
         ValueError: ``head`` given for a head-mean result; not a 2-D matrix.
@@ -236,7 +273,9 @@ def attention_heatmap(result: Any, layer: int | None = None, head: int | None = 
             m = m.mean(axis=0)
         else:
             m = m[heads.index(head)]
-        where = f"layer {layers[li]}" + (f", head {head}" if head is not None else ", head mean")
+        kv = kv_head_map(kv_heads, _n_query_heads(kv_heads, heads)) if head is not None else None
+        where = f"layer {layers[li]}" + (f", head {head}{_kv_suffix(kv, head)}" if head is not None
+                                         else ", head mean")
         name = title or "\n".join(x for x in (headline, f"Attention weights ({where})") if x)
     if m.ndim != 2:
         raise ValueError(f"need a [query_pos, key_pos] matrix, got shape {list(m.shape)}")
@@ -300,9 +339,12 @@ def layer_grid(result: Any, head: int | None = None, *, causal: bool | None = No
 
 
 def head_grid(result: Any, layer: int | None = None, *, causal: bool | None = None,
-              ncols: int = 4, vmin: float | None = None, vmax: float | None = None) -> Figure:
+              ncols: int = 4, vmin: float | None = None, vmax: float | None = None,
+              kv_heads: Any = None) -> Figure:
     """One heat map per returned head of one layer ("Attention heads at layer N"), on one
     shared 0..1 scale with one colour bar; the title names the model and the text.
+    ``kv_heads`` (grouped-query attention; :func:`kv_head_map`): each panel also names the
+    key/value head it reads ("Head 3 \u00b7 kv 1") and the title the grouping.
 
     Raises:
         ValueError: a head-mean result (no heads to show).
@@ -312,8 +354,23 @@ def head_grid(result: Any, layer: int | None = None, *, causal: bool | None = No
         raise ValueError("the result holds the head mean; request without head_mean")
     li = layers.index(layer) if layer is not None else 0
     mats = [p[li, j] for j in range(len(heads))]
-    sup = "\n".join(x for x in (headline, f"Attention heads at layer {layers[li]}") if x)
-    return _grid(mats, [f"Head {h}" for h in heads], lab, causal, sup, ncols, vmin, vmax)
+    kv = kv_head_map(kv_heads, _n_query_heads(kv_heads, heads))
+    what = f"Attention heads at layer {layers[li]}"
+    if kv is not None:
+        what += f" ({len(kv) // len(set(kv))} query heads per key/value head)"
+    sup = "\n".join(x for x in (headline, what) if x)
+    return _grid(mats, [f"Head {h}{_kv_suffix(kv, h)}" for h in heads], lab, causal, sup, ncols,
+                 vmin, vmax)
+
+
+def _n_query_heads(kv_heads: Any, heads: list[int]) -> int:
+    """The model's query-head count for :func:`kv_head_map`: from the model info / the list
+    where given (a head subset may be plotted), else the returned heads (all of them)."""
+    att = _get(kv_heads, "attention", None) if kv_heads is not None else None
+    src = _get(att, "kv_head_of_query_head", None) if att is not None else kv_heads
+    if src is not None and not isinstance(src, (int, np.integer)):
+        return len(list(src))
+    return max(heads) + 1 if heads else 0
 
 
 def trajectory_plot(result: Any, positions: Sequence[int] | None = None, *,
