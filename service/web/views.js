@@ -540,10 +540,12 @@ export function lensGrid(container, p, opts = {}) {
  * @param d     the position entry; @param opts {order: "layer" | "value", title, direction}
  */
 export function attributionBars(container, d, opts = {}) {
-  const items = [["embed", d.embed, "embedding"], ["pos_embed", d.pos_embed, "embedding"]];
+  const items = [["embed", d.embed, "embedding"]];
+  // rotary families: no pos_embed, and no b_O where the model has none (null fields)
+  if (d.pos_embed != null) items.push(["pos_embed", d.pos_embed, "embedding"]);
   d.heads.forEach((row, l) => {
     row.forEach((v, h) => items.push([`L${l}H${h}`, v, "head"]));
-    items.push([`L${l} b_O`, d.attn_bias[l], "bias"]);
+    if (d.attn_bias != null) items.push([`L${l} b_O`, d.attn_bias[l], "bias"]);
     items.push([`L${l} MLP`, d.mlp[l], "mlp"]);
   });
   if (opts.order === "value") items.sort((a, b) => Math.abs(b[1]) - Math.abs(a[1]));
@@ -576,6 +578,8 @@ export function attributionBars(container, d, opts = {}) {
   const sum = el("table", { class: "dla-sum" });
   for (const [k, v, note] of [["sum of the parts", d.sum_of_parts, "embed + pos_embed + heads + b_O + MLP"],
     ["ln_final bias b \u00b7 d", d.ln_final_bias, "no component's: the final LayerNorm's bias"],
+    ...(d.pre_softcap_logit_diff != null ? [["before the soft-cap", d.pre_softcap_logit_diff,
+      "what the parts sum to (Gemma 2's final soft-cap is not additive)"]] : []),
     ["logit difference (model)", d.logit_diff, "the served logits"],
     ["residual error", d.residual_error, "float rounding"]]) {
     sum.append(el("tr", { "data-name": k }, el("th", { text: k }), el("td", { class: "num", text: fmtNum(v, 4) }),
