@@ -520,3 +520,18 @@ def test_start_up_precomputes_the_circuits_quietly(fam):
     assert any("precomputed at start-up" in r.getMessage() for r in records)
     key = ("circuits", fam.rt.model_ref()["id"], fam.rt.model_ref()["revision"])
     assert key in fam.rt.memo
+
+
+def test_the_dla_plot_draws_a_rotary_response(fam):
+    """The client's plot of a rotary family's attribution (pos_embed and, without b_O,
+    attn_bias null): one bar per component that is there."""
+    pytest.importorskip("matplotlib")
+    from attnscope.client import plots
+
+    with fam.client() as c:
+        res = c.post("/v1/logit-attribution", json={"token_lists": [IDS], "target": 17}).json()
+    fig = plots.logit_attribution(res)
+    L, H = fam.cfg.num_hidden_layers, fam.cfg.num_attention_heads
+    d = res["prompts"][0]["positions"][0]
+    n = 1 + L * H + L + (L if d["attn_bias"] is not None else 0)
+    assert len(fig.axes[0].patches) == n

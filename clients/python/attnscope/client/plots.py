@@ -750,10 +750,15 @@ def logit_attribution(res: Any, prompt: int = 0, position: int = 0, *, order: st
     if not 0 <= position < len(ps):
         raise ValueError(f"position index {position} is not in the prompt's {len(ps)} positions")
     d = ps[position]
-    items = [("embed", _get(d, "embed")), ("pos_embed", _get(d, "pos_embed"))]
+    items = [("embed", _get(d, "embed"))]
+    if _get(d, "pos_embed") is not None:  # null on the rotary families (RoPE)
+        items.append(("pos_embed", _get(d, "pos_embed")))
+    bias = _get(d, "attn_bias")  # null: a model without b_O
     for l, row in enumerate(_get(d, "heads")):
         items += [(f"L{l}H{h}", v) for h, v in enumerate(row)]
-        items += [(f"L{l} b_O", _get(d, "attn_bias")[l]), (f"L{l} MLP", _get(d, "mlp")[l])]
+        if bias is not None:
+            items.append((f"L{l} b_O", bias[l]))
+        items.append((f"L{l} MLP", _get(d, "mlp")[l]))
     if order == "value":
         items.sort(key=lambda x: -abs(x[1]))
     names, vals = [n for n, _ in items], np.array([v for _, v in items], float)
