@@ -533,3 +533,50 @@ def test_bos_is_the_first_token_by_default_and_one_flag_away(live_server, page):
                            "document.body.dataset.state === 'ready'", timeout=60_000)
     assert parse_qs(urlparse(page.url).query)["add_bos"] == ["0"]
     assert not page.locator("#tokens .token").first.inner_text().strip().startswith("<|endoftext|>")
+
+
+@pytest.fixture(scope="module")
+def llama_server():
+    """The bundled Llama (RoPE theta 1e4, 4 query heads / 2 key/value heads, RMSNorm)."""
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime.model import Runtime
+
+    rt = Runtime.load(Settings(model="bundled-llama"))
+    server, t, url = _thread_server(rt, model="bundled-llama")
+    yield url
+    server.should_exit = True
+    t.join(timeout=10)
+
+
+def test_llama_page_labels_key_value_groups_and_shows_the_attention_facts(llama_server, page):
+    info = httpx.get(llama_server + "/v1/model", timeout=30).json()
+    kv = info["attention"]["kv_head_of_query_head"]
+    assert kv == [0, 0, 1, 1]
+    open_explorer(page, llama_server, layer=1, head=2)
+    card = page.inner_text("#model-card")
+    facts = dict(zip(page.locator("#model-card dt").all_inner_texts(),
+                     page.locator("#model-card dd").all_inner_texts()))
+    assert facts["positions"] == f"RoPE on all dims, theta {info['attention']['rope_theta']:g}"
+    assert facts["key/value heads"] == ("2 (grouped-query, 2 query heads each; kv 0: heads 0, 1; "
+                                        "kv 1: heads 2, 3)")
+    assert facts["sliding window"] == "none (full causal)"
+    assert facts["soft-cap"] == "none"
+    assert facts["norm"] == "RMSNorm"
+    assert "attnscope-tiny-llama" in card
+    options = page.locator("#head option").all_inner_texts()
+    assert options == ["head mean"] + [f"head {h} \u00b7 kv {kv[h]}" for h in range(4)]
+    assert "layer 1, head 2 \u00b7 kv 1" in page.inner_text("#heatmap .view-title")
+    # the line view's head picker names the groups too
+    labels = page.locator("#line-heads label").all_inner_texts()
+    assert [x.strip() for x in labels] == [f"head {h} \u00b7 kv {kv[h]}" for h in range(4)]
+    screenshot(page, "explorer-llama-model", "#model-card")
+    screenshot(page, "explorer-llama-top")
+
+
+def test_gpt2_page_has_no_key_value_labels(live_server, page):
+    open_explorer(page, live_server.url, layer=0, head=1)
+    assert page.locator("#head option").all_inner_texts()[1:3] == ["head 0", "head 1"]
+    facts = dict(zip(page.locator("#model-card dt").all_inner_texts(),
+                     page.locator("#model-card dd").all_inner_texts()))
+    assert "key/value heads" not in facts
+    assert facts["positions"] == "learned absolute" and facts["norm"] == "LayerNorm"

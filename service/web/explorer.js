@@ -99,6 +99,60 @@ function shortText(t, n = 60) {
 
 // ---- model card ---------------------------------------------------------------------------
 
+// grouped-query attention: query head h reads key/value head kv[h] (GET /v1/model's
+// attention.kv_head_of_query_head); null without GQA (then heads are named as before)
+function kvMap() {
+  const kv = model && model.attention && model.attention.kv_head_of_query_head;
+  return kv && new Set(kv).size < kv.length ? kv : null;
+}
+
+// "head 3" or, on a GQA model, "head 3 \u00b7 kv 1"
+function headName(h) {
+  const kv = kvMap();
+  return kv && kv[h] !== undefined ? `head ${h} \u00b7 kv ${kv[h]}` : `head ${h}`;
+}
+
+// the family's attention facts for the model card (rotary, GQA, window, soft-caps, norm)
+function attentionRows(m) {
+  const a = m.attention;
+  if (!a) return [];
+  const rows = [];
+  if (a.positions === "rotary") {
+    const frac = a.rotary_fraction === 1 ? "all" : `${a.rotary_dim} of ${m.d_head}`;
+    let rope = `RoPE on ${frac} dims, theta ${a.rope_theta}`;
+    if (a.rope_scaling) rope += `, scaling ${a.rope_scaling.rope_type || JSON.stringify(a.rope_scaling)}`;
+    rows.push(["positions", rope]);
+  } else if (a.positions) {
+    rows.push(["positions", a.positions.replace(/_/g, " ")]);
+  }
+  const kv = kvMap();
+  if (kv) {
+    const g = m.n_heads / a.n_kv_heads, groups = [];
+    for (let j = 0; j < a.n_kv_heads; j++) {
+      const hs = kv.map((x, h) => (x === j ? h : -1)).filter((h) => h >= 0);
+      groups.push(`kv ${j}: heads ${hs.join(", ")}`);
+    }
+    rows.push(["key/value heads", `${a.n_kv_heads} (grouped-query, ${g} query heads each; ${groups.join("; ")})`]);
+  }
+  const wins = a.sliding_window_layers;
+  if (wins) {
+    const same = wins.every((w) => w === wins[0]);
+    rows.push(["sliding window", same ? `${wins[0]} keys, every layer`
+      : wins.map((w, l) => `L${l} ${w === null ? "full" : w}`).join(", ")]);
+  } else if (m.causal) {
+    rows.push(["sliding window", "none (full causal)"]);
+  }
+  const caps = [];
+  if (a.attn_logit_softcap !== null && a.attn_logit_softcap !== undefined) caps.push(`attention ${a.attn_logit_softcap}`);
+  if (a.final_logit_softcap !== null && a.final_logit_softcap !== undefined) caps.push(`final logits ${a.final_logit_softcap}`);
+  rows.push(["soft-cap", caps.length ? `${caps.join(", ")} (c\u00b7tanh(x / c))` : "none"]);
+  if (a.norm) {
+    const norm = { layernorm: "LayerNorm", rmsnorm: "RMSNorm", rmsnorm_1p: "RMSNorm (1 + weight)" }[a.norm] || a.norm;
+    rows.push(["norm", norm + (a.parallel_residual ? ", parallel attention + MLP" : "")]);
+  }
+  return rows;
+}
+
 function renderModel() {
   const m = model;
   const rows = [
@@ -106,11 +160,12 @@ function renderModel() {
     ["family", `${m.family} (${m.causal ? "causal" : "encoder"})`],
     ["layers x heads", `${m.n_layers} x ${m.n_heads}`], ["d_model / d_head", `${m.d_model} / ${m.d_head}`],
     ["context", `${m.n_ctx} tokens`], ["vocabulary", String(m.vocab_size)], ["device / dtype", `${m.device} / ${m.dtype}`],
+    ...attentionRows(m),
   ];
   if (m.fallback) rows.push(["fallback", `requested ${m.requested}: ${m.fallback_reason || ""}`]);
   const dl = document.createElement("dl");
   for (const [k, v] of rows) {
-    const dt = document.createElement("dt"); dt.textContent = k;
+    const dt = document.createElement("dt"); dt.textContent = k; dt.dataset.fact = k;
     const dd = document.createElement("dd"); dd.textContent = v;
     dl.append(dt, dd);
   }
@@ -120,7 +175,7 @@ function renderModel() {
   lsel.replaceChildren(...Array.from({ length: m.n_layers }, (_, l) => new Option(`layer ${l}`, String(l))));
   const hsel = $("#head");
   hsel.replaceChildren(new Option("head mean", "mean"),
-    ...Array.from({ length: m.n_heads }, (_, h) => new Option(`head ${h}`, String(h))));
+    ...Array.from({ length: m.n_heads }, (_, h) => new Option(headName(h), String(h))));
   ready("model");
 }
 
@@ -192,7 +247,7 @@ async function renderAttention() {
     const t = await layerPattern(state.layer, mean);
     if (my !== runId) return;
     m = mean ? t.at(0) : t.at(0).at(state.head);
-    where = `layer ${state.layer}, ${mean ? "head mean" : `head ${state.head}`}`;
+    where = `layer ${state.layer}, ${mean ? "head mean" : headName(state.head)}`;
   } else {
     m = await viewMatrix(state.view, state.layer, state.head);
     if (my !== runId) return;
@@ -201,7 +256,7 @@ async function renderAttention() {
       for (let q = 0; q < n; q++) for (let k = 0; k < n; k++) vmax = Math.max(vmax, m.get(q, k));
       vmax = vmax || 1;
       what = mean ? "contribution norm \u2016\u03a3\u2095 \u03b1 f(x)\u2016 (0 .. max)" : "contribution norm \u2016\u03b1 f(x)\u2016 (0 .. max)";
-      where = `layer ${state.layer}, ${mean ? "all heads, norm of the sum" : `head ${state.head}`}, norms`;
+      where = `layer ${state.layer}, ${mean ? "all heads, norm of the sum" : headName(state.head)}, norms`;
     } else {
       what = "rollout R (share of the input token; rows sum to 1)";
       where = `rollout to layer ${state.layer} (heads fused by their mean)`;
@@ -242,7 +297,7 @@ async function renderLines() {
       c.addEventListener("change", () => renderLines().catch(fail));
       const sw = document.createElement("span");
       sw.className = "swatch"; sw.style.background = headColour(h);
-      lab.append(c, sw, `head ${h}`);
+      lab.append(c, sw, headName(h));
       return lab;
     }));
     box.dataset.key = key;
@@ -300,7 +355,7 @@ async function renderLinks() {
     tb.append(tr);
   }
   $("#links").replaceChildren(tb);
-  $("#links-note").textContent = `layer ${r.layer}, ${r.head === null ? "head mean" : `head ${r.head}`}; ` +
+  $("#links-note").textContent = `layer ${r.layer}, ${r.head === null ? "head mean" : headName(r.head)}; ` +
     `self excluded; skipped positions: ${r.links.skipped.join(", ") || "none"}`;
   ready("links");
 }
