@@ -278,4 +278,9 @@ def test_bad_input(client):
     assert_error(r, 422)
     assert_error(client.post("/v1/ablate", json={"tokens": IDS, "scan": True, "components": [
         {"kind": "mlp", "layer": 0}]}), 422)
+    # a direction's positions past the text (the breaker: 500 IndexError), at and past T
+    for q in (len(IDS), 99):
+        e = err([{"kind": "direction", "hook": "blocks.0.hook_resid_pre", "vector": [1.0] * 128,
+                  "positions": [0, q]}], "components.0.positions.1")
+        assert str(q) in e["message"] and str(len(IDS) - 1) in e["message"]
     assert client.get("/healthz").status_code == 200

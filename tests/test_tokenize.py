@@ -123,3 +123,33 @@ def _utf8(raw: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+# ------------------------------------------------------------------ a tokenizer without BOS
+# (the breaker: add_bos true on such a model was a 500 TypeError on every text endpoint; Qwen2's
+# real tokenizer has no BOS token)
+def test_add_bos_on_a_tokenizer_without_bos_is_a_named_422(tmp_path):
+    import json
+    import shutil
+
+    from attnscope.service.config import BUNDLED_MODEL_DIR, Settings
+    from conftest import _client
+
+    d = tmp_path / "nobos"
+    shutil.copytree(BUNDLED_MODEL_DIR, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["bos_token"] = None
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    from attnscope.service.runtime import Runtime
+
+    with _client(Runtime.load(Settings(model=str(d))), model=str(d)) as client:
+        m = client.get("/v1/model").json()
+        assert m["bos_token"] is None and m["add_bos_default"] is False
+        for path, body in [("/v1/tokenize", {"text": "a b"}), ("/v1/attention", {"text": "a b"}),
+                           ("/v1/run", {"texts": ["a b"]})]:
+            e = assert_error(client.post(path, json={**body, "add_bos": True}), 422,
+                             param="add_bos")
+            assert "no BOS" in e["message"]
+            r = client.post(path, json=body)  # null: the model's convention, no BOS
+            assert r.status_code == 200, r.text
+        assert client.get("/healthz").status_code == 200

@@ -182,7 +182,8 @@ class Runtime:
         event loop; the checks above still run).
 
         Raises:
-            InvalidRequest: text too long in characters, or add_bos on an encoder.
+            InvalidRequest: text too long in characters, add_bos on an encoder or on a
+                tokenizer without a BOS token.
             ContextLengthExceeded: more tokens than the model's context (n_ctx).
         """
         limit = self.settings.max_text_chars
@@ -202,6 +203,11 @@ class Runtime:
             raise InvalidRequest(
                 "add_bos applies to causal models only; this encoder always gets its own "
                 "framing ([CLS] ... [SEP])", "add_bos",
+            )
+        if add_bos and self.tokenizer.bos_token_id is None:
+            raise InvalidRequest(
+                "add_bos: this model's tokenizer has no BOS token (bos_token is null; GET "
+                "/v1/model says add_bos_default false); send add_bos false or null", "add_bos",
             )
         key = (text, add_bos)
         with self._tok_cache_lock:

@@ -303,6 +303,12 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
     # checked once, by ablate_check (the engine's check)
     heads = [(int(lyr), int(h)) for lyr, h in req.heads] if req.heads is not None else None
     comps = _components(rt, req) if req.components is not None else None
+    for i, c in enumerate(req.components or []):  # a direction's positions against the text
+        for j, q in enumerate(getattr(c, "positions", None) or []):
+            if not 0 <= q < T:
+                raise OutOfRange(f"components.{i}.positions.{j} = {q} is out of range: {where} "
+                                 f"has {n_tokens(T)} (valid 0..{T - 1})",
+                                 f"components.{i}.positions.{j}")
     positions = _positions(req.positions, T, "positions", where)
     dm = declared_metric(rt, req.metric, T, main.input_ids, "metric") \
         if req.metric is not None else None
