@@ -535,3 +535,52 @@ def test_the_dla_plot_draws_a_rotary_response(fam):
     d = res["prompts"][0]["positions"][0]
     n = 1 + L * H + L + (L if d["attn_bias"] is not None else 0)
     assert len(fig.axes[0].patches) == n
+
+
+def test_the_bundled_llama_starts_quietly_and_serves_the_three(caplog):
+    """The real lifespan on Settings(model="bundled-llama") (the trained Llama: RoPE, GQA 4/2,
+    RMSNorm): no start-up error record (issue 28: the circuits precompute's traceback), the
+    circuits kept before ready; lens, DLA and circuits answer 200, the lens' final state is the
+    model's own prediction and the attribution's parts sum to the logit difference."""
+    import logging
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from attnscope.service.app import create_app
+
+    with caplog.at_level(logging.INFO, logger="attnscope"):
+        c = TestClient(create_app(Settings(model="bundled-llama")))
+        c.__enter__()
+        try:
+            while c.get("/readyz").status_code != 200:
+                assert c.app.state.load_error is None, c.app.state.load_error
+                time.sleep(0.05)
+            rt = c.app.state.runtime
+            assert ("circuits", rt.model_ref()["id"], rt.model_ref()["revision"]) in rt.memo
+            text = "In the beginning God created the heaven and the earth."
+            lens = c.post("/v1/logit-lens", json={"text": text, "top_k": 1})
+            dla = c.post("/v1/logit-attribution", json={"text": text, "target": " the",
+                                                        "distractor": " and"})
+            circ = c.post("/v1/circuits", json={"top_k": 2})
+            pred = c.post("/v1/predictions", json={"text": text, "top_k": 1})
+        finally:
+            c.__exit__(None, None, None)
+    bad = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not bad, bad
+    assert any("precomputed at start-up" in r.getMessage() for r in caplog.records)
+    for r in (lens, dla, circ, pred):
+        assert r.status_code == 200, r.text
+    final = lens.json()["prompts"][0]["states"][-1]["positions"][-1]["top"][0]
+    assert circ.json()["qk_definition"] is not None
+    row = dla.json()["prompts"][0]["positions"][0]
+    assert abs(row["residual_error"]) <= 1e-4 and row["pos_embed"] is None
+    assert abs(row["logit_diff"] - row["sum_of_parts"]) <= 1e-4
+    p = pred.json()
+    assert final["id"] == _top_prediction(p), (final, p)
+
+
+def _top_prediction(p) -> int:
+    """The id of /v1/predictions' top next token at the last position."""
+    res = p.get("predictions") or p["results"][0]
+    return res["positions"][-1]["top"][0]["id"]
