@@ -350,6 +350,35 @@ AblateResponse.model_rebuild()
 # ------------------------------------------------------------------------ patching
 PatchHook = Literal["z", "q", "k", "v", "pattern", "resid_pre", "resid_mid", "resid_post",
                     "attn_out", "mlp_out"]
+#: most (clean, corrupted) pairs in one /v1/patch request (the device budget usually binds first)
+MAX_PATCH_PAIRS = 4096
+
+
+class PatchPair(StrictModel):
+    """One (clean, corrupted) pair of a /v1/patch dataset (/v1/path-patch's ``pairs``
+    convention): each side as token ids (used exactly as given) or as a text (tokenized with
+    ``add_bos``). Both sides have the same token count; pairs may differ from each other
+    (grids without a position axis only)."""
+
+    clean_tokens: Annotated[list[Index], Field(min_length=1, max_length=MAX_POSITIONS)] | None \
+        = Field(None, description="The clean prompt as token ids.")
+    clean_text: NonBlankText | None = Field(None, description="The clean prompt as a text.")
+    corrupted_tokens: Annotated[list[Index], Field(min_length=1, max_length=MAX_POSITIONS)] \
+        | None = Field(None, description="The corrupted prompt as token ids.")
+    corrupted_text: NonBlankText | None = Field(None, description="The corrupted prompt as a "
+                                                "text.")
+    metric: Metric | None = Field(
+        None, description="This pair's own declared metric (e.g. its own target and distractor), "
+        "of the request's declared metric's kind and reduce; null = the request's.")
+
+    @model_validator(mode="after")
+    def _one_each(self):
+        for side in ("clean", "corrupted"):
+            if (getattr(self, f"{side}_tokens") is None) == (getattr(self, f"{side}_text") is None):
+                raise ValueError(f"give exactly one of '{side}_tokens' or '{side}_text'")
+        return self
+
+
 class PatchRequest(StrictModel):
     """Activation patching clean -> corrupted (TransformerLens ``patching``): the clean run's
     head outputs (and residual stream) patched into the corrupted run one at a time."""
@@ -410,10 +439,36 @@ class PatchRequest(StrictModel):
         None, max_length=MAX_POSITIONS, fail_fast=True,
         description="hook: by position (and position hooks), the positions computed (others "
         "null); for a head's all-position patch, the positions patched together. Null = all.")
+    pairs: list[PatchPair] | None = Field(
+        None, min_length=1, max_length=MAX_PATCH_PAIRS,
+        description="A dataset of (clean, corrupted) pairs instead of clean_*/corrupted_* (as "
+        "/v1/path-patch's ``pairs``): every pair patched as a request of its own, the grids' "
+        "mean over pairs in ``grid`` / ``heads_raw`` / ``clean_value`` / ``corrupted_value``, "
+        "``grid.normalized`` / ``heads`` normalised of those means, and the spread and the mean "
+        "of per-pair normalised values in ``dataset``. Grids with a position axis need every "
+        f"pair of one length. At most {MAX_PATCH_PAIRS}.")
+    per_pair: bool = Field(
+        False, description="pairs: also every pair's values (``dataset.per_pair``).")
+
     @model_validator(mode="after")
     def _consistent(self):
-        one_input(self, "clean_text")
-        one_input(self, "corrupted_text")
+        if self.pairs is not None:
+            for f in ("clean_text", "clean_tokens", "corrupted_text", "corrupted_tokens"):
+                if getattr(self, f) is not None:
+                    raise ValueError(f"{f}: give the prompts either as pairs or as clean_*/"
+                                     "corrupted_*, not both")
+            if self.per_position or self.residual:
+                raise ValueError("per_position / residual with pairs: use hook 'z' with "
+                                 "by_position, or hook 'resid_pre'")
+        else:
+            one_input(self, "clean_text")
+            one_input(self, "corrupted_text")
+            if self.per_pair:
+                raise ValueError("per_pair applies to a dataset (pairs)")
+        if self.pairs is not None and any(p.metric is not None for p in self.pairs) \
+                and isinstance(self.metric, str):
+            raise ValueError("a pair's own metric needs a declared metric on the request (its "
+                             "kind and reduce)")
         if self.metric == "logit_diff" and self.logit_diff is None:
             raise ValueError("metric 'logit_diff' needs logit_diff {target, distractor}")
         if self.metric != "loss" and self.positions is not None:
@@ -463,6 +518,56 @@ class PatchResponse(LenientModel):
     approximation: str | None = Field(
         None, description="method 'attribution': what the numbers are (a linear approximation)."
     )
+    dataset: "PatchDataset | None" = Field(
+        None, description="pairs: the dataset's statistics (the fields above are then means "
+        "over pairs; clean_tokens / corrupted_tokens are empty, see dataset.pairs).")
+
+
+class PatchStatistic(LenientModel):
+    mean: float = Field(description="Mean over the pairs (float64 of the per-pair values).")
+    std: float | None = Field(description="Sample standard deviation over the pairs (ddof 1, "
+                              "numpy's ``std(ddof=1)``); null for one pair.")
+    sem: float | None = Field(description="Standard error of the mean, std / sqrt(n); null "
+                              "for one pair.")
+    n: int = Field(description="Pairs averaged.")
+    values: list[float] | None = Field(None, description="per_pair: every pair's value, in "
+                                       "request order.")
+
+
+class PatchGridStats(LenientModel):
+    """Grid statistics over the pairs, cell by cell, nested lists in the grid's ``axes`` order
+    (null where a cell was not computed or is undefined)."""
+
+    raw_std: list[Any] = Field(description="Sample std (ddof 1) of the raw metric; null for one "
+                               "pair.")
+    raw_sem: list[Any] = Field(description="raw_std / sqrt(n).")
+    normalized_mean: list[Any] = Field(
+        description="Mean over pairs of each pair's own normalised value (patched_i - "
+        "corrupted_i) / (clean_i - corrupted_i) (Heimersheim & Nanda 2024's per-prompt "
+        "normalisation), over the ``n_normalized`` pairs where it is defined. Differs from "
+        "``normalized_of_means`` (the response's ``grid.normalized`` / ``heads``: (mean patched "
+        "- mean corrupted) / (mean clean - mean corrupted), Wang et al. 2022's normalisation of "
+        "the dataset means) when pairs' clean - corrupted gaps differ.")
+    normalized_std: list[Any] = Field(description="Sample std (ddof 1) of the per-pair "
+                                      "normalised values.")
+    normalized_sem: list[Any] = Field(description="normalized_std / sqrt(n_normalized).")
+    n_normalized: int = Field(description="Pairs whose normalised value is defined (clean != "
+                              "corrupted).")
+    per_pair_raw: list[Any] | None = Field(None, description="per_pair: ``[pair, *axes]`` raw.")
+    per_pair_normalized: list[Any] | None = Field(None, description="per_pair: ``[pair, *axes]"
+                                                  "`` normalised per pair.")
+
+
+class PatchDataset(LenientModel):
+    n_pairs: int = Field(description="Pairs in the dataset.")
+    pairs: list[dict[str, Any]] = Field(description="Per pair, in request order: n_tokens, "
+                                        "clean_tokens, corrupted_tokens (as run).")
+    clean: PatchStatistic = Field(description="The metric on the clean runs (raw).")
+    corrupted: PatchStatistic = Field(description="The metric on the corrupted runs (raw).")
+    grid: PatchGridStats = Field(description="The grid's (hook) or the head grid's (no hook) "
+                                 "spread and per-pair normalisation.")
+    n_forwards: int = Field(description="Patched forwards run over all pairs (hook grids).")
+    note: str = Field(description="What the averaged fields are.")
 
 
 class PatchGrid(LenientModel):

@@ -3462,6 +3462,39 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /** PatchDataset */
+        PatchDataset: {
+            /** @description The metric on the clean runs (raw). */
+            clean: components["schemas"]["PatchStatistic"];
+            /** @description The metric on the corrupted runs (raw). */
+            corrupted: components["schemas"]["PatchStatistic"];
+            /** @description The grid's (hook) or the head grid's (no hook) spread and per-pair normalisation. */
+            grid: components["schemas"]["PatchGridStats"];
+            /**
+             * N Forwards
+             * @description Patched forwards run over all pairs (hook grids).
+             */
+            n_forwards: number;
+            /**
+             * N Pairs
+             * @description Pairs in the dataset.
+             */
+            n_pairs: number;
+            /**
+             * Note
+             * @description What the averaged fields are.
+             */
+            note: string;
+            /**
+             * Pairs
+             * @description Per pair, in request order: n_tokens, clean_tokens, corrupted_tokens (as run).
+             */
+            pairs: {
+                [key: string]: unknown;
+            }[];
+        } & {
+            [key: string]: unknown;
+        };
         /** PatchGrid */
         PatchGrid: {
             /**
@@ -3512,6 +3545,89 @@ export interface components {
             shape: number[];
         } & {
             [key: string]: unknown;
+        };
+        /**
+         * PatchGridStats
+         * @description Grid statistics over the pairs, cell by cell, nested lists in the grid's ``axes`` order
+         *     (null where a cell was not computed or is undefined).
+         */
+        PatchGridStats: {
+            /**
+             * N Normalized
+             * @description Pairs whose normalised value is defined (clean != corrupted).
+             */
+            n_normalized: number;
+            /**
+             * Normalized Mean
+             * @description Mean over pairs of each pair's own normalised value (patched_i - corrupted_i) / (clean_i - corrupted_i) (Heimersheim & Nanda 2024's per-prompt normalisation), over the ``n_normalized`` pairs where it is defined. Differs from ``normalized_of_means`` (the response's ``grid.normalized`` / ``heads``: (mean patched - mean corrupted) / (mean clean - mean corrupted), Wang et al. 2022's normalisation of the dataset means) when pairs' clean - corrupted gaps differ.
+             */
+            normalized_mean: unknown[];
+            /**
+             * Normalized Sem
+             * @description normalized_std / sqrt(n_normalized).
+             */
+            normalized_sem: unknown[];
+            /**
+             * Normalized Std
+             * @description Sample std (ddof 1) of the per-pair normalised values.
+             */
+            normalized_std: unknown[];
+            /**
+             * Per Pair Normalized
+             * @description per_pair: ``[pair, *axes]`` normalised per pair.
+             */
+            per_pair_normalized?: unknown[] | null;
+            /**
+             * Per Pair Raw
+             * @description per_pair: ``[pair, *axes]`` raw.
+             */
+            per_pair_raw?: unknown[] | null;
+            /**
+             * Raw Sem
+             * @description raw_std / sqrt(n).
+             */
+            raw_sem: unknown[];
+            /**
+             * Raw Std
+             * @description Sample std (ddof 1) of the raw metric; null for one pair.
+             */
+            raw_std: unknown[];
+        } & {
+            [key: string]: unknown;
+        };
+        /**
+         * PatchPair
+         * @description One (clean, corrupted) pair of a /v1/patch dataset (/v1/path-patch's ``pairs``
+         *     convention): each side as token ids (used exactly as given) or as a text (tokenized with
+         *     ``add_bos``). Both sides have the same token count; pairs may differ from each other
+         *     (grids without a position axis only).
+         */
+        PatchPair: {
+            /**
+             * Clean Text
+             * @description The clean prompt as a text.
+             */
+            clean_text?: string | null;
+            /**
+             * Clean Tokens
+             * @description The clean prompt as token ids.
+             */
+            clean_tokens?: number[] | null;
+            /**
+             * Corrupted Text
+             * @description The corrupted prompt as a text.
+             */
+            corrupted_text?: string | null;
+            /**
+             * Corrupted Tokens
+             * @description The corrupted prompt as token ids.
+             */
+            corrupted_tokens?: number[] | null;
+            /**
+             * Metric
+             * @description This pair's own declared metric (e.g. its own target and distractor), of the request's declared metric's kind and reduce; null = the request's.
+             */
+            metric?: (components["schemas"]["LogitDiffMetric"] | components["schemas"]["ProbMetric"] | components["schemas"]["LogProbMetric"] | components["schemas"]["LossMetric"] | components["schemas"]["KLMetric"]) | null;
         };
         /**
          * PatchRequest
@@ -3579,6 +3695,11 @@ export interface components {
              */
             metric?: ("logit_diff" | "loss") | (components["schemas"]["LogitDiffMetric"] | components["schemas"]["ProbMetric"] | components["schemas"]["LogProbMetric"] | components["schemas"]["LossMetric"] | components["schemas"]["KLMetric"]);
             /**
+             * Pairs
+             * @description A dataset of (clean, corrupted) pairs instead of clean_*\/corrupted_* (as /v1/path-patch's ``pairs``): every pair patched as a request of its own, the grids' mean over pairs in ``grid`` / ``heads_raw`` / ``clean_value`` / ``corrupted_value``, ``grid.normalized`` / ``heads`` normalised of those means, and the spread and the mean of per-pair normalised values in ``dataset``. Grids with a position axis need every pair of one length. At most 4096.
+             */
+            pairs?: components["schemas"]["PatchPair"][] | null;
+            /**
              * Patch Heads
              * @description hook with a head axis: the heads computed; the others' cells are null.
              */
@@ -3593,6 +3714,12 @@ export interface components {
              * @description hook: by position (and position hooks), the positions computed (others null); for a head's all-position patch, the positions patched together. Null = all.
              */
             patch_positions?: number[] | null;
+            /**
+             * Per Pair
+             * @description pairs: also every pair's values (``dataset.per_pair``).
+             * @default false
+             */
+            per_pair?: boolean;
             /**
              * Per Position
              * @description Also the [layer, head, pos] grid (one position patched at a time).
@@ -3644,6 +3771,8 @@ export interface components {
              * @description The metric on the corrupted run.
              */
             corrupted_value: number;
+            /** @description pairs: the dataset's statistics (the fields above are then means over pairs; clean_tokens / corrupted_tokens are empty, see dataset.pairs). */
+            dataset?: components["schemas"]["PatchDataset"] | null;
             /** @description hook: the grid at that hook. */
             grid?: components["schemas"]["PatchGrid"] | null;
             /**
@@ -3680,6 +3809,36 @@ export interface components {
              * @description residual: [layer][pos] normalised, the residual stream entering the layer patched at pos.
              */
             residual?: (number | null)[][] | null;
+        } & {
+            [key: string]: unknown;
+        };
+        /** PatchStatistic */
+        PatchStatistic: {
+            /**
+             * Mean
+             * @description Mean over the pairs (float64 of the per-pair values).
+             */
+            mean: number;
+            /**
+             * N
+             * @description Pairs averaged.
+             */
+            n: number;
+            /**
+             * Sem
+             * @description Standard error of the mean, std / sqrt(n); null for one pair.
+             */
+            sem: number | null;
+            /**
+             * Std
+             * @description Sample standard deviation over the pairs (ddof 1, numpy's ``std(ddof=1)``); null for one pair.
+             */
+            std: number | null;
+            /**
+             * Values
+             * @description per_pair: every pair's value, in request order.
+             */
+            values?: number[] | null;
         } & {
             [key: string]: unknown;
         };

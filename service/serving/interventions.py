@@ -29,7 +29,7 @@ from ..runtime import interventions as I
 from .core.engine import Plan
 from .core.table import Endpoint
 from attnscope.schemas import AblateResponse, PatchResponse, PredictionsResponse
-from .core.cancel import checkpoint
+from .core.cancel import progress
 from .core.checks import check_distinct, check_index
 from .core.estimates import forward_flops
 from .common import text_or_results
@@ -476,6 +476,8 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
     estimate the largest batch of patched forwards (per layer: n_heads variants, n_heads x T
     per position, T for the residual stream; attribution: one forward with every activation
     kept for the backward) and return the job."""
+    if req.pairs is not None:
+        return _dataset_patch_plan(rt, req)
     a = rt.adapter
     clean_t = tokenized(rt, req, "clean_text")
     corr_t = tokenized(rt, req, "corrupted_text")
@@ -510,6 +512,7 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
                   f"(est. {est} bytes for the widest batch)")
 
     attribution = req.method == "attribution"
+    L, Hn = a.n_layers, a.n_heads
 
     def job(forwards) -> dict:
         fc = forwards[0].tensors
@@ -559,16 +562,33 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
                 body["heads_per_position"] = _grid(norm(k_val + A.attribution(g, zc, zk, True)))
             body["approximation"] = ATTRIBUTION_NOTE
         else:
-            heads_raw = I.head_patch_grid(rt, fc, fk, raw, P)
+            cells = [0]
+            total = L * Hn * (1 + (T if req.per_position else 0)) + (L * T if req.residual else 0)
+            progress(0, total)
+
+            def by_layer(per_position: bool) -> torch.Tensor:  # one layer a report
+                out = None
+                for layer in range(L):
+                    g = I.head_patch_grid(rt, fc, fk, raw, P, per_position, [layer])
+                    if out is None:
+                        out = g
+                    else:
+                        out[layer] = g[layer]
+                    cells[0] += Hn * (T if per_position else 1)
+                    progress(cells[0], total)
+                return out
+            heads_raw = by_layer(False)
             if req.per_position:
-                body["heads_per_position"] = _grid(norm(I.head_patch_grid(rt, fc, fk, raw, P, True)))
+                body["heads_per_position"] = _grid(norm(by_layer(True)))
             if req.residual:
                 body["residual"] = _grid(norm(I.resid_patch_grid(rt, fc, fk, raw, P)))
+                progress(total, total)
         body["heads"] = _grid(norm(heads_raw))
         body["heads_raw"] = _grid(heads_raw)  # finite: norm() checked it
         return body
 
-    return Plan([clean_t] if attribution else [clean_t, corr_t], job, est, detail=detail)
+    return Plan([clean_t] if attribution else [clean_t, corr_t], job, est, detail=detail,
+                progress="cells")  # attribution: no reports, the body line only
 
 
 # ------------------------------------------------------------------ declared metrics
@@ -755,7 +775,13 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
             pos, tgt, dis = dm.terms[0]
             body["logit_diff"] = {"target": _tokref(rt, tgt), "distractor": _tokref(rt, dis),
                                   "position": pos, "clean": _num(c_val), "ablated": None}
-        for h, by_pos, field in grids:
+        # progress in cells of the grids asked (cells a grid skips count as done): within
+        # a grid, its cells in proportion to its patched forwards run
+        sizes = [I.patch_cells(rt, h, b, T, layers, heads if I.PATCH_HOOKS[h][1] != "pos"
+                               else None, ppos) for h, b, _ in grids]
+        total, before = sum(sizes), 0
+        progress(0, total)
+        for (h, by_pos, field), size in zip(grids, sizes):
             hkind = I.PATCH_HOOKS[h][1]
             hs = heads if hkind != "pos" else None
             if attribution:
@@ -780,8 +806,11 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
                 raw, skipped = I.hook_patch_grid(
                     rt, clean_t.input_ids, corr_t.input_ids, h, by_pos, metric, P, layers, hs,
                     ppos, max_rows=rows_per,
-                    progress=lambda done, total: (checkpoint(), n_done.append(done)))
+                    progress=lambda done, n, size=size, before=before: (
+                        n_done.append(done), progress(before + size * done // n, total)))
                 n_fwd = len(n_done)
+            before += size
+            progress(before, total)
             computed = ~torch.isnan(raw) if (layers or hs or ppos) else None
             if computed is not None:
                 _finite(raw[computed], "the patched metric grid holds")
@@ -804,7 +833,8 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
                 body["residual"] = _grid(normed)
         return body
 
-    return Plan([], job, est, detail=detail, device_flops=flops, device_param=clean)
+    return Plan([], job, est, detail=detail, device_flops=flops, device_param=clean,
+                progress="cells")
 
 
 def _mask_cells(raw: torch.Tensor, kind: str, by_pos: bool, layers, heads, positions):
@@ -825,6 +855,206 @@ def _mask_cells(raw: torch.Tensor, kind: str, by_pos: bool, layers, heads, posit
         idx[ax] = drop
         out[tuple(idx)] = float("nan")
     return out
+
+
+# ------------------------------------------------------------------ /v1/patch over a dataset
+from .core import cancel  # noqa: E402  (checkpoint and the progress sink of dataset jobs)
+
+DATASET_NOTE = (
+    "pairs: every pair patched as its own request (the single-pair numbers, float32 as served), "
+    "then, cell by cell in float64: clean_value / corrupted_value / grid.raw / heads_raw = the "
+    "mean over pairs; grid.normalized / heads = normalised of the means, (mean patched - mean "
+    "corrupted) / (mean clean - mean corrupted) (Wang et al. 2022); dataset.grid."
+    "normalized_mean = the mean of each pair's own normalised value (Heimersheim & Nanda 2024); "
+    "std = sample standard deviation (ddof 1), sem = std / sqrt(n)")
+
+
+def _f64(x) -> float | None:
+    v = float(x)
+    return v if math.isfinite(v) else None
+
+
+def _grid64(t: np.ndarray):
+    """A float64 array as nested lists (null where NaN/inf), no rounding."""
+    if t.ndim == 0:
+        return _f64(t)
+    return [_grid64(x) for x in t]
+
+
+def _nested(x) -> np.ndarray:
+    """A served grid (nested lists, null = NaN) back as float64."""
+    def conv(v):
+        return [conv(w) for w in v] if isinstance(v, list) else (np.nan if v is None else v)
+    return np.array(conv(x), dtype=np.float64)
+
+
+def _spread(v: np.ndarray):
+    """(mean, sample std ddof 1, standard error) over axis 0; std/sem None for one value."""
+    n = v.shape[0]
+    mean = v.mean(0)
+    if n < 2:
+        return mean, None, None
+    std = v.std(0, ddof=1)
+    return mean, std, std / math.sqrt(n)
+
+
+def _statistic(v: np.ndarray, per_pair: bool) -> dict:
+    mean, std, sem = _spread(v)
+    return {"mean": _f64(mean), "std": None if std is None else _f64(std),
+            "sem": None if sem is None else _f64(sem), "n": len(v),
+            "values": [float(x) for x in v] if per_pair else None}
+
+
+class _QuietProgress:
+    """While one pair's job runs: its own progress reports are not sent (the dataset reports
+    pairs done); its cancel checks still run."""
+
+    def __enter__(self):
+        self.token = cancel.current()
+        self.sink = getattr(self.token, "progress", None)
+        if self.sink is not None:
+            self.token.progress = None
+        return self
+
+    def report(self, done: int, total: int) -> None:
+        if self.sink is not None:
+            self.sink(done, total)
+
+    def __exit__(self, *exc):
+        if self.sink is not None:
+            self.token.progress = self.sink
+        return False
+
+
+def _pair_side(rt, pr, side: str, bos: bool, i: int):
+    ids = getattr(pr, f"{side}_tokens")
+    if ids is not None:
+        return rt.tokenized_from_ids(list(ids), f"pairs.{i}.{side}_tokens"), f"{side}_tokens"
+    return (rt.tokenize(getattr(pr, f"{side}_text"), bos, f"pairs.{i}.{side}_text"),
+            f"{side}_text")
+
+
+def _dataset_patch_plan(rt, req: PatchRequest) -> Plan:  # noqa: C901
+    """/v1/patch over ``pairs``: each pair tokenized (equal token counts within a pair, else
+    422 ``pairs.{i}.corrupted_*`` naming both; one length for grids with a position axis, else
+    422 ``pairs.{i}``), planned as a single-pair request (:func:`_hook_patch_plan`: the same
+    checks, estimates and forwards; a check failing for one pair names ``pairs.{i}``), then
+    the grids' statistics over pairs (:data:`DATASET_NOTE`). Memory: the largest pair's
+    estimate (pairs run one after another) plus the statistics; device work: the sum."""
+    bos = bool(req.add_bos)
+    if isinstance(req.metric, str):
+        kind, reduce = req.metric, "mean"
+    else:
+        kind, reduce = req.metric.kind, req.metric.reduce
+    position_axis = req.hook is not None and (I.PATCH_HOOKS[req.hook][1] == "pos"
+                                              or req.by_position)
+    subs, infos = [], []
+    for i, pr in enumerate(req.pairs):
+        c_t, c_f = _pair_side(rt, pr, "clean", bos, i)
+        k_t, k_f = _pair_side(rt, pr, "corrupted", bos, i)
+        T = len(c_t)
+        if len(k_t) != T:
+            raise InvalidRequest(
+                f"pairs.{i}: {c_f} has {n_tokens(T)} and {k_f} has {len(k_t)}; activation "
+                "patching needs the two prompts of a pair of the same token count",
+                f"pairs.{i}.{k_f}")
+        if position_axis and infos and T != infos[0]["n_tokens"]:
+            raise InvalidRequest(
+                f"pairs.{i}: {n_tokens(T)}, pairs.0 has {infos[0]['n_tokens']}; hook "
+                f"{req.hook!r}{' by_position' if req.by_position else ''} has a position axis, so "
+                "its grids average over pairs of one length (group the pairs by length, or use "
+                "an all-position head grid)", f"pairs.{i}")
+        if pr.metric is not None and (pr.metric.kind != kind or pr.metric.reduce != reduce):
+            raise InvalidRequest(
+                f"pairs.{i}.metric: a {pr.metric.kind!r} ({pr.metric.reduce}) metric; every "
+                f"pair's is the request's kind and reduce ({kind!r}, {reduce}) so that they "
+                "average", f"pairs.{i}.metric")
+        sub = req.model_copy(update=dict(
+            pairs=None, per_pair=False, clean_text=None, corrupted_text=None,
+            clean_tokens=list(c_t.input_ids), corrupted_tokens=list(k_t.input_ids),
+            metric=pr.metric if pr.metric is not None else req.metric))
+        try:
+            sp = _hook_patch_plan(rt, sub, c_t, k_t, f"pairs.{i}.{c_f}")
+        except InvalidRequest as e:  # a check of this pair: name it
+            if pr.metric is not None and (e.param or "").startswith("metric"):
+                e.param = f"pairs.{i}.{e.param}"
+            if not e.message.startswith(f"pairs.{i}"):
+                e.message = f"pairs.{i}: {e.message}"
+                e.args = (e.message,)
+            raise
+        subs.append(sp)
+        infos.append({"n_tokens": T, "clean_tokens": [t.as_dict() for t in c_t.tokens],
+                      "corrupted_tokens": [t.as_dict() for t in k_t.tokens]})
+    n = len(subs)
+    per_pair = req.per_pair
+    # the statistics: the stacked per-pair grids (float64) and ~10 grids of JSON numbers
+    first_bytes = max(sp.response_bytes for sp in subs)
+    est = first_bytes + n * first_bytes // 4 * (2 if per_pair else 1) + 1024 * n
+    flops = sum(sp.device_flops for sp in subs)
+    field = "grid" if req.hook is not None else "heads"
+
+    def job(_forwards) -> dict:
+        bodies = []
+        with _QuietProgress() as q:
+            q.report(0, n)
+            for i, sp in enumerate(subs):
+                cancel.checkpoint()
+                bodies.append(sp.job([]))
+                q.report(i + 1, n)
+        cv = np.array([b["clean_value"] for b in bodies], dtype=np.float64)
+        kv = np.array([b["corrupted_value"] for b in bodies], dtype=np.float64)
+        if field == "grid":
+            raw = np.stack([_nested(b["grid"]["raw"]) for b in bodies])
+            nrm = np.stack([_nested(b["grid"]["normalized"]) for b in bodies])
+        else:
+            raw = np.stack([_nested(b["heads_raw"]) for b in bodies])
+            nrm = np.stack([_nested(b["heads"]) for b in bodies])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            raw_mean, raw_std, raw_sem = _spread(raw)
+            c_mean, k_mean = float(cv.mean()), float(kv.mean())
+            of_means = (raw_mean - k_mean) / (c_mean - k_mean)
+            defined = cv != kv  # a pair whose clean and corrupted metrics differ
+            nd = nrm[defined]
+            if len(nd):
+                n_mean, n_std, n_sem = _spread(nd)
+            else:
+                n_mean = np.full(raw.shape[1:], np.nan)
+                n_std = n_sem = None
+        none_grid = _grid64(np.full(raw.shape[1:], np.nan))
+        body = dict(bodies[0])
+        body.update(clean_tokens=[], corrupted_tokens=[], clean_value=_f64(c_mean),
+                    corrupted_value=_f64(k_mean))
+        if body.get("logit_diff") is not None:
+            body["logit_diff"] = dict(body["logit_diff"], clean=_f64(c_mean))
+        if field == "grid":
+            body["grid"] = dict(bodies[0]["grid"], raw=_grid64(raw_mean),
+                                normalized=_grid64(of_means),
+                                n_forwards=sum(b["grid"]["n_forwards"] for b in bodies),
+                                cells_skipped=sum(b["grid"]["cells_skipped"] for b in bodies))
+        else:
+            body["heads_raw"], body["heads"] = _grid64(raw_mean), _grid64(of_means)
+        body["dataset"] = {
+            "n_pairs": n, "pairs": infos,
+            "clean": _statistic(cv, per_pair), "corrupted": _statistic(kv, per_pair),
+            "grid": {
+                "raw_std": none_grid if raw_std is None else _grid64(raw_std),
+                "raw_sem": none_grid if raw_sem is None else _grid64(raw_sem),
+                "normalized_mean": _grid64(n_mean),
+                "normalized_std": none_grid if n_std is None else _grid64(n_std),
+                "normalized_sem": none_grid if n_sem is None else _grid64(n_sem),
+                "n_normalized": int(defined.sum()),
+                "per_pair_raw": _grid64(raw) if per_pair else None,
+                "per_pair_normalized": _grid64(nrm) if per_pair else None},
+            "n_forwards": sum(b["grid"]["n_forwards"] for b in bodies) if field == "grid"
+            else sum(b["grid"]["n_forwards"] if b.get("grid") else 0 for b in bodies),
+            "note": DATASET_NOTE,
+        }
+        return body
+
+    extra = {"progress": "pairs"} if "progress" in getattr(Plan, "__dataclass_fields__", {}) \
+        else {}
+    return Plan([], job, int(est), detail=f", plus {n} pairs' patching grids (each planned as "
+                f"its own request)", device_flops=flops, device_param="pairs", **extra)
 
 
 ENDPOINTS = [
