@@ -34,7 +34,7 @@ from ..analysis import path_patch as A
 from ..errors import (ContextLengthExceeded, InvalidRequest, NonFiniteValues, OutOfRange,
                       UnsupportedModelConfig, n_tokens)
 from ..runtime import hooked as H
-from .core.cancel import checkpoint
+from .core.cancel import checkpoint, progress
 from .core.engine import Plan
 from .core.estimates import forward_flops
 from .core.table import Endpoint
@@ -352,6 +352,8 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
         other_v = np.full(len(pairs), np.nan)
         patched_v = np.full(len(pairs), np.nan)
         mom = A.Moments((L, Hn, L, Hn, len(kinds))) if req.grid else None
+        n_done = 0
+        progress(0, len(pairs))  # pairs done, after each chunk (a streamed response's lines)
         for T, xs in groups.items():
             pc, rc = sched[T]
             for a in range(0, len(xs), pc):
@@ -371,6 +373,8 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
                     vals = _single(p, chunk, got, req, kind, reduce, rc)
                     for k, x in enumerate(chunk):
                         patched_v[x.i] = vals[k]
+                n_done += len(chunk)
+                progress(n_done, len(pairs))
         for name, v in (("base run", base_v), ("other run", other_v)):
             if not np.isfinite(v).all():
                 raise NonFiniteValues(f"the metric on the {name} is not finite (NaN or inf in "
@@ -433,7 +437,8 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
             body["normalized"] = None if z is None else _f(z)
         return body
 
-    return Plan([], job, int(est), detail=detail, device_flops=flops, device_param="pairs")
+    return Plan([], job, int(est), detail=detail, device_flops=flops, device_param="pairs",
+                progress="pairs")
 
 
 # ------------------------------------------------------------------ the forwards

@@ -12,7 +12,9 @@ request's device turn under :func:`running`. Inside the turn the token is checke
   ops), so the recorded forward, the hooked forward (``service/runtime/hooked.py``) and the
   analyses stop between two ops, whoever wrote their loops;
 * explicitly, by :func:`checkpoint`, between the pairs, chunks, prompts and layers of long
-  jobs (path patching, the logit lens) and between forwards, also covering pure-Python work.
+  jobs (path patching, the logit lens) and between forwards, also covering pure-Python work;
+  :func:`progress` is such a checkpoint that also tells the token's ``progress`` sink how far
+  the job is (a streamed response's progress lines, service/serving/core/engine.py).
 
 The mode also counts the FLOP of every matrix product the job runs (``F.linear``, ``addmm``,
 ``matmul``, ``bmm``, ...: the bulk of a transformer's work) against the token's
@@ -52,7 +54,7 @@ class CancelToken:
     """One request's cancel flag. ``deadline``: ``time.monotonic()`` past which the job stops
     (None: none). :meth:`cancel` may be called from any thread (a plain attribute write)."""
 
-    __slots__ = ("deadline", "reason", "checks", "flops", "flops_limit")
+    __slots__ = ("deadline", "reason", "checks", "flops", "flops_limit", "progress")
 
     def __init__(self, deadline: float | None = None, flops_limit: float = 0.0):
         self.deadline = deadline
@@ -62,6 +64,9 @@ class CancelToken:
         #: most it may run (0 = no limit): past it the job stops (:data:`OVER_LIMIT`)
         self.flops = 0.0
         self.flops_limit = float(flops_limit or 0)
+        #: ``progress(done, total)``, called on the device thread by :func:`progress` (None:
+        #: nobody listens; the engine sets it for a streamed response)
+        self.progress = None
 
     def cancel(self, reason: str) -> None:
         if self.reason is None:
@@ -95,6 +100,18 @@ def checkpoint() -> None:
     token = getattr(_local, "token", None)
     if token is not None:
         token.check()
+
+
+def progress(done: int, total: int) -> None:
+    """A :func:`checkpoint` that also reports ``done`` of ``total`` units of work (cells of a
+    patching grid, pairs of path patching) to this thread's job's ``progress`` sink, if any.
+    Callers report a fixed ``total`` and a non-decreasing ``done`` that ends at ``total``."""
+    token = getattr(_local, "token", None)
+    if token is None:
+        return
+    token.check()
+    if token.progress is not None:
+        token.progress(int(done), int(total))
 
 
 def _matmul_flops(func, args, kwargs) -> float:

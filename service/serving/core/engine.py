@@ -11,7 +11,10 @@ An endpoint hands it a request and the feature's ``plan`` function; the engine
 3. checks memory (422 ``memory_limit_exceeded`` over ``max_request_bytes``; the recorded
    forwards plus the plan's ``response_bytes``) before any forward runs,
 4. in ONE device turn: takes the cached forwards or runs the missing ones, then runs the job,
-5. returns the response (JSON, streamed when big, or safetensors) through the encoding layer.
+5. returns the response (JSON, streamed when big, or safetensors) through the encoding layer;
+   or, for a request that asked for NDJSON (``Accept: application/x-ndjson``) to a plan that
+   reports progress (``Plan.progress``), streams progress lines while the job runs and the
+   body as the last line (:meth:`Engine.stream`, docs/api.md "Streamed progress").
 
 So one request makes one engine call and one device turn: router -> engine(serving(analysis(
 recorded forwards))) -> response.
@@ -20,6 +23,8 @@ recorded forwards))) -> response.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -29,9 +34,10 @@ import anyio.to_thread
 from fastapi import Response
 
 from ...analysis._blas import torch_threads_for
-from ...encoding import respond
+from ...encoding import dumps, respond
 from ...errors import (
-    BatchTooLarge, DeviceLimitExceeded, NotReady, ShuttingDown, Timeout,
+    AttnscopeError, BatchTooLarge, DeviceLimitExceeded, NotReady, ShuttingDown, Timeout,
+    envelope,
 )
 from . import cancel
 from .budget import MemoryBudget, Ticket, default_budget
@@ -69,6 +75,9 @@ class Plan:
     status_code: int = 200
     headers: dict = field(default_factory=dict)
     small_ops: bool = False
+    #: the unit of the job's progress reports (``"cells"``, ``"pairs"``; cancel.progress), or
+    #: None: the job reports none and a request for NDJSON gets the plain JSON response
+    progress: str | None = None
 
     def run_job(self, forwards: list[ForwardResult]) -> Any:
         """``job(forwards)``, on one intra-op thread where ``small_ops`` says so."""
@@ -107,7 +116,7 @@ class Engine:
     async def serve(self, req, plan: Callable[[Runtime | None, Any, list[TokenizedText]], Plan],
                     *, check: Callable[[Runtime, Any], None] | None = None,
                     binary: bool = False, tokenize: bool = True,
-                    needs_model: bool = True, request=None) -> Response:
+                    needs_model: bool = True, request=None, stream: bool = False) -> Response:
         """Answer ``req`` with ``plan``'s job, in one device turn (module docstring).
 
         ``check(runtime, req)``: the feature's token-independent checks, made before
@@ -115,7 +124,8 @@ class Engine:
         ``needs_model=False``: the plan may run before the model is loaded (it gets None for
         the runtime). ``binary``: the response as one safetensors file. ``request``: the
         Starlette request; its deadline (``request_timeout_s``) and its client's disconnect
-        cancel the job (service/serving/core/cancel.py).
+        cancel the job (service/serving/core/cancel.py). ``stream``: the client asked for
+        NDJSON; where the plan reports progress the answer is :meth:`stream`'s.
 
         Raises (each becomes the error envelope): the plan's own 4xx checks,
         :class:`BatchTooLarge` / context-length 422s from tokenizing,
@@ -132,6 +142,8 @@ class Engine:
         token = self.token_for(request)
         ticket = await self.admit(rt, p)  # held until the response's last byte (or cut)
         try:
+            if stream and p.progress is not None and not binary:
+                return await self.stream(req, rt, p, token, ticket, request)
             async with self.watching(request, token):
                 body = await self.run(rt, p, admitted=True, token=token)
             body = with_add_bos(body, req)
@@ -139,6 +151,57 @@ class Engine:
         except BaseException:
             ticket.release()
             raise
+
+    # ------------------------------------------------------------------ streamed progress
+    async def stream(self, req, rt: Runtime | None, p: Plan, token: cancel.CancelToken,
+                     ticket: Ticket, request=None) -> Response:
+        """``p``'s job as an NDJSON stream (media type :data:`NDJSON`): one line
+        ``{"progress": {"done": n, "total": N, "unit": p.progress}}`` per report of the job
+        (``cancel.progress``), throttled by :class:`ProgressLines`, then one last line: the
+        normal response body (the same bytes as the JSON answer) or, when the job fails after
+        the stream began, the error envelope ``{"error": {"type", "message", "param"}}`` (the
+        HTTP status is 200 by then).
+
+        The 200 is sent once the job has the device (its first progress report or its start):
+        errors before that (admission 429, the queue, a cancelled wait) keep their status.
+        The client's disconnect (:meth:`watching`, and the response's own watch) cancels the
+        job; the budget ``ticket`` is given back once both the job and the response ended."""
+        loop = asyncio.get_running_loop()
+        lines: asyncio.Queue = asyncio.Queue()
+        started = asyncio.Event()
+        interval = float(getattr(self._state, "progress_interval_s", PROGRESS_INTERVAL_S))
+
+        def put(item) -> None:  # any thread
+            loop.call_soon_threadsafe(lines.put_nowait, item)
+
+        token.progress = ProgressLines(lambda b: (put(b), loop.call_soon_threadsafe(started.set)),
+                                       p.progress, interval)
+        job = p.job
+
+        def job_started(forwards):
+            loop.call_soon_threadsafe(started.set)
+            return job(forwards)
+
+        turn = dataclasses.replace(p, job=job_started)
+
+        async def work():
+            async with self.watching(request, token):
+                body = await self.run(rt, turn, admitted=True, token=token)
+            return with_add_bos(body, req)
+
+        task = loop.create_task(work())
+        task.add_done_callback(lambda _t: lines.put_nowait(_DONE))
+        waiter = loop.create_task(started.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            token.cancel(cancel.DISCONNECT)
+            raise
+        finally:
+            waiter.cancel()
+        if task.done() and not started.is_set():
+            task.result()  # raises the error from before the job began: its own status
+        return ProgressResponse(lines, task, token, ticket.release, p.headers)
 
     # ------------------------------------------------------------------ cancelling
     def token_for(self, request) -> cancel.CancelToken:
@@ -323,6 +386,117 @@ class Engine:
                 return p.run_job(forwards)
 
         return await self.slot.run(turn)
+
+
+#: the media type of a streamed response (one JSON document a line, "\n" after each)
+NDJSON = "application/x-ndjson"
+#: progress lines are sent at most this often (seconds; app.state.progress_interval_s
+#: overrides it) and at most once per :data:`PROGRESS_STEP` of the total
+PROGRESS_INTERVAL_S = 0.5
+PROGRESS_STEP = 0.01
+_DONE = object()
+log = logging.getLogger("attnscope.engine")
+
+
+class ProgressLines:
+    """The progress sink of a streamed job (``CancelToken.progress``, called on the device
+    thread): turns ``(done, total)`` into NDJSON progress lines for ``put``. Sent: the first
+    report, the one reaching ``total``, and others only when both ``interval`` seconds and
+    :data:`PROGRESS_STEP` of the total have passed since the last line sent (so a job sends at
+    most ~1/PROGRESS_STEP + 2 lines and at most one per ``interval``); ``done`` never goes
+    back (a report below the last one sent is dropped)."""
+
+    def __init__(self, put: Callable[[bytes], Any], unit: str, interval: float):
+        self.put, self.unit, self.interval = put, unit, interval
+        self.last = -1
+        self.last_t = 0.0
+        self.sent = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if done <= self.last:
+            return
+        now = time.monotonic()
+        if self.last >= 0 and done < total and (
+                done - self.last < PROGRESS_STEP * total or now - self.last_t < self.interval):
+            return
+        self.last, self.last_t = done, now
+        self.sent += 1
+        self.put(dumps({"progress": {"done": done, "total": total, "unit": self.unit}}) + b"\n")
+
+
+def error_line(exc: BaseException) -> bytes:
+    """The NDJSON line of a job that failed after its stream began: the error envelope the
+    plain request would have got (docs/api.md "Errors") and, as ``status``, its HTTP status
+    then; internals never leak."""
+    if isinstance(exc, cancel.JobCancelled):
+        exc = stopped(exc.reason)
+    if isinstance(exc, AttnscopeError):
+        body, status = envelope(exc.type, exc.message, exc.param), exc.status
+    else:
+        log.error("unhandled error in a streamed job", exc_info=exc)
+        body = envelope("internal_error", "internal error; the service keeps serving")
+        status = 500
+    return dumps({**body, "status": status}) + b"\n"
+
+
+class ProgressResponse(Response):
+    """The NDJSON response of :meth:`Engine.stream`: the queued progress lines as they come,
+    then the job's body (or :func:`error_line`) as the last line. A client that disconnects
+    cancels the job (``token``); ``on_close`` runs once the job and the response ended."""
+
+    media_type = NDJSON
+
+    def __init__(self, lines: asyncio.Queue, task: asyncio.Task, token, on_close, headers=None):
+        self.lines, self.task, self.token, self.on_close = lines, task, token, on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers(dict(headers or {}))
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+
+    async def __call__(self, scope, receive, send) -> None:
+        import anyio
+
+        task = self.task
+        try:
+            async with anyio.create_task_group() as tg:
+                async def watch():
+                    while True:
+                        if (await receive())["type"] == "http.disconnect":
+                            self.token.cancel(cancel.DISCONNECT)
+                            tg.cancel_scope.cancel()
+                            return
+
+                tg.start_soon(watch)
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": self.raw_headers})
+                while True:
+                    item = await self.lines.get()
+                    if item is _DONE:
+                        break
+                    await send({"type": "http.response.body", "body": item, "more_body": True})
+                exc = task.exception()
+                if exc is None:
+                    last = await anyio.to_thread.run_sync(dumps, task.result()) + b"\n"
+                else:
+                    last = error_line(exc)
+                await send({"type": "http.response.body", "body": last, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                tg.cancel_scope.cancel()
+        finally:
+            if not task.done():
+                self.token.cancel(cancel.DISCONNECT)
+            on_close, self.on_close = self.on_close, None
+
+            def ended(t):
+                if not t.cancelled():
+                    t.exception()  # retrieved: a stopped job is no unhandled error
+                if on_close is not None:
+                    on_close()
+
+            if task.done():
+                ended(task)  # now: the response's end is the ticket's end
+            else:
+                task.add_done_callback(ended)
 
 
 def in_cache(rt: Runtime, key) -> bool:

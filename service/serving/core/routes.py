@@ -215,6 +215,35 @@ def v1_router(**kwargs) -> APIRouter:
     return APIRouter(route_class=V1Route, **kwargs)
 
 
+# ------------------------------------------------------------------------ streamed progress
+def wants_ndjson(accept: str | None) -> bool:
+    """True when the ``Accept`` header prefers ``application/x-ndjson`` (q > 0) to JSON, read
+    as ``encoding.wants_binary`` reads it for safetensors: the highest q of each media type;
+    a tie with ``*/*`` / ``application/*`` goes to NDJSON, a tie with ``application/json``
+    named to JSON. A header without it (or none) is False: the plain JSON answer, unchanged.
+    Only endpoints whose plan reports progress (/v1/patch, /v1/path-patch) stream; the others
+    answer JSON as before. Linear in the header's length; a bad q value counts as 0."""
+    if not accept or "ndjson" not in accept.lower():
+        return False
+    best: dict[str, float] = {}
+    for part in accept.split(","):
+        bits = [b.strip() for b in part.split(";")]
+        media = bits[0].lower()
+        q = 1.0
+        for b in bits[1:]:
+            if b[:2].lower() == "q=":
+                try:
+                    q = min(max(float(b[2:]), 0.0), 1.0)
+                except ValueError:
+                    q = 0.0
+                if q != q:  # NaN
+                    q = 0.0
+        best[media] = max(best.get(media, 0.0), q)
+    nd = best.get("application/x-ndjson", 0.0)
+    js = best.get("application/json", 0.0)
+    return nd > 0 and (nd > js or (nd == js and "application/json" not in best))
+
+
 # ------------------------------------------------------------------------ the route builder
 def _responses(ep: Endpoint) -> dict:
     """OpenAPI ``responses`` of ``ep``: every error status with the envelope; for an
@@ -252,7 +281,8 @@ def route_function(ep: Endpoint):
             req = ep.prepare(rt, req)
         if not ep.binary:
             return await engine.serve(req, ep.plan, check=ep.check, tokenize=ep.tokenize,
-                                      needs_model=ep.needs_model, request=request)
+                                      needs_model=ep.needs_model, request=request,
+                                      stream=wants_ndjson(request.headers.get("accept")))
         binary = wants_binary(request.headers.get("accept"))
         return await engine.serve(req, partial(ep.plan, binary=binary), check=ep.check,
                                   binary=binary, tokenize=ep.tokenize, needs_model=ep.needs_model,

@@ -52,6 +52,9 @@ from ._errors import (
     status_error,
 )
 from . import wire
+
+#: the media type of a streamed response: progress lines, then the body (docs/api.md)
+NDJSON = "application/x-ndjson"
 from ._tensors import attach_numpy
 from .notebook import view_class
 from .run import RunOutput, run_output
@@ -267,6 +270,44 @@ class BaseClient:
         except self._x.HTTPStatusError as exc:
             raise status_error(response) from exc
 
+    # -- streamed progress (docs/api.md "Streamed progress") ----------------------------------
+    def _stream_request(self, method: str, path: str, body: Any) -> httpx.Request:
+        request = self._build(self._http, method, path, body)
+        request.headers["accept"] = f"{NDJSON}, application/json;q=0.5"
+        return request
+
+    @staticmethod
+    def _stream_line(response: httpx.Response, line: str, cast_to, on_progress):
+        """One NDJSON line: a progress line -> ``on_progress(done, total, unit)`` (returns its
+        result, maybe awaitable), the body -> ``("done", parsed)``, an error line -> raises the
+        typed error of the status the job would have had."""
+        try:
+            data = orjson.loads(line)
+        except ValueError as exc:
+            raise APIResponseValidationError("a streamed line is not JSON", response) from exc
+        if isinstance(data, dict) and set(data) == {"progress"}:
+            p = data["progress"]
+            return None if on_progress is None else on_progress(
+                int(p["done"]), int(p["total"]), str(p.get("unit", "")))
+        if isinstance(data, dict) and isinstance(data.get("error"), dict) and \
+                set(data) <= {"error", "status"}:
+            status = int(data.get("status") or 500)
+            raise status_error(type(response)(status, json={"error": data["error"]},
+                                              request=response.request))
+        if cast_to is None:
+            return ("done", data)
+        try:
+            return ("done", attach_numpy(view_class(cast_to).model_validate(data), None))
+        except pydantic.ValidationError as exc:
+            raise APIResponseValidationError(
+                f"the {response.request.url.path} answer does not fit {cast_to.__name__}: {exc}",
+                response, data) from exc
+
+    @staticmethod
+    def _stream_cut(response: httpx.Response):
+        return APIConnectionError("the streamed response ended before its last line (the body "
+                                  "or an error)", response.request)
+
 
 def _validated(request_model: type[M], path: str, **fields) -> M:
     """``request_model(**fields)``; raises :class:`RequestValidationError` (not pydantic's
@@ -298,6 +339,10 @@ class _Endpoints:
 
     def _call(self, method: str, path: str, body: Any, cast_to,
               binary: bool = False):  # pragma: no cover
+        raise NotImplementedError
+
+    def _call_stream(self, method: str, path: str, body: Any, cast_to,
+                     on_progress):  # pragma: no cover
         raise NotImplementedError
 
     def _post_model(self, path: str, request_model: type[BaseModel], response_model,
@@ -515,7 +560,7 @@ class _Endpoints:
                           AblateResponse, binary)
 
     def patch(self, clean_text: str | None = None, corrupted_text: str | None = None,
-              **options) -> PatchResponse:
+              *, on_progress=None, **options) -> PatchResponse:
         """``POST /v1/patch``: activation patching clean -> corrupted, ``.heads`` ``[layer][head]``
         of the normalised metric ``(patched - corrupted) / (clean - corrupted)`` (TransformerLens
         ``get_act_patch_attn_head_out_all_pos``); ``per_position`` -> ``.heads_per_position``,
@@ -529,17 +574,21 @@ class _Endpoints:
         (``[layer, head]`` / ``[layer, head, dest_pos]``) -> ``.grid`` (``raw``,
         ``normalized``, ``axes``, and ``function``: the TransformerLens 4.3 ``get_act_patch_*``
         it equals; as numpy: ``numpy.array(res.grid.raw, dtype=float)``, None -> NaN);
-        ``patch_layers`` / ``patch_heads`` / ``patch_positions`` subsets."""
+        ``patch_layers`` / ``patch_heads`` / ``patch_positions`` subsets.
+        ``on_progress(done, total, unit)``: called while the grid runs (unit 'cells'; the
+        response streamed as NDJSON, docs/api.md "Streamed progress"); the result is the same."""
         texts = {k: v for k, v in (("clean_text", clean_text),
                                     ("corrupted_text", corrupted_text)) if v is not None}
         req = _validated(PatchRequest, "/v1/patch", **texts, **options)
-        return self._call("POST", "/v1/patch", req.model_dump(mode="json", exclude_unset=True),
-                          PatchResponse)
+        body = req.model_dump(mode="json", exclude_unset=True)
+        if on_progress is not None:
+            return self._call_stream("POST", "/v1/patch", body, PatchResponse, on_progress)
+        return self._call("POST", "/v1/patch", body, PatchResponse)
 
     def path_patch(self, pairs: Sequence[Any] | None = None, *, clean: Any = None,
                    corrupted: Any = None, senders: Sequence[Any] | None = None,
                    receivers: Sequence[Any] | None = None, metric: Mapping[str, Any] | None = None,
-                   **options) -> PathPatchResponse:
+                   on_progress=None, **options) -> PathPatchResponse:
         """``POST /v1/path-patch``: path patching (Wang et al. 2022): the ``senders``' outputs
         from the other run reach the ``receivers`` only along the direct path, everything else
         frozen at the base run (``direction`` 'corrupted_to_clean', the default: base = clean).
@@ -551,7 +600,9 @@ class _Endpoints:
         term's prompt null). ``grid=True`` (no senders/receivers): every sender head x receiver
         head input -> ``.grid.raw`` ``[sender_layer][sender_head][receiver_layer]
         [receiver_head][input]``. Raw statistics in ``.base``/``.other``/``.patched`` (mean,
-        std, n), ``.normalized`` = (patched - base) / (other - base)."""
+        std, n), ``.normalized`` = (patched - base) / (other - base).
+        ``on_progress(done, total, unit)``: called after each chunk of pairs (unit 'pairs'; the
+        response streamed as NDJSON, docs/api.md "Streamed progress")."""
         fields: dict[str, Any] = dict(options)
 
         def side(name, v):
@@ -599,8 +650,11 @@ class _Endpoints:
         if metric is not None:
             fields["metric"] = dict(metric)
         req = _validated(PathPatchRequest, "/v1/path-patch", **fields)
-        return self._call("POST", "/v1/path-patch",
-                          req.model_dump(mode="json", exclude_unset=True), PathPatchResponse)
+        body = req.model_dump(mode="json", exclude_unset=True)
+        if on_progress is not None:
+            return self._call_stream("POST", "/v1/path-patch", body, PathPatchResponse,
+                                     on_progress)
+        return self._call("POST", "/v1/path-patch", body, PathPatchResponse)
 
     def hooks(self) -> HooksResponse:
         """``GET /v1/hooks``: every hook point of the resident model (TransformerLens 4.x
@@ -689,6 +743,48 @@ class Client(BaseClient, _Endpoints):
             self._raise_status(response)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _call_stream(self, method: str, path: str, body: Any, cast_to, on_progress):
+        """:meth:`_call` for a streamed answer: retries as it does until the 200 arrives;
+        then the progress lines go to ``on_progress`` and the last line is the result (an
+        answer that is not NDJSON, from an older service, is parsed as ever)."""
+        request = self._stream_request(method, path, body)
+        for attempt in range(self.max_retries + 1):
+            last = attempt == self.max_retries
+            try:
+                response = self._http.send(request, stream=True)
+            except self._x.TimeoutException as exc:
+                if not last:
+                    self._sleep(self._retry_delay(attempt, None))
+                    continue
+                raise APITimeoutError(request) from exc
+            except self._x.TransportError as exc:
+                if not last:
+                    self._sleep(self._retry_delay(attempt, None))
+                    continue
+                raise APIConnectionError(f"cannot reach {self.base_url}: {exc}", request) from exc
+            try:
+                if not response.is_success or \
+                        not response.headers.get("content-type", "").startswith(NDJSON):
+                    response.read()
+                    if response.is_success:
+                        return self._parse(response, cast_to)
+                    if not last and self._should_retry(response):
+                        self._sleep(self._retry_delay(attempt, response))
+                        continue
+                    self._raise_status(response)
+                try:
+                    for line in response.iter_lines():
+                        if line.strip():
+                            got = self._stream_line(response, line, cast_to, on_progress)
+                            if isinstance(got, tuple) and got[:1] == ("done",):
+                                return got[1]
+                except self._x.TransportError as exc:
+                    raise self._stream_cut(response) from exc
+                raise self._stream_cut(response)
+            finally:
+                response.close()
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def close(self) -> None:
         """Close the underlying httpx client if this client created it."""
         if self._owns_http:
@@ -756,6 +852,48 @@ class AsyncClient(BaseClient, _Endpoints):
                 await self._sleep(self._retry_delay(attempt, response))
                 continue
             self._raise_status(response)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _call_stream(self, method: str, path: str, body: Any, cast_to, on_progress):
+        """:meth:`Client._call_stream`, awaited (``on_progress`` may be a coroutine function)."""
+        request = self._stream_request(method, path, body)
+        for attempt in range(self.max_retries + 1):
+            last = attempt == self.max_retries
+            try:
+                response = await self._http.send(request, stream=True)
+            except self._x.TimeoutException as exc:
+                if not last:
+                    await self._sleep(self._retry_delay(attempt, None))
+                    continue
+                raise APITimeoutError(request) from exc
+            except self._x.TransportError as exc:
+                if not last:
+                    await self._sleep(self._retry_delay(attempt, None))
+                    continue
+                raise APIConnectionError(f"cannot reach {self.base_url}: {exc}", request) from exc
+            try:
+                if not response.is_success or \
+                        not response.headers.get("content-type", "").startswith(NDJSON):
+                    await response.aread()
+                    if response.is_success:
+                        return self._parse(response, cast_to)
+                    if not last and self._should_retry(response):
+                        await self._sleep(self._retry_delay(attempt, response))
+                        continue
+                    self._raise_status(response)
+                try:
+                    async for line in response.aiter_lines():
+                        if line.strip():
+                            got = self._stream_line(response, line, cast_to, on_progress)
+                            if inspect.isawaitable(got):
+                                await got
+                            elif isinstance(got, tuple) and got[:1] == ("done",):
+                                return got[1]
+                except self._x.TransportError as exc:
+                    raise self._stream_cut(response) from exc
+                raise self._stream_cut(response)
+            finally:
+                await response.aclose()
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self) -> None:

@@ -237,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="any request option, value as JSON; repeatable")
     _output_arg(p)
     p.add_argument("--plot", metavar="FILE", default=None, help="save the effect grid figure")
+    _progress_arg(p)
     p = sub.add_parser("norms", help="contribution norms ||alpha f(x)|| (Kobayashi et al. 2020)")
     _common(p)
     _text_args(p)
@@ -763,7 +764,8 @@ def cmd_patch(args) -> int:
     if _ld(args):
         opts["logit_diff"] = _ld(args)
     with _client(args) as c:
-        res = c.patch(args.clean_text, args.corrupted_text, **opts)
+        res = c.patch(args.clean_text, args.corrupted_text,
+                      on_progress=_progress(args, "patch"), **opts)
     _write_output(args, res)
     if args.json:
         _print_json(res)
@@ -1025,6 +1027,29 @@ def _why_parsers(sub) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
                    help="any request option, value as JSON; repeatable")
     _output_arg(p)
+    _progress_arg(p)
+
+
+def _progress_arg(p) -> None:
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress line on stderr while the job runs (streamed progress; "
+                        "default: when stdout is a terminal)")
+
+
+def _progress(args, what: str):
+    """The ``on_progress`` of ``patch`` / ``path-patch``: one line on stderr, rewritten in
+    place (``\r``), ended with a newline at the total; None when not asked (--no-progress,
+    or stdout not a terminal without --progress)."""
+    on = args.progress if getattr(args, "progress", None) is not None else sys.stdout.isatty()
+    if not on:
+        return None
+
+    def show(done: int, total: int, unit: str) -> None:
+        pct = 100.0 * done / total if total else 100.0
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{what}: {done}/{total} {unit} ({pct:.0f}%){end}")
+        sys.stderr.flush()
+    return show
 
 
 def _components(s: str) -> list:
@@ -1265,7 +1290,8 @@ def cmd_path_patch(args) -> int:
     receivers = body.pop("receivers", None) if args.receivers is None else args.receivers
     with _client(args) as c:
         res = c.path_patch(pairs, clean=clean, corrupted=corrupted, senders=senders,
-                           receivers=receivers, metric=body.pop("metric"), **body)
+                           receivers=receivers, metric=body.pop("metric"),
+                           on_progress=_progress(args, "path-patch"), **body)
     _write_output(args, res)
     if args.json:
         _print_json(res)
