@@ -569,6 +569,8 @@ def test_llama_page_labels_key_value_groups_and_shows_the_attention_facts(llama_
     # the line view's head picker names the groups too
     labels = page.locator("#line-heads label").all_inner_texts()
     assert [x.strip() for x in labels] == [f"head {h} \u00b7 kv {kv[h]}" for h in range(4)]
+    assert page.inner_text("#heads-note").endswith(
+        "; key/value groups (every layer): kv 0 = heads 0, 1; kv 1 = heads 2, 3")
     screenshot(page, "explorer-llama-model", "#model-card")
     screenshot(page, "explorer-llama-top")
 
@@ -579,4 +581,5 @@ def test_gpt2_page_has_no_key_value_labels(live_server, page):
     facts = dict(zip(page.locator("#model-card dt").all_inner_texts(),
                      page.locator("#model-card dd").all_inner_texts()))
     assert "key/value heads" not in facts
+    assert "key/value" not in page.inner_text("#heads-note")
     assert facts["positions"] == "learned absolute" and facts["norm"] == "LayerNorm"

@@ -112,6 +112,17 @@ function headName(h) {
   return kv && kv[h] !== undefined ? `head ${h} \u00b7 kv ${kv[h]}` : `head ${h}`;
 }
 
+// "; key/value groups: kv 0 = heads 0, 1; kv 1 = heads 2, 3" (GQA models; "" otherwise)
+function kvGroupsNote() {
+  const kv = kvMap();
+  if (!kv) return "";
+  const groups = [];
+  for (let j = 0; j < model.attention.n_kv_heads; j++) {
+    groups.push(`kv ${j} = heads ${kv.map((x, h) => (x === j ? h : -1)).filter((h) => h >= 0).join(", ")}`);
+  }
+  return `; key/value groups (every layer): ${groups.join("; ")}`;
+}
+
 // the family's attention facts for the model card (rotary, GQA, window, soft-caps, norm)
 function attentionRows(m) {
   const a = m.attention;
@@ -321,7 +332,8 @@ async function renderHeads() {
   heads = r;
   drawHeadGrid();
   $("#heads-note").textContent = `scores averaged over ${heads.n_texts} text; induction from the probe ` +
-    (heads.probe ? `(${heads.probe.segment_length} tokens x ${heads.probe.repeats})` : "(off)") + "; hover a cell for every score, click to open its pattern";
+    (heads.probe ? `(${heads.probe.segment_length} tokens x ${heads.probe.repeats})` : "(off)") + "; hover a cell for every score, click to open its pattern" +
+    kvGroupsNote();
   ready("heads");
 }
 
