@@ -49,7 +49,11 @@ class LogitLensRequest(TextOrTexts):
         "recompute_ln=True)). 'final': the final LayerNorm's scale frozen from the run, (x - "
         "mean x) / scale_final * w + b, scale_final = ln_final.hook_scale of the last residual "
         "state at that position (TransformerLens apply_ln_to_stack(..., recompute_ln=False), "
-        "then ln_final's w and b, which unprocessed weights do not fold into W_U). The last "
+        "then ln_final's w and b, which unprocessed weights do not fold into W_U). RMSNorm models "
+        "(Llama, Mistral, Qwen2, Gemma, Gemma 2): 'own' = the model's final RMSNorm as Hugging "
+        "Face computes it (float32, x * rsqrt(mean(x^2) + eps) * w, Gemma 1 + w; no centring, "
+        "no bias) then lm_head and Gemma 2's final soft-cap; 'final' = x / s * w with s = "
+        "ln_final.hook_scale = sqrt(mean(x_L^2) + eps) of the run's last state. The last "
         "state (final_post) gives the model's own logits either way.")
     incl_mid: bool = Field(False, description="Also each block's ``hook_resid_mid`` (after "
                            "attention, before the MLP), as accumulated_resid(incl_mid=True).")

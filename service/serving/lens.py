@@ -62,8 +62,8 @@ def _refs(rt, ids: list[int]) -> list[dict]:
 
 
 def check(rt, req) -> None:
-    """A causal GPT-2 LM the hooked forward runs (422 ``unsupported_model`` /
-    ``unsupported_model_config``)."""
+    """A causal LM the hooked forward runs: GPT-2, Llama, Mistral, Qwen2, Gemma, Gemma 2,
+    GPT-NeoX (422 ``unsupported_model`` / ``unsupported_model_config``)."""
     check_lm(rt)
     parts(rt)
 
