@@ -392,3 +392,79 @@ def test_breaker_findings_selections_and_integer_tensors(client):
                "data": base64.b64encode(a.tobytes()).decode()}
         np.testing.assert_array_equal(decode_input(b64, "v"), a.astype(np.float32))
     assert client.post("/v1/run", json={"token_lists": T}).status_code == 200
+
+
+def test_the_cache_is_encoded_hook_by_hook_inside_the_forward(bundled_dir):
+    """``hooked.run(keep=...)`` (what /v1/run uses so that it never holds the whole cache in
+    float32 beside its wire copy, issue 25): each cached value goes to ``keep`` when its hook
+    has run, in forward order, before any later hook runs; what it returns is the cache; the
+    values it sees are bit for bit those of a run without ``keep``."""
+    from transformers import GPT2LMHeadModel
+
+    from attnscope.service.runtime import hooked as H
+
+    model = GPT2LMHeadModel.from_pretrained(str(bundled_dir), attn_implementation="eager").eval()
+    p = H.gpt2_parts(model)
+    ids = torch.tensor([CLEAN, CORRUPT])
+    sel = {"hook_*": None, "blocks.0.*": None, "ln_final.*": None,
+           "blocks.1.attn.hook_pattern": H.CacheSelect(heads=[1], positions=[-1])}
+    plain = H.run(p, ids, cache=sel)
+    seen: list[str] = []
+
+    from torch.overrides import TorchFunctionMode
+
+    class Ops(TorchFunctionMode):  # counts the forward's torch calls: when keep is called
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Ops.n += 1
+            return func(*args, **(kwargs or {}))
+
+    at: dict[str, int] = {}
+    got: dict[str, torch.Tensor] = {}
+
+    def keep(name, t):  # no torch call here: Ops.n counts the forward's calls only
+        at[name] = Ops.n
+        seen.append(name)
+        got[name] = t
+        return ("kept", name)
+
+    with Ops():
+        res = H.run(p, ids, cache=sel, keep=keep)
+    # called inside the forward, hook by hook (a keep applied after the forward: all at the end)
+    assert at["hook_embed"] < at["blocks.0.hook_resid_post"] < at[
+        "blocks.1.attn.hook_pattern"] < at["ln_final.hook_normalized"] < Ops.n, (at, Ops.n)
+    for name, t in got.items():
+        assert torch.equal(t, plain.cache[name]), name
+    order = [h.name for h in H.hook_points(p)]
+    assert seen == [n for n in order if n in plain.cache] and len(seen) == len(plain.cache)
+    assert res.cache == {n: ("kept", n) for n in seen}
+    assert torch.equal(res.logits, plain.logits)
+
+
+def test_float16_cache_over_http_equals_the_float32_cache_cast(client):
+    """/v1/run encodes each hook as it is produced: its float16 safetensors cache equals the
+    float32 JSON cache cast to float16; a value beyond float16's range, met inside the forward,
+    is a 422 naming ``dtype`` and the service keeps serving."""
+    from attnscope.client import wire
+
+    body = {"token_lists": [CLEAN], "cache": ["blocks.*.hook_resid_post",
+                                          "blocks.0.attn.hook_attn_scores"]}
+    f32 = client.post("/v1/run", json=body).json()["cache"]
+    r = client.post("/v1/run", json={**body, "dtype": "float16"},
+                    headers={"accept": wire.SAFETENSORS})
+    assert r.status_code == 200, r.text[:300]
+    f16 = wire.decode_binary_response(r.content)["cache"]
+    assert set(f16) == set(f32)
+    for name, v in f32.items():
+        ref = np.array(v, dtype=np.float32)
+        if name.endswith("hook_attn_scores"):
+            ref = np.where(np.isnan(ref), -np.inf, ref)  # JSON null = masked -inf
+        want = torch.from_numpy(ref).to(torch.float16).numpy()
+        assert f16[name].dtype == np.float16 and np.array_equal(f16[name], want), name
+    big = client.post("/v1/run", json={**body, "dtype": "float16", "interventions": [
+        R.add("blocks.1.hook_resid_pre", np.ones(128, np.float32), scale=1e5)]},
+        headers={"accept": wire.SAFETENSORS})
+    e = assert_error(big, 422, param="dtype")
+    assert "65504" in e["message"], e
+    assert client.post("/v1/run", json=body).status_code == 200

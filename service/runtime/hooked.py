@@ -61,7 +61,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from dataclasses import dataclass, field, replace
-from typing import Literal, Mapping, Sequence, Union
+from typing import Any, Callable, Literal, Mapping, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -910,11 +910,12 @@ def _plan(p: GPT2Parts, B: int, T: int, cache, interventions, grad) -> _Plan:
 class _Run:
     """One forward's state: the plan, what it keeps, the gradient inputs."""
 
-    def __init__(self, plan: _Plan, grad: bool):
+    def __init__(self, plan: _Plan, grad: bool, keep=None):
         self.plan = plan
-        self.out: dict[str, torch.Tensor] = {}
+        self.out: dict[str, Any] = {}
         self.grad_inputs: dict[str, torch.Tensor] = {}
         self.grad = grad
+        self.keep = keep
 
     def at(self, site: _Site, x: torch.Tensor, tl_view=None) -> torch.Tensor:
         """Apply ``site``'s edits in order, register it for the gradient, keep its cache."""
@@ -925,7 +926,10 @@ class _Run:
                 x = x.detach().requires_grad_(True)
             self.grad_inputs[site.hp.name] = x
         if site.cache is not None:
-            self.out[site.hp.name] = site.cache.take(x if tl_view is None else tl_view(x))
+            v = site.cache.take(x if tl_view is None else tl_view(x))
+            if self.keep is not None:  # e.g. the wire form: the clone is freed right here
+                v = self.keep(site.hp.name, v.detach())
+            self.out[site.hp.name] = v
         return x
 
 
@@ -1065,7 +1069,8 @@ def run(model, input_ids, *, cache: Mapping[str, CacheSelect | None] | None = No
         logit_positions: Sequence[int] | None = None,
         metrics: Mapping[str, AnyMetric] | None = None,
         grad: GradRequest | None = None,
-        start: int = 0, resid_pre: torch.Tensor | None = None) -> RunResult:
+        start: int = 0, resid_pre: torch.Tensor | None = None,
+        keep: Callable[[str, torch.Tensor], Any] | None = None) -> RunResult:
     """One hooked forward of ``input_ids`` ``[batch, pos]`` (int64, equal lengths, no padding)
     on ``model`` (:class:`GPT2Parts` / :class:`.hooked_families.FamilyParts`, or a Hugging Face
     GPT-2, Llama, Mistral, Qwen2, Gemma, Gemma 2 or GPT-NeoX causal LM, or an adapter).
@@ -1088,7 +1093,12 @@ def run(model, input_ids, *, cache: Mapping[str, CacheSelect | None] | None = No
     each batch of variants at the layer its edit is in). The embeddings and blocks below
     ``start`` do not run, so none of their hooks may be cached, edited or differentiated;
     ``input_ids`` still give the batch, the length and the metrics' next tokens. ``start =
-    n_layers``: ln_f and the unembedding only."""
+    n_layers``: ln_f and the unembedding only.
+
+    ``keep(name, value)``: called with each cached value (detached, TL shape, cut to the
+    selection) as soon as its hook has run; what it returns is stored in ``cache[name]``
+    instead (e.g. the value's wire form, so the forward never holds every cached tensor in
+    the model's dtype next to its encoded copy). Exceptions it raises end the run."""
     p = _as_parts(model)
     ids = _check_ids(p, input_ids)
     B, T = ids.shape
@@ -1105,7 +1115,7 @@ def run(model, input_ids, *, cache: Mapping[str, CacheSelect | None] | None = No
         raise InvalidRequest("grad.hooks: at least one hook", "grad.hooks")
     ctx = torch.enable_grad() if grad is not None else torch.inference_mode()
     with ctx:
-        r = _Run(plan, grad is not None)
+        r = _Run(plan, grad is not None, keep)
         x, h_final = _forward(p, r, ids, plan, start, resid_pre)
         if lpos is None:
             logits = _unembed(p, h_final)  # [batch, pos, vocab], HF's lm_head
@@ -1132,7 +1142,8 @@ def run(model, input_ids, *, cache: Mapping[str, CacheSelect | None] | None = No
             out_logits = detach(out_logits)
             results = {n: MetricValue(v.values.detach(), v.value.detach())
                        for n, v in results.items()}
-            r.out = {n: detach(t) for n, t in r.out.items()}
+            r.out = {n: detach(t) if isinstance(t, torch.Tensor) else t
+                     for n, t in r.out.items()}
     return RunResult(r.out, out_logits, positions, results, grads, gval)
 
 

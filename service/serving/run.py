@@ -267,8 +267,9 @@ def check_no_repeats(req: RunRequest, B: int, T: int) -> None:
 
 
 # ------------------------------------------------------------------ the plan
-def _cached_elements(p: H.GPT2Parts, req: RunRequest, B: int, T: int) -> int:
-    n = 0
+def _cached_elements(p: H.GPT2Parts, req: RunRequest, B: int, T: int) -> tuple[int, int]:
+    """(elements of everything cached, elements of the largest single cached hook)."""
+    n = big = 0
     for c in req.cache:
         pattern = c if isinstance(c, str) else c.hook
         for hp in H.resolve(p, pattern):
@@ -283,7 +284,8 @@ def _cached_elements(p: H.GPT2Parts, req: RunRequest, B: int, T: int) -> int:
                 if c.positions is not None:
                     shape[hp.pos_axis] = len(c.positions)
             n += math.prod(shape)
-    return n
+            big = max(big, math.prod(shape))
+    return n, big
 
 
 def plan(rt, req: RunRequest, items, *, binary: bool = False) -> Plan:
@@ -299,11 +301,15 @@ def plan(rt, req: RunRequest, items, *, binary: bool = False) -> Plan:
     L, Hh, D, M, V = p.n_layers, p.n_heads, p.d_model, p.d_mlp, p.d_vocab
     es = p.wte.element_size()
     layer_live = B * (3 * Hh * T * T + T * (8 * D + 2 * M))
-    n_cache = _cached_elements(p, req, B, T)
+    n_cache, n_biggest = _cached_elements(p, req, B, T)
     full_logits = req.loss or (req.logits is not None and req.logits.positions is None)
     n_pos = T if full_logits else (len(req.logits.positions) if req.logits and
                                    req.logits.positions else 1)
-    est = es * (layer_live + 2 * B * n_pos * V + n_cache)
+    # each cached hook becomes its wire form as soon as its hook has run (``keep`` below): the
+    # model-dtype values stay whole only where the wire form is them (json, or float32 when
+    # the model is float32); otherwise one hook at a time, beside the encoded copies
+    same = encoding == "json" or (req.dtype == "float32" and es == 4)
+    est = es * (layer_live + 2 * B * n_pos * V + (n_cache if same else n_biggest))
     est += estimate_encoded_bytes(n_cache, encoding, req.dtype, req.round, "full", None, T)
     if req.logits is not None and req.logits.top_k:  # the top-k token objects of the body
         est += TOP_TOKEN_BYTES * B * n_pos * min(req.logits.top_k, V)
@@ -323,20 +329,24 @@ def plan(rt, req: RunRequest, items, *, binary: bool = False) -> Plan:
             list(req.logits.positions) if req.logits and req.logits.positions else [T - 1])
         origin: list[int] = []
         ivs = interventions_of(rt, p, req, T, add_bos, origin)
+        enc = lambda t, name: encode_tensor(  # noqa: E731
+            t, encoding, req.dtype, req.round, name, allow_neg_inf="hook_attn_scores" in name)
+        # every cached hook is encoded (and its model-dtype copy dropped) as soon as its hook
+        # has run: the peak is the forward's working set + one copy of the response (issue 25)
+        keep = lambda name, t: enc(t, f"cache.{name}")  # noqa: E731
         try:
             res = H.run(p, ids, cache=cache_of(req), interventions=ivs,
-                        logit_positions=logit_positions, metrics=metrics, grad=grad)
+                        logit_positions=logit_positions, metrics=metrics, grad=grad,
+                        keep=keep)
         except InvalidRequest as exc:  # the runtime's index -> the request's entry
             keys = {c if isinstance(c, str) else c.hook: i for i, c in enumerate(req.cache)}
             raise _renumbered(exc, origin, keys) from None
-        enc = lambda t, name: encode_tensor(  # noqa: E731
-            t, encoding, req.dtype, req.round, name, allow_neg_inf="hook_attn_scores" in name)
         body: dict = {
             "model": rt.model_ref(),
             "add_bos": add_bos,
             "prompts": [{"tokens": [t.as_dict() for t in it.tokens], "n_tokens": len(it)}
                         for it in prompts],
-            "cache": {n: enc(t, f"cache.{n}") for n, t in res.cache.items()},
+            "cache": res.cache,
             "selections": _selections(p, req, res.cache, B, T),
             "logits": None, "loss": None,
             "metrics": {n: {"value": _f(v.value), "values": [_f(x) for x in v.values.tolist()],
