@@ -325,3 +325,35 @@ def test_cli_progress_line_over_uvicorn(capsys, monkeypatch, live_server, tmp_pa
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "path-patch: 1/1 pairs (100%)\n" in out.err
+
+
+def test_async_client_on_progress_takes_a_coroutine_function(gpt2_runtime):
+    """The AsyncClient over httpx's ASGI transport (the real app in-process): a coroutine
+    ``on_progress`` is awaited for each line and the result equals the plain call's."""
+    import httpx
+
+    from attnscope.client import AsyncClient
+    from attnscope.service.app import create_app
+    from attnscope.service.config import Settings
+
+    app = create_app(Settings(model="bundled"), runtime=gpt2_runtime)
+    seen = []
+
+    async def cb(done, total, unit):
+        seen.append((done, total, unit))
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            app.state.progress_interval_s = 0.0
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://app") as http:
+                c = AsyncClient(http_client=http, max_retries=0)
+                a = await c.path_patch(pairs=[(CLEAN, CORRUPT)], senders=[(0, 1)],
+                                       receivers=[(1, "k")], metric=LD, on_progress=cb)
+                b = await c.path_patch(pairs=[(CLEAN, CORRUPT)], senders=[(0, 1)],
+                                       receivers=[(1, "k")], metric=LD)
+                return a, b
+
+    a, b = asyncio.run(main())
+    assert a.model_dump() == b.model_dump()
+    assert seen == [(0, 1, "pairs"), (1, 1, "pairs")]
