@@ -24,6 +24,9 @@ from .common import BYTES_DOC, LABEL_DOC, PARTIAL_DOC
 
 #: most components ablated together in one /v1/ablate request
 MAX_COMPONENTS = 4096
+#: most (clean, corrupted) pairs of one /v1/patch request, texts of one /v1/ablate request (the
+#: device budget usually binds first)
+MAX_PATCH_PAIRS = 4096
 #: most entries of a direction vector (d_model, d_mlp or d_head of any served model)
 MAX_VECTOR = 1 << 16
 
@@ -246,9 +249,36 @@ class AblateRequest(TensorOptions):
         "``metric``)."
     )
 
+    texts: list[NonBlankText] | None = Field(
+        None, min_length=1, max_length=MAX_PATCH_PAIRS,
+        description="A dataset of texts instead of text: the same ablation on each text (as a "
+        "request of its own), the metrics per text and averaged (``dataset``; the top-level "
+        "mean_loss_* / mean_kl / logit_diff / metric / scan are the means over texts). Method "
+        "'mean': the means over every position of the whole dataset (or of reference_texts). "
+        f"Not with resample. At most {MAX_PATCH_PAIRS}.")
+    token_lists: list[TokenIds] | None = Field(
+        None, min_length=1, max_length=MAX_PATCH_PAIRS,
+        description=TOKEN_LISTS_DOC.format(texts="texts"))
+    per_text: bool = Field(False, description="texts: also every text's values "
+                           "(``dataset.stats.*.values``).")
+
     @model_validator(mode="after")
     def _consistent(self):
-        one_input(self, "text")
+        if self.texts is not None or self.token_lists is not None:
+            one_input(self, "texts")
+            for f in ("text", "tokens"):
+                if getattr(self, f) is not None:
+                    raise ValueError(f"{f}: give either one text or a dataset (texts / "
+                                     "token_lists), not both")
+            if self.method == "resample":
+                raise ValueError("method 'resample' takes one resample_text for one text: with a "
+                                 "dataset use 'zero' or 'mean'")
+            if self.include_patterns:
+                raise ValueError("include_patterns applies to one text, not a dataset")
+        else:
+            one_input(self, "text")
+            if self.per_text:
+                raise ValueError("per_text applies to a dataset (texts / token_lists)")
         one_input(self, "reference_texts", required=False)
         one_input(self, "resample_text", required=False)
         if self.scan and (self.heads is not None or self.components is not None):
@@ -330,6 +360,28 @@ class AblateResponse(LenientModel):
         "norm before normalising.")
     metric: "DeclaredMetricValues | None" = Field(
         None, description="The declared metric (if asked) on the clean and the ablated run.")
+    dataset: "AblateDataset | None" = Field(
+        None, description="texts / token_lists: per-text metrics and their spread (the fields "
+        "above are then means over texts; tokens is empty, positions null).")
+
+
+class AblateDataset(LenientModel):
+    n_texts: int = Field(description="Texts in the dataset.")
+    n_tokens: list[int] = Field(description="Each text's token count, in request order.")
+    mean_over: str = Field(description="method 'mean': what the means were taken over "
+                           "('dataset' = every position of every text, or 'reference_texts'); "
+                           "'' otherwise.")
+    stats: dict[str, "PatchStatistic"] = Field(
+        description="Per metric (mean_loss_clean, mean_loss_ablated, delta_loss, mean_kl, "
+        "logit_diff_clean, logit_diff_ablated, metric_clean, metric_ablated, scan_clean, where "
+        "they apply): mean over texts (float64), std (ddof 1), sem = std / sqrt(n), n, values "
+        "(per_text).")
+    scan_std: list[list[float | None]] | None = Field(
+        None, description="scan: [layer][head] sample std (ddof 1) over texts of the grid.")
+    scan_sem: list[list[float | None]] | None = Field(
+        None, description="scan: scan_std / sqrt(n).")
+    per_text_scan: list[Any] | None = Field(None, description="scan and per_text: [text][layer]"
+                                            "[head].")
 
 
 class DeclaredMetricValues(LenientModel):
@@ -345,13 +397,10 @@ class DeclaredMetricValues(LenientModel):
         "resample text's run; Wang et al. 2022); null otherwise or when clean == resample.")
 
 
-AblateResponse.model_rebuild()
 
 # ------------------------------------------------------------------------ patching
 PatchHook = Literal["z", "q", "k", "v", "pattern", "resid_pre", "resid_mid", "resid_post",
                     "attn_out", "mlp_out"]
-#: most (clean, corrupted) pairs in one /v1/patch request (the device budget usually binds first)
-MAX_PATCH_PAIRS = 4096
 
 
 class PatchPair(StrictModel):
@@ -594,4 +643,6 @@ class PatchGrid(LenientModel):
                                "position the metric reads (causal model).")
 
 
+AblateResponse.model_rebuild()
+AblateDataset.model_rebuild()
 PatchResponse.model_rebuild()

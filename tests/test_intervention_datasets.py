@@ -171,3 +171,89 @@ def test_bad_input_is_named(client, pairs_same, pairs_mixed, make_client, gpt2_r
     assert_error(small.post("/v1/patch", json={"pairs": pairs_same, "metric": METRIC,
                                                "hook": "z", "by_position": True}), 422,
                  type_="device_limit_exceeded", param="pairs")
+
+
+# ------------------------------------------------------------------ /v1/ablate over texts
+@pytest.fixture(scope="module")
+def texts():
+    return [induction_ids(s, 4 + s, 2) for s in range(3)]  # 9, 11, 13 tokens
+
+
+ABL_METRIC = {"kind": "loss", "terms": [{"position": -3}, {"position": -2}]}
+
+
+def _ablate_singles(client, texts, **kw):
+    out = []
+    for ids in texts:
+        extra = {"reference_token_lists": texts} if kw.get("method") == "mean" and \
+            "reference_token_lists" not in kw else {}
+        r = client.post("/v1/ablate", json={"tokens": ids, **kw, **extra})
+        assert r.status_code == 200, r.text
+        out.append(r.json())
+    return out
+
+
+@pytest.mark.parametrize("kw", [
+    {"heads": [[0, 0], [1, 1]], "method": "zero"},
+    {"heads": [[0, 1]], "method": "mean"},
+    {"components": [{"kind": "mlp", "layer": 0}], "heads": [[1, 0]], "method": "mean"},
+])
+def test_ablate_dataset_equals_mean_of_single_texts(client, texts, kw):
+    """Per text equal to a single request whose mean ablation pools the whole dataset
+    (reference_token_lists = the texts); averaged exactly as numpy's mean; spread numpy's."""
+    kw = dict(kw, metric=ABL_METRIC, logit_diff={"target": "0", "distractor": "1"})
+    r = client.post("/v1/ablate", json={"token_lists": texts, "per_text": True, **kw})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    singles = _ablate_singles(client, texts, **kw)
+    st = d["dataset"]["stats"]
+    for name, get in (("mean_loss_clean", lambda b: b["mean_loss_clean"]),
+                      ("mean_loss_ablated", lambda b: b["mean_loss_ablated"]),
+                      ("mean_kl", lambda b: b["mean_kl"]),
+                      ("logit_diff_ablated", lambda b: b["logit_diff"]["ablated"]),
+                      ("metric_ablated", lambda b: b["metric"]["ablated"])):
+        v = np.array([get(b) for b in singles])
+        assert st[name]["values"] == v.tolist(), name
+        assert st[name]["mean"] == v.mean() and st[name]["std"] == v.std(ddof=1), name
+        assert st[name]["sem"] == v.std(ddof=1) / math.sqrt(len(v)), name
+    assert d["mean_kl"] == st["mean_kl"]["mean"] and d["metric"]["ablated"] == \
+        st["metric_ablated"]["mean"]
+    assert d["dataset"]["mean_over"] == ("dataset" if kw["method"] == "mean" else "")
+    if kw["method"] == "mean":  # planted fault: each text's own mean instead of the dataset's
+        own = [client.post("/v1/ablate", json={"tokens": ids, **kw}).json()["mean_kl"]
+               for ids in texts]
+        assert np.abs(np.array(own) - np.array(st["mean_kl"]["values"])).max() > 1e-6
+
+
+def test_ablate_dataset_scan(client, texts):
+    kw = {"scan": True, "scan_metric": "metric", "metric": ABL_METRIC, "method": "mean"}
+    d = client.post("/v1/ablate", json={"token_lists": texts, "per_text": True, **kw}).json()
+    singles = _ablate_singles(client, texts, **kw)
+    g = np.stack([_np(b["scan"]["grid"]) for b in singles])
+    np.testing.assert_array_equal(_np(d["scan"]["grid"]), g.mean(0))
+    np.testing.assert_array_equal(_np(d["dataset"]["scan_std"]), g.std(0, ddof=1))
+    np.testing.assert_array_equal(_np(d["dataset"]["per_text_scan"]), g)
+
+
+def test_ablate_dataset_bad_input(client, texts):
+    e = assert_error(client.post("/v1/ablate", json={"token_lists": texts, "heads": [[0, 0]],
+                                                     "positions": [10]}), 422)
+    assert e["message"].startswith("token_lists.0") and "positions" in e["param"]
+    r = client.post("/v1/ablate", json={"token_lists": [], "heads": [[0, 0]]})
+    assert r.status_code == 422 and "token_lists" in str(r.json()["error"]["param"])
+    assert_error(client.post("/v1/ablate", json={"token_lists": texts, "heads": [[0, 0]],
+                                                 "method": "resample",
+                                                 "resample_tokens": texts[0]}), 422)
+    assert_error(client.post("/v1/ablate", json={"token_lists": texts, "tokens": texts[0],
+                                                 "heads": [[0, 0]]}), 422)
+
+
+def test_client_passes_dataset_fields(client, pairs_same, texts):
+    """The Python client's patch/ablate send pairs / token_lists and parse ``dataset``."""
+    from attnscope.client import Client
+
+    with Client(base_url="http://testserver", http_client=client) as c:
+        p = c.patch(pairs=pairs_same, metric=METRIC, hook="resid_pre")
+        assert p.dataset.n_pairs == len(pairs_same) and p.dataset.clean.sem is not None
+        a = c.ablate(token_lists=texts, heads=[[0, 0]])
+        assert a.dataset.n_texts == 3 and a.dataset.stats["mean_kl"].n == 3

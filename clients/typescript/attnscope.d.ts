@@ -677,6 +677,48 @@ export interface paths {
 export type webhooks = Record<string, never>;
 export interface components {
     schemas: {
+        /** AblateDataset */
+        AblateDataset: {
+            /**
+             * Mean Over
+             * @description method 'mean': what the means were taken over ('dataset' = every position of every text, or 'reference_texts'); '' otherwise.
+             */
+            mean_over: string;
+            /**
+             * N Texts
+             * @description Texts in the dataset.
+             */
+            n_texts: number;
+            /**
+             * N Tokens
+             * @description Each text's token count, in request order.
+             */
+            n_tokens: number[];
+            /**
+             * Per Text Scan
+             * @description scan and per_text: [text][layer][head].
+             */
+            per_text_scan?: unknown[] | null;
+            /**
+             * Scan Sem
+             * @description scan: scan_std / sqrt(n).
+             */
+            scan_sem?: (number | null)[][] | null;
+            /**
+             * Scan Std
+             * @description scan: [layer][head] sample std (ddof 1) over texts of the grid.
+             */
+            scan_std?: (number | null)[][] | null;
+            /**
+             * Stats
+             * @description Per metric (mean_loss_clean, mean_loss_ablated, delta_loss, mean_kl, logit_diff_clean, logit_diff_ablated, metric_clean, metric_ablated, scan_clean, where they apply): mean over texts (float64), std (ddof 1), sem = std / sqrt(n), n, values (per_text).
+             */
+            stats: {
+                [key: string]: components["schemas"]["PatchStatistic"];
+            };
+        } & {
+            [key: string]: unknown;
+        };
         /**
          * AblateRequest
          * @description Ablate chosen attention heads (or, with ``scan``, every head alone) of a causal LM on
@@ -749,6 +791,12 @@ export interface components {
              */
             metric?: (components["schemas"]["LogitDiffMetric"] | components["schemas"]["ProbMetric"] | components["schemas"]["LogProbMetric"] | components["schemas"]["LossMetric"] | components["schemas"]["KLMetric"]) | null;
             /**
+             * Per Text
+             * @description texts: also every text's values (``dataset.stats.*.values``).
+             * @default false
+             */
+            per_text?: boolean;
+            /**
              * Positions
              * @description Positions to report / score (each < token count, once; at most 131072); null = all.
              */
@@ -797,6 +845,16 @@ export interface components {
              */
             text?: string | null;
             /**
+             * Texts
+             * @description A dataset of texts instead of text: the same ablation on each text (as a request of its own), the metrics per text and averaged (``dataset``; the top-level mean_loss_* / mean_kl / logit_diff / metric / scan are the means over texts). Method 'mean': the means over every position of the whole dataset (or of reference_texts). Not with resample. At most 4096.
+             */
+            texts?: string[] | null;
+            /**
+             * Token Lists
+             * @description Instead of texts: several token-id sequences (each as 'tokens' is), analysed independently; results in order. At most max_batch sequences.
+             */
+            token_lists?: number[][] | null;
+            /**
              * Tokens
              * @description Instead of text: the token ids of one sequence, used exactly as given (no BOS, no framing added; add_bos applies to text only), as TransformerLens' run_with_cache(tokens) takes them. Each id in 0..vocab_size-1, at most n_ctx ids (else 422 naming the position or the count and the limit). Labels are the tokenizer's own pieces; offsets are null. At most 131072 ids.
              */
@@ -823,6 +881,8 @@ export interface components {
             components?: {
                 [key: string]: unknown;
             }[] | null;
+            /** @description texts / token_lists: per-text metrics and their spread (the fields above are then means over texts; tokens is empty, positions null). */
+            dataset?: components["schemas"]["AblateDataset"] | null;
             /**
              * Heads
              * @description The heads ablated together (null in a scan).

@@ -284,6 +284,8 @@ def ablate_check(rt, req: AblateRequest) -> None:
 def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
     """Tokenize the texts, check positions / target tokens / the resample text's length, and
     estimate the ablated forwards (a scan: one batch of n_heads variants per layer)."""
+    if req.texts is not None or req.token_lists is not None:
+        return _dataset_ablate_plan(rt, req, binary=binary)
     a = rt.adapter
     main = tokenized(rt, req, "text")
     where = "text" if req.text is not None else "tokens"
@@ -1027,6 +1029,113 @@ def _dataset_patch_plan(rt, req: PatchRequest) -> Plan:  # noqa: C901
         else {}
     return Plan([], job, int(est), detail=f", plus {n} pairs' patching grids (each planned as "
                 f"its own request)", device_flops=flops, device_param="pairs", **extra)
+
+
+# ------------------------------------------------------------------ /v1/ablate over a dataset
+def _dataset_ablate_plan(rt, req: AblateRequest, *, binary: bool = False) -> Plan:
+    """/v1/ablate over ``texts`` / ``token_lists``: each text planned as a single-text request
+    (:func:`ablate_plan`: the same checks and ablated forwards; a check failing for one text
+    names ``texts.{i}``) with method 'mean' taking its means over every position of the whole
+    dataset (its texts as the reference texts) unless reference_texts are given; the engine
+    records each text (and reference) once. The metrics per text, their mean over texts
+    (float64 of the served float32 values), sample std (ddof 1) and sem = std / sqrt(n)."""
+    field = "texts" if req.texts is not None else "token_lists"
+    data = tokenized_list(rt, req, "texts")
+    refs = tokenized_list(rt, req, "reference_texts")
+    pooled = req.method == "mean" and refs is None
+    ref_ids = [list(t.input_ids) for t in (data if pooled else refs or [])]
+    subs = []
+    for i, t in enumerate(data):
+        sub = req.model_copy(update=dict(
+            texts=None, token_lists=None, per_text=False, text=None, tokens=list(t.input_ids),
+            reference_texts=None,
+            reference_token_lists=ref_ids if req.method == "mean" else None))
+        try:
+            sp = ablate_plan(rt, sub, [], binary=binary)
+        except InvalidRequest as e:
+            if (e.param or "") in ("tokens", "text"):
+                e.param = f"{field}.{i}"
+            if not e.message.startswith(f"{field}.{i}"):
+                e.message = f"{field}.{i}: {e.message}"
+                e.args = (e.message,)
+            raise
+        subs.append(sp)
+    n, R = len(data), len(refs or [])
+    items = list(data) + list(refs or [])
+    est = max(sp.response_bytes for sp in subs) + 2048 * n * (2 if req.per_text else 1)
+    if req.scan:
+        est += 3 * 16 * rt.adapter.n_layers * rt.adapter.n_heads * n
+    per_text = req.per_text
+
+    def job(forwards) -> dict:
+        texts_fw, ref_fw = forwards[:n], forwards[n:n + R]
+        bodies = []
+        with _QuietProgress() as q:
+            q.report(0, n)
+            for i, sp in enumerate(subs):
+                cancel.checkpoint()
+                fw = [texts_fw[i]] + (list(texts_fw) if pooled else list(ref_fw)
+                                      if req.method == "mean" else [])
+                bodies.append(sp.job(fw))
+                q.report(i + 1, n)
+        stats, vals = {}, {}
+
+        def add(name, xs):
+            if any(x is None for x in xs):
+                return
+            v = np.array(xs, dtype=np.float64)
+            vals[name] = v
+            stats[name] = _statistic(v, per_text)
+        if not req.scan:
+            add("mean_loss_clean", [b["mean_loss_clean"] for b in bodies])
+            add("mean_loss_ablated", [b["mean_loss_ablated"] for b in bodies])
+            if "mean_loss_clean" in vals and "mean_loss_ablated" in vals:
+                add("delta_loss", list(vals["mean_loss_ablated"] - vals["mean_loss_clean"]))
+            add("mean_kl", [b["mean_kl"] for b in bodies])
+        if bodies[0].get("logit_diff") is not None:
+            add("logit_diff_clean", [b["logit_diff"]["clean"] for b in bodies])
+            if not req.scan:
+                add("logit_diff_ablated", [b["logit_diff"]["ablated"] for b in bodies])
+        if bodies[0].get("metric") is not None:
+            add("metric_clean", [b["metric"]["clean"] for b in bodies])
+            if not req.scan:
+                add("metric_ablated", [b["metric"]["ablated"] for b in bodies])
+        body = dict(bodies[0])
+        body.update(tokens=[], positions=None)
+        for name in ("mean_loss_clean", "mean_loss_ablated", "mean_kl"):
+            if name in body:
+                body[name] = _f64(vals[name].mean()) if name in vals else None
+        if body.get("logit_diff") is not None:
+            body["logit_diff"] = dict(body["logit_diff"], clean=_f64(vals["logit_diff_clean"]
+                                                                     .mean()))
+            if "logit_diff_ablated" in vals:
+                body["logit_diff"]["ablated"] = _f64(vals["logit_diff_ablated"].mean())
+        if body.get("metric") is not None:
+            body["metric"] = dict(body["metric"], clean=_f64(vals["metric_clean"].mean()))
+            if "metric_ablated" in vals:
+                body["metric"]["ablated"] = _f64(vals["metric_ablated"].mean())
+        ds = {"n_texts": n, "n_tokens": [len(t) for t in data],
+              "mean_over": ("dataset" if pooled else "reference_texts")
+              if req.method == "mean" else "", "stats": stats,
+              "scan_std": None, "scan_sem": None, "per_text_scan": None}
+        if req.scan:
+            grids = np.stack([_nested(b["scan"]["grid"]) for b in bodies])
+            cl = [b["scan"]["clean"] for b in bodies]
+            add("scan_clean", cl)
+            mean, std, sem = _spread(grids)
+            c = vals["scan_clean"].mean() if "scan_clean" in vals else np.nan
+            body["scan"] = dict(bodies[0]["scan"], clean=_f64(c), grid=_grid64(mean),
+                                effect=_grid64(np.stack([_nested(b["scan"]["effect"])
+                                                         for b in bodies]).mean(0)))
+            ds["scan_std"] = None if std is None else _grid64(std)
+            ds["scan_sem"] = None if sem is None else _grid64(sem)
+            ds["per_text_scan"] = _grid64(grids) if per_text else None
+        body["dataset"] = ds
+        return body
+
+    extra = {"progress": "texts"} if "progress" in getattr(Plan, "__dataclass_fields__", {}) \
+        else {}
+    return Plan(items, job, int(est), detail=f", plus {n} texts' ablated forwards", **extra)
 
 
 ENDPOINTS = [
