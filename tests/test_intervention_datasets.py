@@ -257,3 +257,19 @@ def test_client_passes_dataset_fields(client, pairs_same, texts):
         assert p.dataset.n_pairs == len(pairs_same) and p.dataset.clean.sem is not None
         a = c.ablate(token_lists=texts, heads=[[0, 0]])
         assert a.dataset.n_texts == 3 and a.dataset.stats["mean_kl"].n == 3
+
+
+def test_dataset_over_the_memory_limit_is_named(make_client, pairs_same, texts):
+    """A dataset whose largest pair's (text's) forwards exceed max_request_bytes: 422
+    memory_limit_exceeded before any forward, as the single request is."""
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+
+    tiny = make_client(Runtime.load(Settings(model="bundled", max_request_bytes=200 << 10)),
+                       max_request_bytes=200 << 10)
+    assert_error(tiny.post("/v1/patch", json={"pairs": pairs_same, "metric": METRIC,
+                                              "hook": "z", "by_position": True}), 422,
+                 type_="memory_limit_exceeded")
+    assert_error(tiny.post("/v1/ablate", json={"token_lists": texts * 4, "scan": True,
+                                               "method": "mean"}), 422,
+                 type_="memory_limit_exceeded")
