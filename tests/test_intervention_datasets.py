@@ -273,3 +273,14 @@ def test_dataset_over_the_memory_limit_is_named(make_client, pairs_same, texts):
     assert_error(tiny.post("/v1/ablate", json={"token_lists": texts * 4, "scan": True,
                                                "method": "mean"}), 422,
                  type_="memory_limit_exceeded")
+
+
+def test_ablate_dataset_mean_over_given_references(client, texts):
+    refs = [induction_ids(50 + s, 6, 2) for s in range(2)]
+    kw = {"heads": [[0, 1], [1, 0]], "method": "mean", "reference_token_lists": refs}
+    d = client.post("/v1/ablate", json={"token_lists": texts, "per_text": True, **kw}).json()
+    assert d["dataset"]["mean_over"] == "reference_texts"
+    singles = _ablate_singles(client, texts, **kw)
+    assert d["dataset"]["stats"]["mean_kl"]["values"] == [b["mean_kl"] for b in singles]
+    pooled = _ablate_singles(client, texts, heads=kw["heads"], method="mean")
+    assert d["dataset"]["stats"]["mean_kl"]["values"] != [b["mean_kl"] for b in pooled]
