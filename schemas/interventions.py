@@ -20,7 +20,7 @@ from .common import (
 from .common import (
     TOKEN_LISTS_DOC, TOKENS_DOC, TokenIds, add_bos_echo, add_bos_field, one_input,
 )
-from .common import BYTES_DOC, LABEL_DOC, PARTIAL_DOC
+from .common import BYTES_DOC, LABEL_DOC, PARTIAL_DOC, NestedNumbers
 
 #: most components ablated together in one /v1/ablate request
 MAX_COMPONENTS = 4096
@@ -380,7 +380,7 @@ class AblateDataset(LenientModel):
         None, description="scan: [layer][head] sample std (ddof 1) over texts of the grid.")
     scan_sem: list[list[float | None]] | None = Field(
         None, description="scan: scan_std / sqrt(n).")
-    per_text_scan: list[Any] | None = Field(None, description="scan and per_text: [text][layer]"
+    per_text_scan: NestedNumbers | None = Field(None, description="scan and per_text: [text][layer]"
                                             "[head].")
 
 
@@ -587,23 +587,23 @@ class PatchGridStats(LenientModel):
     """Grid statistics over the pairs, cell by cell, nested lists in the grid's ``axes`` order
     (null where a cell was not computed or is undefined)."""
 
-    raw_std: list[Any] = Field(description="Sample std (ddof 1) of the raw metric; null for one "
+    raw_std: NestedNumbers = Field(description="Sample std (ddof 1) of the raw metric; null for one "
                                "pair.")
-    raw_sem: list[Any] = Field(description="raw_std / sqrt(n).")
-    normalized_mean: list[Any] = Field(
+    raw_sem: NestedNumbers = Field(description="raw_std / sqrt(n).")
+    normalized_mean: NestedNumbers = Field(
         description="Mean over pairs of each pair's own normalised value (patched_i - "
         "corrupted_i) / (clean_i - corrupted_i) (Heimersheim & Nanda 2024's per-prompt "
         "normalisation), over the ``n_normalized`` pairs where it is defined. Differs from "
         "``normalized_of_means`` (the response's ``grid.normalized`` / ``heads``: (mean patched "
         "- mean corrupted) / (mean clean - mean corrupted), Wang et al. 2022's normalisation of "
         "the dataset means) when pairs' clean - corrupted gaps differ.")
-    normalized_std: list[Any] = Field(description="Sample std (ddof 1) of the per-pair "
+    normalized_std: NestedNumbers = Field(description="Sample std (ddof 1) of the per-pair "
                                       "normalised values.")
-    normalized_sem: list[Any] = Field(description="normalized_std / sqrt(n_normalized).")
+    normalized_sem: NestedNumbers = Field(description="normalized_std / sqrt(n_normalized).")
     n_normalized: int = Field(description="Pairs whose normalised value is defined (clean != "
                               "corrupted).")
-    per_pair_raw: list[Any] | None = Field(None, description="per_pair: ``[pair, *axes]`` raw.")
-    per_pair_normalized: list[Any] | None = Field(None, description="per_pair: ``[pair, *axes]"
+    per_pair_raw: NestedNumbers | None = Field(None, description="per_pair: ``[pair, *axes]`` raw.")
+    per_pair_normalized: NestedNumbers | None = Field(None, description="per_pair: ``[pair, *axes]"
                                                   "`` normalised per pair.")
 
 
@@ -627,10 +627,10 @@ class PatchGrid(LenientModel):
     axes: list[str] = Field(description="The grid's axes, TL's order, e.g. ['layer', 'pos', "
                             "'head'].")
     shape: list[int] = Field(description="Their sizes.")
-    raw: list[Any] = Field(description="Nested lists in ``axes`` order: the patched run's metric "
+    raw: NestedNumbers = Field(description="Nested lists in ``axes`` order: the patched run's metric "
                            "(exact) or corrupted + sum grad * (clean - corrupted) (attribution); "
                            "null for cells not computed (patch_layers / heads / positions).")
-    normalized: list[Any] = Field(description="(raw - corrupted) / (clean - corrupted) per cell "
+    normalized: NestedNumbers = Field(description="(raw - corrupted) / (clean - corrupted) per cell "
                                   "(0 = no change, 1 = the clean value restored; Wang et al. "
                                   "2022; Heimersheim & Nanda 2024); null where undefined.")
     n_forwards: int = Field(description="Batched patched forwards run for the grid (0 for "

@@ -698,7 +698,7 @@ export interface components {
              * Per Text Scan
              * @description scan and per_text: [text][layer][head].
              */
-            per_text_scan?: unknown[] | null;
+            per_text_scan?: (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[] | null;
             /**
              * Scan Sem
              * @description scan: scan_std / sqrt(n).
@@ -3589,15 +3589,15 @@ export interface components {
              */
             n_forwards: number;
             /**
-             * Normalized
+             * NestedNumbers
              * @description (raw - corrupted) / (clean - corrupted) per cell (0 = no change, 1 = the clean value restored; Wang et al. 2022; Heimersheim & Nanda 2024); null where undefined.
              */
-            normalized: unknown[];
+            normalized: (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
             /**
-             * Raw
+             * NestedNumbers
              * @description Nested lists in ``axes`` order: the patched run's metric (exact) or corrupted + sum grad * (clean - corrupted) (attribution); null for cells not computed (patch_layers / heads / positions).
              */
-            raw: unknown[];
+            raw: (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
             /**
              * Shape
              * @description Their sizes.
@@ -3618,40 +3618,40 @@ export interface components {
              */
             n_normalized: number;
             /**
-             * Normalized Mean
+             * NestedNumbers
              * @description Mean over pairs of each pair's own normalised value (patched_i - corrupted_i) / (clean_i - corrupted_i) (Heimersheim & Nanda 2024's per-prompt normalisation), over the ``n_normalized`` pairs where it is defined. Differs from ``normalized_of_means`` (the response's ``grid.normalized`` / ``heads``: (mean patched - mean corrupted) / (mean clean - mean corrupted), Wang et al. 2022's normalisation of the dataset means) when pairs' clean - corrupted gaps differ.
              */
-            normalized_mean: unknown[];
+            normalized_mean: (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
             /**
-             * Normalized Sem
+             * NestedNumbers
              * @description normalized_std / sqrt(n_normalized).
              */
-            normalized_sem: unknown[];
+            normalized_sem: (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
             /**
-             * Normalized Std
+             * NestedNumbers
              * @description Sample std (ddof 1) of the per-pair normalised values.
              */
-            normalized_std: unknown[];
+            normalized_std: (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
             /**
              * Per Pair Normalized
              * @description per_pair: ``[pair, *axes]`` normalised per pair.
              */
-            per_pair_normalized?: unknown[] | null;
+            per_pair_normalized?: (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[] | null;
             /**
              * Per Pair Raw
              * @description per_pair: ``[pair, *axes]`` raw.
              */
-            per_pair_raw?: unknown[] | null;
+            per_pair_raw?: (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[] | null;
             /**
-             * Raw Sem
+             * NestedNumbers
              * @description raw_std / sqrt(n).
              */
-            raw_sem: unknown[];
+            raw_sem: (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
             /**
-             * Raw Std
+             * NestedNumbers
              * @description Sample std (ddof 1) of the raw metric; null for one pair.
              */
-            raw_std: unknown[];
+            raw_std: (number | null | (number | null | (number | null | (number | null | (number | null)[])[])[])[])[];
         } & {
             [key: string]: unknown;
         };
