@@ -13,7 +13,7 @@ import orjson
 import pytest
 import torch
 
-from attnscope.client import wire
+from attnscope.client import Client, wire
 from attnscope.service import encoding
 from conftest import SENTENCE
 
@@ -452,3 +452,50 @@ def test_array_bytes_equals_its_recursive_definition(client):
     assert R._array_bytes({"a": 1, "b": 2}) == 16
     assert R._array_bytes(list(range(5000))) == 24 * 5000
     assert R._array_bytes({"x": [0.5] * 4096, "s": "abc"}) == 24 * 4096 + 3
+
+
+def _texts(x):
+    """``wire.loads``' memoryviews as str (to compare with a JSON parser's result)."""
+    if isinstance(x, memoryview):
+        return str(x, "ascii")
+    if isinstance(x, dict):
+        return {k: _texts(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_texts(v) for v in x]
+    return x
+
+
+def test_loads_cuts_big_base64_texts_out_and_equals_a_json_parser(client, monkeypatch):
+    """``wire.loads`` (the client's JSON parse, issue 25: a T = 1024 'tril' float16 pattern is
+    ~200 MB of base64 that a JSON parser validates and copies into a str): the service's big
+    base64 texts come back as views of the body; everything else, and every body where a
+    ``"data":"`` is not such a text (inside another string, escaped, after whitespace, short),
+    equals ``orjson.loads``."""
+    monkeypatch.setattr(wire, "BIG_BASE64", 8)
+    r = client.post("/v1/attention", json={"text": SENTENCE, "encoding": "base64",
+                                           "dtype": "float16", "layout": "tril"})
+    assert r.status_code == 200, r.text[:300]
+    ref = orjson.loads(r.content)
+    got = wire.loads(r.content)
+    pat = got["attention"]["pattern"]
+    assert isinstance(pat["data"], memoryview) and pat["data"].readonly
+    assert _texts(got) == ref
+    assert wire.loads(r.content, as_text=True) == ref
+    assert np.array_equal(wire.decode_tensor(pat), wire.decode_tensor(ref["attention"]["pattern"]))
+    b64 = base64.b64encode(bytes(range(48))).decode()
+    for body in [
+        {"a": 'x", "data":"' + b64, "data": b64},  # a "data":" inside a string: escaped quotes
+        {"data": b64 + "\n" + b64},  # an escaped text: parsed as JSON
+        {"data": "\\" + b64},
+        [{"data": b64}, {"z": [1, 2, {"data": b64}]}, None, "data"],
+        {"data": "short"}, {"data": ""}, {"data": 5}, {"x": {"data": None}},
+    ]:
+        raw = orjson.dumps(body)
+        assert _texts(wire.loads(raw)) == body, raw[:80]
+        assert wire.loads(raw, as_text=True) == body
+    pretty = orjson.dumps({"data": b64}, option=orjson.OPT_INDENT_2)
+    assert wire.loads(pretty) == {"data": b64}  # after whitespace: parsed as JSON, a str
+    typed = Client("http://testserver", http_client=client, max_retries=0).attention(
+        SENTENCE, encoding="base64", dtype="float16", layout="tril")
+    assert np.array_equal(typed.attention.pattern.numpy(),
+                          wire.decode_tensor(ref["attention"]["pattern"]))

@@ -217,6 +217,70 @@ def _part(v: Any, arrays) -> Any:
     return v
 
 
+#: a base64 tensor's ``"data"`` text at least this long is cut out of the JSON before parsing
+BIG_BASE64 = 1 << 16
+_KEY = b'"data":"'
+_MARK = "\x01attnscope-base64:"
+
+
+def loads(body: bytes | bytearray | memoryview, as_text: bool = False) -> Any:
+    """A JSON response body parsed like ``json.loads(body)``, except that the text of every big
+    base64 tensor (a ``"data"`` string of ``BIG_BASE64`` or more characters, as the service
+    writes them: compact, no escapes) is not parsed as a JSON string: it comes back as a
+    read-only ``memoryview`` of ``body`` (no copy; :func:`decode_tensor` reads it directly),
+    or as ``str`` with ``as_text`` (one ASCII copy, what the typed models want). A JSON parser
+    validates and copies every byte of a string into a new ``str``, which for a T = 1024
+    attention tensor (~200 MB of base64) is most of the client's decode. orjson when
+    installed, else the standard library."""
+    b = body if isinstance(body, bytes) else bytes(body)
+    mv = memoryview(b)
+    pieces, big, lo, pos = [], [], 0, 0
+    while True:
+        i = b.find(_KEY, pos)
+        if i < 0:
+            break
+        s = i + len(_KEY)
+        e = b.find(b'"', s)
+        if e < 0:
+            break
+        pos = e + 1
+        # a structural key (after '{' or ','; an escaped quote has a backslash before it),
+        # whose string has no escapes (base64 needs none): a long base64 text of the service
+        if e - s < BIG_BASE64 or i == 0 or b[i - 1] not in b"{," or b.find(b"\\", s, e) >= 0:
+            continue
+        pieces += [mv[lo:s], b"\\u0001attnscope-base64:" + str(len(big)).encode("ascii")]
+        big.append(mv[s:e])
+        lo = e
+    if not big:
+        return _json_loads(b)
+    pieces.append(mv[lo:])
+    data = _json_loads(b"".join(pieces))
+    values = [str(v, "ascii") for v in big] if as_text else [v.toreadonly() for v in big]
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "data" and isinstance(v, str) and v.startswith(_MARK):
+                    x[k] = values[int(v[len(_MARK):])]
+                elif isinstance(v, (dict, list)):
+                    walk(v)
+        elif isinstance(x, list):  # only bodies with big base64 texts are walked
+            for v in x:
+                if isinstance(v, (dict, list)):
+                    walk(v)
+
+    walk(data)
+    return data
+
+
+def _json_loads(b: bytes) -> Any:
+    try:
+        import orjson
+    except ImportError:  # pragma: no cover - wire.py also works with numpy alone
+        return json.loads(b)
+    return orjson.loads(b)
+
+
 def read_safetensors(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
     """Parse a safetensors file (a binary response): ``(body, arrays)``.
 
