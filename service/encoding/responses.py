@@ -358,6 +358,16 @@ class _ClosingResponse(Response):
                 self.on_close()
 
 
+#: True puts :func:`respond`'s size walk back on the event loop (bench/loop_stalls.py's
+#: "before" and the planted fault of tests/test_loop_stalls.py); never set in service
+SIZE_ON_LOOP = False
+
+
+def _is_small(body: Any) -> bool:
+    """Whether ``body`` is sent in one piece (its arrays under STREAM_MIN_BYTES)."""
+    return _array_bytes(body) < STREAM_MIN_BYTES
+
+
 async def respond(body: Any, binary: bool = False, status_code: int = 200,
                   headers: dict | None = None,
                   on_close: Callable[[], None] | None = None) -> Response:
@@ -373,7 +383,11 @@ async def respond(body: Any, binary: bool = False, status_code: int = 200,
         length = sum(len(p) for p in parts)
         return ChunkedResponse(_then_release(parts), status_code, SAFETENSORS, length, headers,
                                on_close)
-    if _array_bytes(body) < STREAM_MIN_BYTES:
+    # the size walk visits every object of the body (a links body: a million dicts, ~1 s):
+    # in a worker thread, which gives the GIL back every switch interval, not on the loop
+    small = (_array_bytes(body) < STREAM_MIN_BYTES if SIZE_ON_LOOP else
+             await anyio.to_thread.run_sync(_is_small, body))
+    if small:
         content = await anyio.to_thread.run_sync(dumps, body)
         return _ClosingResponse(content, status_code, headers, on_close)
     return ChunkedResponse(_then_release(iter_json(body)), status_code, "application/json",
