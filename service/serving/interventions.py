@@ -29,7 +29,7 @@ from ..runtime import interventions as I
 from .core.engine import Plan
 from .core.table import Endpoint
 from attnscope.schemas import AblateResponse, PatchResponse, PredictionsResponse
-from .core.cancel import checkpoint
+from .core.cancel import progress
 from .core.checks import check_distinct, check_index
 from .core.estimates import forward_flops
 from .common import text_or_results
@@ -514,6 +514,7 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
                   f"(est. {est} bytes for the widest batch)")
 
     attribution = req.method == "attribution"
+    L, Hn = a.n_layers, a.n_heads
 
     def job(forwards) -> dict:
         fc = forwards[0].tensors
@@ -563,16 +564,33 @@ def patch_plan(rt, req: PatchRequest, items) -> Plan:
                 body["heads_per_position"] = _grid(norm(k_val + A.attribution(g, zc, zk, True)))
             body["approximation"] = ATTRIBUTION_NOTE
         else:
-            heads_raw = I.head_patch_grid(rt, fc, fk, raw, P)
+            cells = [0]
+            total = L * Hn * (1 + (T if req.per_position else 0)) + (L * T if req.residual else 0)
+            progress(0, total)
+
+            def by_layer(per_position: bool) -> torch.Tensor:  # one layer a report
+                out = None
+                for layer in range(L):
+                    g = I.head_patch_grid(rt, fc, fk, raw, P, per_position, [layer])
+                    if out is None:
+                        out = g
+                    else:
+                        out[layer] = g[layer]
+                    cells[0] += Hn * (T if per_position else 1)
+                    progress(cells[0], total)
+                return out
+            heads_raw = by_layer(False)
             if req.per_position:
-                body["heads_per_position"] = _grid(norm(I.head_patch_grid(rt, fc, fk, raw, P, True)))
+                body["heads_per_position"] = _grid(norm(by_layer(True)))
             if req.residual:
                 body["residual"] = _grid(norm(I.resid_patch_grid(rt, fc, fk, raw, P)))
+                progress(total, total)
         body["heads"] = _grid(norm(heads_raw))
         body["heads_raw"] = _grid(heads_raw)  # finite: norm() checked it
         return body
 
-    return Plan([clean_t] if attribution else [clean_t, corr_t], job, est, detail=detail)
+    return Plan([clean_t] if attribution else [clean_t, corr_t], job, est, detail=detail,
+                progress="cells")  # attribution: no reports, the body line only
 
 
 # ------------------------------------------------------------------ declared metrics
@@ -759,7 +777,13 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
             pos, tgt, dis = dm.terms[0]
             body["logit_diff"] = {"target": _tokref(rt, tgt), "distractor": _tokref(rt, dis),
                                   "position": pos, "clean": _num(c_val), "ablated": None}
-        for h, by_pos, field in grids:
+        # progress in cells of the grids asked (cells a grid skips count as done): within
+        # a grid, its cells in proportion to its patched forwards run
+        sizes = [I.patch_cells(rt, h, b, T, layers, heads if I.PATCH_HOOKS[h][1] != "pos"
+                               else None, ppos) for h, b, _ in grids]
+        total, before = sum(sizes), 0
+        progress(0, total)
+        for (h, by_pos, field), size in zip(grids, sizes):
             hkind = I.PATCH_HOOKS[h][1]
             hs = heads if hkind != "pos" else None
             if attribution:
@@ -784,8 +808,11 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
                 raw, skipped = I.hook_patch_grid(
                     rt, clean_t.input_ids, corr_t.input_ids, h, by_pos, metric, P, layers, hs,
                     ppos, max_rows=rows_per,
-                    progress=lambda done, total: (checkpoint(), n_done.append(done)))
+                    progress=lambda done, n, size=size, before=before: (
+                        n_done.append(done), progress(before + size * done // n, total)))
                 n_fwd = len(n_done)
+            before += size
+            progress(before, total)
             computed = ~torch.isnan(raw) if (layers or hs or ppos) else None
             if computed is not None:
                 _finite(raw[computed], "the patched metric grid holds")
@@ -808,7 +835,8 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
                 body["residual"] = _grid(normed)
         return body
 
-    return Plan([], job, est, detail=detail, device_flops=flops, device_param=clean)
+    return Plan([], job, est, detail=detail, device_flops=flops, device_param=clean,
+                progress="cells")
 
 
 def _mask_cells(raw: torch.Tensor, kind: str, by_pos: bool, layers, heads, positions):
