@@ -28,8 +28,9 @@ def _is_text_field(name: str) -> bool:
 
 def text_fields(req) -> list[str]:
     """The request's text fields (``text``, ``texts``, ``*_text``, ``*_texts``), in schema
-    order."""
-    return [n for n in type(req).model_fields if _is_text_field(n)]
+    order; a flag spelled like one (/v1/ablate's ``per_text: bool``) is not a text."""
+    return [n for n, f in type(req).model_fields.items()
+            if _is_text_field(n) and f.annotation is not bool]
 
 
 def _ids_given(req) -> bool:
