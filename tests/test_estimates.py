@@ -160,3 +160,15 @@ def test_budget_counts_resident_memory_left_by_finished_requests():
         assert b.leftover < 300 << 20
         ok.release()
     asyncio.run(main())
+
+
+def test_the_engines_budget_does_not_count_the_forward_cache_as_leftover(client, gpt2_runtime):
+    """The engine's budget is told what the forward cache holds on purpose (``held``), so
+    cached forwards are not counted again as memory left by finished requests (the automatic
+    budget already subtracts cache_bytes). Planted fault: a budget without ``held`` reads 0."""
+    r = client.post("/v1/attention", json={"text": "the forward cache is held on purpose"})
+    assert r.status_code == 200, r.text
+    b = client.app.state.engine.budget
+    assert b._held is not None
+    assert b._held() == gpt2_runtime.cache.nbytes > 0
+    assert MemoryBudget(1 << 30)._held is None  # (the fault the engine's budget must not have)

@@ -289,7 +289,14 @@ class Engine:
             total = getattr(s, "memory_budget_bytes", -1) if s is not None else -1
             if total == 0:
                 total = default_budget(getattr(s, "cache_bytes", 0))
-            b = self._state.budget = MemoryBudget(max(total, 0), getattr(s, "budget_wait_s", 5.0))
+            state = self._state
+
+            def held() -> int:  # memory owned on purpose: the forward cache's tensors
+                rt = getattr(state, "runtime", None)
+                cache = getattr(rt, "cache", None)
+                return int(getattr(cache, "nbytes", 0) or 0)
+            b = self._state.budget = MemoryBudget(max(total, 0), getattr(s, "budget_wait_s", 5.0),
+                                                  held=held)
         return b
 
     async def admit(self, rt: Runtime | None, p: Plan) -> Ticket:
