@@ -82,11 +82,20 @@ def _planted(tmp_path, file: str, old: str, new: str) -> Path:
 PLANTED = {
     # id: (file, old, new, overlay, expected error fragment)
     "probe-port-wrong": ("base/deployment.yaml",
-                         "readinessProbe:\n            httpGet: {path: /readyz, port: http}",
+                         "readinessProbe:\n            httpGet: {path: /readyz, port: health}",
                          "readinessProbe:\n            httpGet: {path: /readyz, port: 8080}",
-                         "base", "readinessProbe: port 8080 is not the service's port 8000"),
+                         "base", "readinessProbe: port 8080 is not the port the service answers "
+                         "probes on (8001: ATTNSCOPE_HEALTH_PORT)"),
+    "probe-on-the-main-port": ("base/deployment.yaml",
+                               "livenessProbe:\n            httpGet: {path: /healthz, port: health}",
+                               "livenessProbe:\n            httpGet: {path: /healthz, port: http}",
+                               "base", "livenessProbe: port 8000 is not the port the service "
+                               "answers probes on (8001"),
+    "health-port-not-declared": ("base/deployment.yaml", "containerPort: 8001",
+                                 "containerPort: 8002", "base",
+                                 "do not include the probes' port (ATTNSCOPE_HEALTH_PORT 8001)"),
     "probe-port-unknown-name": ("base/deployment.yaml",
-                                "livenessProbe:\n            httpGet: {path: /healthz, port: http}",
+                                "livenessProbe:\n            httpGet: {path: /healthz, port: health}",
                                 "livenessProbe:\n            httpGet: {path: /healthz, port: metrics}",
                                 "base", "livenessProbe: port 'metrics' is not a container port"),
     "container-port-not-listened": ("base/deployment.yaml", "containerPort: 8000",

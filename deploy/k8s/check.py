@@ -9,7 +9,7 @@
 2. **Schemas**: every object against the Kubernetes OpenAPI schemas (PyPI
    ``kubernetes-validate``, strict: unknown fields are errors).
 3. **Policy** (what the schemas cannot know): probes on a declared container port, the port
-   the service listens on (ATTNSCOPE_PORT); startup and readiness on /readyz, liveness on
+   the service answers probes on (ATTNSCOPE_HEALTH_PORT, else ATTNSCOPE_PORT); startup and readiness on /readyz, liveness on
    /healthz; cpu and memory requests and limits on every container, OMP_NUM_THREADS equal to
    the CPU limit; ``nvidia.com/gpu`` limit 1 when a GPU is asked for; grace period longer
    than preStop + uvicorn's 30 s drain; API keys from a Secret; the Service, PDB and HPA
@@ -120,6 +120,12 @@ def policy_errors(docs: list[dict]) -> list[str]:
         errs.append(f"container ports {sorted(ports.values())} do not include the port the "
                     f"service listens on (ATTNSCOPE_PORT {listen})")
 
+    health = int(env.get("ATTNSCOPE_HEALTH_PORT", 0) or 0)  # the probes' own listener
+    if health and health not in ports.values():
+        errs.append(f"container ports {sorted(ports.values())} do not include the probes' "
+                    f"port (ATTNSCOPE_HEALTH_PORT {health})")
+    probe_port = health or listen
+
     def resolve(port) -> int | None:
         return ports.get(port) if isinstance(port, str) else port
 
@@ -132,8 +138,10 @@ def policy_errors(docs: list[dict]) -> list[str]:
         got = resolve(p["httpGet"].get("port"))
         if got is None:
             errs.append(f"{probe}: port {p['httpGet'].get('port')!r} is not a container port")
-        elif got != listen:
-            errs.append(f"{probe}: port {got} is not the service's port {listen}")
+        elif got != probe_port:
+            errs.append(f"{probe}: port {got} is not the port the service answers probes on "
+                        f"({probe_port}: " + ("ATTNSCOPE_HEALTH_PORT" if health
+                                               else "ATTNSCOPE_PORT") + ")")
         if p["httpGet"].get("path") != path:
             errs.append(f"{probe}: path {p['httpGet'].get('path')!r}, expected {path}")
     sp = c.get("startupProbe") or {}
