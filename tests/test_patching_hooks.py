@@ -412,7 +412,11 @@ def test_grouped_query_k_grid_counts_key_value_heads(tmp_path, make_client):
     assert np.abs(_np(g["raw"]) - ref).max() <= 1e-5
     bad = c.post("/v1/patch", json={"clean_tokens": clean, "corrupted_tokens": corrupted,
                                     "hook": "k", "patch_heads": [kv], "metric": "loss"})
-    assert_error(bad, 422, param="patch_heads.0")
+    e = assert_error(bad, 422, param="patch_heads.0")
+    assert f"{kv} key/value heads" in e["message"], e  # not "the model has 2 heads" (it has 4)
+    z = c.post("/v1/patch", json={"clean_tokens": clean, "corrupted_tokens": corrupted,
+                                  "hook": "z", "patch_heads": [4], "metric": "loss"})
+    assert "4 heads" in assert_error(z, 422, param="patch_heads.0")["message"]
 
 
 def test_memory_limit_chunks_the_grid_and_refuses_what_cannot_fit(gpt2_runtime, make_client,

@@ -672,7 +672,7 @@ def _check_sel(values, size: int, field: str, what: str) -> list[int] | None:
         raise InvalidRequest(f"{field} must hold at least one {what} (or be null for all)", field)
     check_distinct(values, field)
     for i, v in enumerate(values):
-        check_index(v, size, what, f"{field}[{i}]", f"{field}.{i}")
+        check_index(v, size, what, f"{field}.{i}", f"{field}.{i}")
     return list(values)
 
 
@@ -698,7 +698,9 @@ def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan
     if req.patch_heads is not None and kind == "pos":
         raise InvalidRequest(f"patch_heads: hook {hook!r} has no head axis", "patch_heads")
     layers = _check_sel(req.patch_layers, a.n_layers, "patch_layers", "layer")
-    heads = _check_sel(req.patch_heads, I.hook_heads(rt, hook), "patch_heads", "head")
+    n_hook_heads = I.hook_heads(rt, hook)  # k/v hooks of a GQA model: the key/value heads
+    heads = _check_sel(req.patch_heads, n_hook_heads, "patch_heads",
+                       "head" if n_hook_heads == a.n_heads else "key/value head")
     ppos = _check_sel(req.patch_positions, T, "patch_positions", "position")
     grids = [(hook, req.by_position if kind != "pos" else True, "grid")]
     if req.hook is None:  # the head grid's fields, on the declared metric
