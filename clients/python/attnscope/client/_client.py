@@ -719,12 +719,15 @@ class Client(BaseClient, _Endpoints):
         self._x = self._lib(self._http)
         self._sleep = time.sleep
 
-    def _call(self, method: str, path: str, body: Any, cast_to, binary: bool = False):
-        request = self._build(self._http, method, path, body, binary)
+    def _send(self, request, stream: bool = False):
+        """Send ``request`` with the client's retries (timeouts, transport errors and the
+        statuses :meth:`_should_retry` accepts, up to ``max_retries`` times; Retry-After
+        honoured). Returns the last response: a success, or the error to raise (a streamed
+        error's body already read)."""
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             try:
-                response = self._http.send(request)
+                response = self._http.send(request, stream=stream)
             except self._x.TimeoutException as exc:
                 if not last:
                     self._sleep(self._retry_delay(attempt, None))
@@ -735,56 +738,45 @@ class Client(BaseClient, _Endpoints):
                     self._sleep(self._retry_delay(attempt, None))
                     continue
                 raise APIConnectionError(f"cannot reach {self.base_url}: {exc}", request) from exc
-            if response.is_success:
-                return self._parse(response, cast_to)
-            if not last and self._should_retry(response):
-                response.close()
-                self._sleep(self._retry_delay(attempt, response))
-                continue
-            self._raise_status(response)
+            if response.is_success or last:
+                return response
+            if stream:
+                response.read()
+            if not self._should_retry(response):
+                return response
+            response.close()
+            self._sleep(self._retry_delay(attempt, response))
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _call(self, method: str, path: str, body: Any, cast_to, binary: bool = False):
+        response = self._send(self._build(self._http, method, path, body, binary))
+        if response.is_success:
+            return self._parse(response, cast_to)
+        self._raise_status(response)
 
     def _call_stream(self, method: str, path: str, body: Any, cast_to, on_progress):
         """:meth:`_call` for a streamed answer: retries as it does until the 200 arrives;
         then the progress lines go to ``on_progress`` and the last line is the result (an
         answer that is not NDJSON, from an older service, is parsed as ever)."""
-        request = self._stream_request(method, path, body)
-        for attempt in range(self.max_retries + 1):
-            last = attempt == self.max_retries
+        response = self._send(self._stream_request(method, path, body), stream=True)
+        try:
+            if not response.is_success or \
+                    not response.headers.get("content-type", "").startswith(NDJSON):
+                response.read()
+                if response.is_success:
+                    return self._parse(response, cast_to)
+                self._raise_status(response)
             try:
-                response = self._http.send(request, stream=True)
-            except self._x.TimeoutException as exc:
-                if not last:
-                    self._sleep(self._retry_delay(attempt, None))
-                    continue
-                raise APITimeoutError(request) from exc
+                for line in response.iter_lines():
+                    if line.strip():
+                        got = self._stream_line(response, line, cast_to, on_progress)
+                        if isinstance(got, tuple) and got[:1] == ("done",):
+                            return got[1]
             except self._x.TransportError as exc:
-                if not last:
-                    self._sleep(self._retry_delay(attempt, None))
-                    continue
-                raise APIConnectionError(f"cannot reach {self.base_url}: {exc}", request) from exc
-            try:
-                if not response.is_success or \
-                        not response.headers.get("content-type", "").startswith(NDJSON):
-                    response.read()
-                    if response.is_success:
-                        return self._parse(response, cast_to)
-                    if not last and self._should_retry(response):
-                        self._sleep(self._retry_delay(attempt, response))
-                        continue
-                    self._raise_status(response)
-                try:
-                    for line in response.iter_lines():
-                        if line.strip():
-                            got = self._stream_line(response, line, cast_to, on_progress)
-                            if isinstance(got, tuple) and got[:1] == ("done",):
-                                return got[1]
-                except self._x.TransportError as exc:
-                    raise self._stream_cut(response) from exc
-                raise self._stream_cut(response)
-            finally:
-                response.close()
-        raise AssertionError("unreachable")  # pragma: no cover
+                raise self._stream_cut(response) from exc
+            raise self._stream_cut(response)
+        finally:
+            response.close()
 
     def close(self) -> None:
         """Close the underlying httpx client if this client created it."""
@@ -829,13 +821,12 @@ class AsyncClient(BaseClient, _Endpoints):
         self._x = self._lib(self._http)
         self._sleep = asyncio.sleep
 
-    async def _call(self, method: str, path: str, body: Any, cast_to,
-                    binary: bool = False):
-        request = self._build(self._http, method, path, body, binary)
+    async def _send(self, request, stream: bool = False):
+        """:meth:`Client._send`, awaited."""
         for attempt in range(self.max_retries + 1):
             last = attempt == self.max_retries
             try:
-                response = await self._http.send(request)
+                response = await self._http.send(request, stream=stream)
             except self._x.TimeoutException as exc:
                 if not last:
                     await self._sleep(self._retry_delay(attempt, None))
@@ -846,56 +837,46 @@ class AsyncClient(BaseClient, _Endpoints):
                     await self._sleep(self._retry_delay(attempt, None))
                     continue
                 raise APIConnectionError(f"cannot reach {self.base_url}: {exc}", request) from exc
-            if response.is_success:
-                return self._parse(response, cast_to)
-            if not last and self._should_retry(response):
-                await response.aclose()
-                await self._sleep(self._retry_delay(attempt, response))
-                continue
-            self._raise_status(response)
+            if response.is_success or last:
+                return response
+            if stream:
+                await response.aread()
+            if not self._should_retry(response):
+                return response
+            await response.aclose()
+            await self._sleep(self._retry_delay(attempt, response))
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _call(self, method: str, path: str, body: Any, cast_to,
+                    binary: bool = False):
+        response = await self._send(self._build(self._http, method, path, body, binary))
+        if response.is_success:
+            return self._parse(response, cast_to)
+        self._raise_status(response)
 
     async def _call_stream(self, method: str, path: str, body: Any, cast_to, on_progress):
         """:meth:`Client._call_stream`, awaited (``on_progress`` may be a coroutine function)."""
-        request = self._stream_request(method, path, body)
-        for attempt in range(self.max_retries + 1):
-            last = attempt == self.max_retries
+        response = await self._send(self._stream_request(method, path, body), stream=True)
+        try:
+            if not response.is_success or \
+                    not response.headers.get("content-type", "").startswith(NDJSON):
+                await response.aread()
+                if response.is_success:
+                    return self._parse(response, cast_to)
+                self._raise_status(response)
             try:
-                response = await self._http.send(request, stream=True)
-            except self._x.TimeoutException as exc:
-                if not last:
-                    await self._sleep(self._retry_delay(attempt, None))
-                    continue
-                raise APITimeoutError(request) from exc
+                async for line in response.aiter_lines():
+                    if line.strip():
+                        got = self._stream_line(response, line, cast_to, on_progress)
+                        if inspect.isawaitable(got):
+                            await got
+                        elif isinstance(got, tuple) and got[:1] == ("done",):
+                            return got[1]
             except self._x.TransportError as exc:
-                if not last:
-                    await self._sleep(self._retry_delay(attempt, None))
-                    continue
-                raise APIConnectionError(f"cannot reach {self.base_url}: {exc}", request) from exc
-            try:
-                if not response.is_success or \
-                        not response.headers.get("content-type", "").startswith(NDJSON):
-                    await response.aread()
-                    if response.is_success:
-                        return self._parse(response, cast_to)
-                    if not last and self._should_retry(response):
-                        await self._sleep(self._retry_delay(attempt, response))
-                        continue
-                    self._raise_status(response)
-                try:
-                    async for line in response.aiter_lines():
-                        if line.strip():
-                            got = self._stream_line(response, line, cast_to, on_progress)
-                            if inspect.isawaitable(got):
-                                await got
-                            elif isinstance(got, tuple) and got[:1] == ("done",):
-                                return got[1]
-                except self._x.TransportError as exc:
-                    raise self._stream_cut(response) from exc
-                raise self._stream_cut(response)
-            finally:
-                await response.aclose()
-        raise AssertionError("unreachable")  # pragma: no cover
+                raise self._stream_cut(response) from exc
+            raise self._stream_cut(response)
+        finally:
+            await response.aclose()
 
     async def close(self) -> None:
         if self._owns_http:
