@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidRequest, UnsupportedModelConfig
+from .hooked_families import PartsShape
 
 # --------------------------------------------------------------------------------------------
 # The hook catalogue
@@ -164,7 +165,7 @@ class Block:
 
 
 @dataclass(frozen=True)
-class GPT2Parts:
+class GPT2Parts(PartsShape):
     """A GPT-2 LM's parameter tensors (detached views of the CURRENT parameters, no copies) and
     config values, plus the site -> TL name map. Build with :func:`gpt2_parts`."""
 
@@ -182,28 +183,8 @@ class GPT2Parts:
     names: Mapping[str, str] = field(default_factory=lambda: dict(TL_NAMES))
 
     @property
-    def n_layers(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def d_model(self) -> int:
-        return self.wte.shape[1]
-
-    @property
-    def d_vocab(self) -> int:
-        return self.unembed.shape[0]
-
-    @property
     def n_ctx(self) -> int:
         return self.wpe.shape[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.wte.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.wte.device
 
 
 def gpt2_parts(model) -> GPT2Parts:

@@ -178,8 +178,38 @@ class FamilyBlock:
                           "product")
 
 
+class PartsShape:
+    """The sizes every family's parts derive from their tensors (``blocks``, ``wte``
+    ``[vocab, d_model]``, ``unembed`` ``[vocab, d_model]``): shared by :class:`FamilyParts`
+    and :class:`.hooked.GPT2Parts`."""
+
+    blocks: tuple
+    wte: torch.Tensor
+    unembed: torch.Tensor
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def d_model(self) -> int:
+        return self.wte.shape[1]
+
+    @property
+    def d_vocab(self) -> int:
+        return self.unembed.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.wte.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.wte.device
+
+
 @dataclass(frozen=True)
-class FamilyParts:
+class FamilyParts(PartsShape):
     """A rotary-family causal LM's parameter views and config values for the hooked forward
     (build with :func:`family_parts`). The attributes the GPT-2 code paths read (``n_layers``,
     ``n_heads``, ``d_head``, ``d_model``, ``d_mlp``, ``d_vocab``, ``n_ctx``, ``wte``,
@@ -209,26 +239,6 @@ class FamilyParts:
     n_ctx: int
     layer_sites: tuple[str, ...]
     names: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def d_model(self) -> int:
-        return self.wte.shape[1]
-
-    @property
-    def d_vocab(self) -> int:
-        return self.unembed.shape[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.wte.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.wte.device
 
     @property
     def kv_group(self) -> int:
