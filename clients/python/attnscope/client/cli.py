@@ -884,16 +884,7 @@ def cmd_run(args) -> int:
                     for h in res.hooks]
             print(_table(rows, ["hook", "axes", "shape"]))
             return EXIT_OK
-        body: dict[str, Any] = {}
-        if args.request:
-            raw = sys.stdin.read() if args.request == "-" else _read_file(args.request)
-            try:
-                body = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"--request {args.request}: not valid JSON ({exc.msg} at "
-                                 f"character {exc.pos})")
-            if not isinstance(body, dict):
-                raise UsageError(f"--request {args.request}: a JSON object is expected")
+        body = _request_body(args.request)
         if args.texts:
             body["texts"] = list(args.texts)
         if args.tokens:
@@ -1249,16 +1240,7 @@ def _pp_metric(args) -> dict | None:
 
 
 def cmd_path_patch(args) -> int:
-    body: dict[str, Any] = {}
-    if args.request:
-        raw = sys.stdin.read() if args.request == "-" else _read_file(args.request)
-        try:
-            body = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"--request {args.request}: not valid JSON ({exc.msg} at "
-                             f"character {exc.pos})")
-        if not isinstance(body, dict):
-            raise UsageError(f"--request {args.request}: a JSON object is expected")
+    body = _request_body(args.request)
     clean = args.clean_tokens if args.clean_tokens is not None else args.clean_text
     corrupted = args.corrupted_tokens if args.corrupted_tokens is not None else args.corrupted_text
     if (args.clean_tokens is not None and args.clean_text is not None) or (
@@ -1344,6 +1326,22 @@ def _component(c: dict) -> str:
     if kind == "mlp":
         return f"MLP{c['layer']}"
     return str(kind)
+
+
+def _request_body(request: str | None) -> dict[str, Any]:
+    """``--request FILE`` (``-``: stdin): a JSON object, the request's other fields; ``{}``
+    without it. UsageError naming the flag for invalid JSON or a non-object."""
+    if not request:
+        return {}
+    raw = sys.stdin.read() if request == "-" else _read_file(request)
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--request {request}: not valid JSON ({exc.msg} at "
+                         f"character {exc.pos})")
+    if not isinstance(body, dict):
+        raise UsageError(f"--request {request}: a JSON object is expected")
+    return body
 
 
 def _read_file(path: str) -> str:
