@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 
+from asgi_gone import GoneClient
 from attnscope.client import Client
 
 NDJSON = "application/x-ndjson"
@@ -233,32 +234,10 @@ def test_a_client_that_disconnects_mid_stream_stops_the_job(gpt2_runtime):
 
     async def main():
         async with app.router.lifespan_context(app):
-            gone = asyncio.Event()
-            sent: list = []
-            body = b'{"fail": false}'
-            first = True
-
-            async def receive():
-                nonlocal first
-                if first:
-                    first = False
-                    return {"type": "http.request", "body": body, "more_body": False}
-                await gone.wait()
-                return {"type": "http.disconnect"}
-
-            async def send(msg):
-                sent.append(msg)
-                if msg["type"] == "http.response.body" and b"progress" in msg.get("body", b""):
-                    gone.set()
-
-            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-                     "method": "POST", "scheme": "http", "path": "/v1/progress-job",
-                     "raw_path": b"/v1/progress-job", "query_string": b"", "root_path": "",
-                     "headers": [(b"content-type", b"application/json"),
-                                 (b"accept", NDJSON.encode()),
-                                 (b"content-length", str(len(body)).encode())],
-                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-            await app(scope, receive, send)
+            gc = GoneClient("/v1/progress-job", b'{"fail": false}', [(b"accept", NDJSON.encode())],
+                            on_send=lambda m: m["type"] == "http.response.body"
+                            and b"progress" in m.get("body", b""))
+            await gc(app)
             while not ended:  # the job sees the cancel at its next report
                 await asyncio.sleep(0.01)
             for _ in range(1000):  # the ticket goes back once the job's task ended
@@ -268,12 +247,11 @@ def test_a_client_that_disconnects_mid_stream_stops_the_job(gpt2_runtime):
             assert ended == ["JobCancelled"]
             assert app.state.slot.depth == 0 and app.state.engine.budget.in_use == 0
             assert not app.state.jobs
-            return sent
+            return gc.sent, gc.statuses()
 
-    sent = asyncio.run(main())
+    sent, statuses = asyncio.run(main())
     assert started.is_set()
-    starts = [m for m in sent if m["type"] == "http.response.start"]
-    assert [m["status"] for m in starts] == [200]
+    assert statuses == [200]
     # no last line was sent: the stream stopped with the client
     assert not any(b'"done":true' in m.get("body", b"") for m in sent)
 
