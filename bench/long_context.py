@@ -52,10 +52,12 @@ BINARY_FORMS = {
 class Server:
     """``attnscope serve`` of the checkout whose ``python`` (``<root>/.venv/bin/python``) is
     given, on a free loopback port, started and ready (``/readyz`` 200); ``extra``: more
-    ``serve`` arguments."""
+    ``serve`` arguments; ``launcher``: the command before ``serve`` (default ``python -m
+    attnscope.service.cli``; e.g. a bench script's own child entry point)."""
 
     def __init__(self, python: str, model_dir: Path | str, log: Path,
-                 extra: tuple[str, ...] = ("--request-timeout-s", "900")):
+                 extra: tuple[str, ...] = ("--request-timeout-s", "900"),
+                 launcher: list[str] | None = None):
         import socket
         import subprocess
 
@@ -64,7 +66,7 @@ class Server:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [python, "-m", "attnscope.service.cli", "serve", "--host", "127.0.0.1", "--port",
+            [*(launcher or [python, "-m", "attnscope.service.cli"]), "serve", "--host", "127.0.0.1", "--port",
              str(self.port), "--model", str(model_dir), *extra, "--log-level", "warning"],
             stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=str(Path(python).parents[2]))
         deadline = time.time() + 600

@@ -29,6 +29,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import long_context  # noqa: E402  (its Server: one checkout's `attnscope serve`)
 
 
 def _child(mode: str, argv: list[str]) -> int:
@@ -64,40 +66,14 @@ def _status(pid: int, key: str) -> int:
     return 0
 
 
-class Server:
+class Server(long_context.Server):
+    """This checkout's ``serve`` through :func:`_child` in ``mode``; ``idle``: its RSS once
+    ready, before any request."""
+
     def __init__(self, mode: str, model_dir: Path, log: Path):
-        import socket
-
-        import httpx
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", mode, "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), "--model", str(model_dir), "--request-timeout-s", "1800",
-             "--log-level", "warning"], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-            cwd=str(ROOT))
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(log.read_text()[-2000:])
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    self.idle = _status(self.proc.pid, "VmRSS")  # ready, before any request
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("server not ready")
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        super().__init__(sys.executable, model_dir, log, ("--request-timeout-s", "1800"),
+                         launcher=[sys.executable, __file__, "--child", mode])
+        self.idle = _status(self.proc.pid, "VmRSS")
 
 
 def one(server: Server, ids: list, form: str) -> dict:
