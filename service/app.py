@@ -153,16 +153,7 @@ def body_optional_paths(endpoints: list[Endpoint]) -> frozenset[str]:
     """The POST paths whose request schema validates from ``{}`` (every field defaulted): their
     body may be empty or missing (:class:`EmptyBodyDefaults`) and the OpenAPI document says
     ``requestBody.required: false`` for them, the schema still a ``$ref`` to the request model."""
-    out = set()
-    for ep in endpoints:
-        if ep.request is None or ep.method != "POST":
-            continue
-        try:
-            ep.request.model_validate({})
-        except Exception:  # noqa: BLE001 - a required field or a cross-field rule: body needed
-            continue
-        out.add(ep.path)
-    return frozenset(out)
+    return frozenset(ep.path for ep in endpoints if ep.body_optional)
 
 
 def _optional_bodies_in_openapi(app: FastAPI, paths: frozenset[str]) -> None:

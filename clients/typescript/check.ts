@@ -19,6 +19,9 @@ async function use(c: AttnscopeClient): Promise<number> {
   const h = await c.heads({ text: "The cat sat." });
   // @ts-expect-error: heads takes no options (no safetensors form)
   await c.heads({ text: "x" }, { binary: true });
-  return r.model.id.length + h.heads.length;
+  const k = await c.circuits();  // the body may be empty: every field defaulted
+  // @ts-expect-error: heads needs its body (a text or token ids)
+  await c.heads();
+  return r.model.id.length + h.heads.length + k.heads.length;
 }
 console.log(use);

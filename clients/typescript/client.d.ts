@@ -45,5 +45,5 @@ export interface AttnscopeClient {
   /** POST /v1/logit-attribution: Direct logit attribution to heads, MLPs, embeddings and biases */
   logit_attribution(body: S["LogitAttributionRequest"]): Promise<S["LogitAttributionResponse"]>;
   /** POST /v1/circuits: Weight-only OV/QK circuit summaries and composition scores of every head */
-  circuits(body: S["CircuitsRequest"]): Promise<S["CircuitsResponse"]>;
+  circuits(body?: S["CircuitsRequest"]): Promise<S["CircuitsResponse"]>;
 }

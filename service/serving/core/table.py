@@ -63,6 +63,18 @@ class Endpoint:
     def method(self) -> str:
         return "GET" if self.request is None else "POST"
 
+    @property
+    def body_optional(self) -> bool:
+        """A POST whose request schema validates from ``{}`` (every field defaulted, no
+        cross-field rule): its body may be empty or missing."""
+        if self.request is None:
+            return False
+        try:
+            self.request.model_validate({})
+        except Exception:  # noqa: BLE001 - a required field or a cross-field rule: body needed
+            return False
+        return True
+
 
 def default_table() -> list[Endpoint]:
     """Every ``ENDPOINTS`` entry of the modules of ``service/serving/`` (not its core), in
@@ -139,6 +151,7 @@ def typescript_client(endpoints: list[Endpoint]) -> str:
             lines += [doc, f"  {e.name}(): Promise<{out}>;"]
         else:
             opts = ", opts?: CallOptions" if e.binary else ""
-            lines += [doc, f'  {e.name}(body: S["{e.request.__name__}"]{opts}): Promise<{out}>;']
+            q = "?" if e.body_optional else ""
+            lines += [doc, f'  {e.name}(body{q}: S["{e.request.__name__}"]{opts}): Promise<{out}>;']
     lines += ["}", ""]
     return "\n".join(lines)
