@@ -284,3 +284,64 @@ def test_bad_input(client):
                   "positions": [0, q]}], "components.0.positions.1")
         assert str(q) in e["message"] and str(len(IDS) - 1) in e["message"]
     assert client.get("/healthz").status_code == 200
+
+
+# ------------------------------------------------------------------ over a dataset (batched)
+DATA = [induction_ids(60 + s, 5, 2) for s in range(4)] + [induction_ids(70, 4, 2)]  # 4 x 11, 9
+
+
+def test_dataset_mean_ablation_batched_equals_hf_and_singles(client, hf):
+    """/v1/ablate components over ``token_lists`` with method mean: the means over every
+    position of the dataset taken once (one batched forward per token count), the ablated
+    forwards batched (the four 11-token texts in one); per text equal to forward hooks on HF's
+    GPT2LMHeadModel with the dataset means (<= 2e-5) and to the single request with
+    reference_token_lists = the dataset to float32 rounding (rtol 2e-6: a batched row's matrix
+products may round differently from the single text's; measured 6.8118114 vs 6.811812);
+    a planted fault (the means over the first text only) fails the HF comparison."""
+    nn = [3, 7]
+    comps = [{"kind": "mlp", "layer": 0}, {"kind": "neuron", "layer": 1, "neurons": nn},
+             {"kind": "head", "layer": 1, "head": 2}]
+    kw = {"components": comps, "method": "mean"}
+    r = client.post("/v1/ablate", json={"token_lists": DATA, "per_text": True, **kw})
+    assert r.status_code == 200, r.text
+    st = r.json()["dataset"]["stats"]
+    seen_all = [seen(hf, ids) for ids in DATA]
+
+    def means(texts):
+        cat = {k: torch.cat([s[k][0] for s in texts]) for k in
+               (("mlp_out", 0), ("post", 1), ("z", 1))}
+        return cat[("mlp_out", 0)].mean(0), cat[("post", 1)][:, nn].mean(0), \
+            cat[("z", 1)][:, 2].mean(0)
+
+    def edits(m_mlp, m_post, m_z):
+        def post(x):
+            x = x.clone()
+            x[..., nn] = m_post.expand_as(x[..., nn])
+            return x
+
+        def z(x):
+            x = x.clone()
+            x[..., 2, :] = m_z
+            return x
+        return {("mlp_out", 0): lambda x: m_mlp.expand_as(x), ("post", 1): post, ("z", 1): z}
+
+    def hf_values(ms):
+        kls, losses = [], []
+        for ids in DATA:
+            clean, _ = hf_logits(hf, ids)
+            abl, _ = hf_logits(hf, ids, edits(*ms))
+            kls.append(_kl(clean, abl).mean())
+            lp = -torch.log_softmax(abl, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+            losses.append(float(lp.mean()))
+        return np.array(kls), np.array(losses)
+    kl_ref, loss_ref = hf_values(means(seen_all))
+    kl, loss = np.array(st["mean_kl"]["values"]), np.array(st["mean_loss_ablated"]["values"])
+    assert kl_ref.min() > 1e-4
+    assert np.abs(kl - kl_ref).max() <= 2e-5 and np.abs(loss - loss_ref).max() <= 2e-5
+    wrong_kl, _ = hf_values(means(seen_all[:1]))  # planted: the first text's own means
+    assert np.abs(kl - wrong_kl).max() > 1e-4
+    singles = [client.post("/v1/ablate", json={"tokens": ids, "reference_token_lists": DATA,
+                                               **kw}).json() for ids in DATA]
+    for name in ("mean_kl", "mean_loss_ablated"):  # float32 rounding of the batched GEMMs
+        one = np.array([b[name] for b in singles])
+        np.testing.assert_allclose(st[name]["values"], one, rtol=2e-6, atol=1e-7)

@@ -587,26 +587,72 @@ def _coef(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (x * u.to(x.dtype)).sum(-1)
 
 
+def _by_length(texts: Sequence[Sequence[int]]) -> dict[int, list[int]]:
+    """The indices of ``texts`` grouped by token count (one batched forward per group)."""
+    groups: dict[int, list[int]] = {}
+    for i, ids in enumerate(texts):
+        groups.setdefault(len(ids), []).append(i)
+    return groups
+
+
+def _parts_upto(rt, n_blocks: int):
+    """The hooked forward's parts with only the first ``n_blocks`` blocks (a forward that only
+    needs a hook of block ``n_blocks - 1`` stops there; its ln_f and LM head then read that
+    block's output, which nothing uses). The same tensors, memoised per parts object."""
+    import dataclasses
+
+    p = lm_parts(rt)
+    if n_blocks >= p.n_layers:
+        return p
+    key, memo = rt.memo.get("hooked_parts_upto", (None, {}))
+    if key is not p:
+        memo = {}
+        rt.memo["hooked_parts_upto"] = (p, memo)
+    if n_blocks not in memo:
+        memo[n_blocks] = dataclasses.replace(p, blocks=tuple(p.blocks[:n_blocks]))
+    return memo[n_blocks]
+
+
+def _rows_per_forward(rt, T: int, max_bytes: int | None) -> int:
+    """How many rows of ``T`` tokens one batched forward may hold under ``max_bytes`` (the
+    estimate :func:`variant_batch_bytes` with logits at every position); at least 1."""
+    if not max_bytes:
+        return 1 << 30
+    return max(1, int(max_bytes) // max(1, variant_batch_bytes(rt, 1, T, T)))
+
+
 def component_sources(rt, comps: Sequence[Component], method: str,
-                      texts: Sequence[Sequence[int]], resample_ids: Sequence[int] | None):
+                      texts: Sequence[Sequence[int]], resample_ids: Sequence[int] | None,
+                      max_bytes: int | None = None):
     """What each component's ablation writes, from unedited hooked forwards: method 'mean' ->
     per component the mean over every position of ``texts`` (the text itself, or the
     reference texts, pooled) of its hook's value (heads, MLPs, attention layers: the vector;
     neurons: their activations ``[n]``; directions: the coefficient ``x . u``); 'resample' ->
-    the resample text's value at every position; 'zero' -> None each."""
+    the resample text's value at every position; 'zero' -> None each.
+
+    The texts of one token count run as one batched forward (``[n, pos]``, at most
+    ``max_bytes`` of :func:`variant_batch_bytes` a forward), each text's rows then pooled in
+    the order given (float32 mean over all positions)."""
     if method == "zero":
         return [None] * len(comps)
     names = sorted({c.hook_name for c in comps})
+    p = _parts_upto(rt, 1 + max(_site_order(rt, n)[0] for n in names))
     if method == "resample":
         res = hook_runs(rt, resample_ids, names)
         per = {n: res.cache[n][0] for n in names}  # [pos, ...]
     else:
-        pooled: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        for ids in texts:
-            res = hook_runs(rt, ids, names)
-            for n in names:
-                pooled[n].append(res.cache[n][0])
-        per = {n: torch.cat(v, dim=0) for n, v in pooled.items()}  # [all positions, ...]
+        rows: dict[str, list] = {n: [None] * len(texts) for n in names}
+        for T, idx in _by_length(texts).items():
+            step = _rows_per_forward(rt, T, max_bytes)
+            for s in range(0, len(idx), step):
+                part = idx[s:s + step]
+                ids = torch.tensor([list(texts[i]) for i in part], dtype=torch.long,
+                                   device=p.device)
+                res = hooked.run(p, ids, cache={n: None for n in names}, logit_positions=[-1])
+                for n in names:
+                    for j, i in enumerate(part):
+                        rows[n][i] = res.cache[n][j]
+        per = {n: torch.cat(v, dim=0) for n, v in rows.items()}  # [all positions, ...]
     out = []
     for c in comps:
         x = per[c.hook_name]
@@ -635,7 +681,36 @@ def ablate_components(rt, ids: Sequence[int], comps: Sequence[Component], method
     forward runs from the embeddings. Returns logits ``[1, pos, vocab]``; patterns from layer
     0 with ``capture_patterns``."""
     p = lm_parts(rt)
-    T = len(ids)
+    return _ablate_rows(rt, _ids(ids, 1, p.device), comps, method, sources, capture_patterns)
+
+
+def ablate_components_many(rt, texts: Sequence[Sequence[int]], comps: Sequence[Component],
+                           method: str, sources: Sequence, each, max_bytes: int | None = None
+                           ) -> None:
+    """:func:`ablate_components` of many texts with the same ``sources`` (a dataset's mean
+    ablation: the means taken once, by :func:`component_sources`): the texts of one token
+    count as rows of one batched hooked forward (at most ``max_bytes`` of
+    :func:`variant_batch_bytes` a forward; per-row edits are the single text's, so each row
+    equals its single-text forward up to float32 rounding of the batched matrix products).
+    Calls ``each(i, logits [pos, vocab])`` (the runtime's device) for every text i, a
+    forward's texts after it (only one forward's logits are held at a time)."""
+    p = lm_parts(rt)
+    for T, idx in _by_length(texts).items():
+        step = _rows_per_forward(rt, T, max_bytes)
+        for s in range(0, len(idx), step):
+            part = idx[s:s + step]
+            ids = torch.tensor([list(texts[i]) for i in part], dtype=torch.long, device=p.device)
+            run = _ablate_rows(rt, ids, comps, method, sources)
+            for j, i in enumerate(part):
+                each(i, run.logits[j])
+            del run
+
+
+def _ablate_rows(rt, ids: torch.Tensor, comps: Sequence[Component], method: str,
+                 sources: Sequence, capture_patterns: bool = False) -> RunOutput:
+    """:func:`ablate_components` on ``ids`` ``[batch, pos]`` (rows of one length, the same
+    edits on each)."""
+    p = lm_parts(rt)
     simple, valued = [], {}
     for c, src in zip(comps, sources):
         if c.kind in ("neuron", "direction"):
@@ -648,10 +723,23 @@ def ablate_components(rt, ids: Sequence[int], comps: Sequence[Component], method
             simple.append(hooked.Mean(reference=src, **kw))  # heads: every head's [head, d]
         else:
             simple.append(hooked.Set(value=src[:, [c.head]] if c.kind == "head" else src, **kw))
-    edits = list(simple)
+    edits = [(_site_order(rt, e.hook)[0], e) for e in simple]  # (layer, edit)
+    # a valued hook's forward runs from the residual stream entering the previous valued
+    # hook's block (that forward cached it, every edit below already in it) up to its own
+    # block; the final forward from the last one's. The same operations as from the
+    # embeddings: equal bit for bit.
+    start, resid = 0, None
     for name in sorted(valued, key=lambda n: _site_order(rt, n)):
-        x = hooked.run(p, _ids(ids, 1, p.device), cache={name: None}, interventions=edits,
-                       logit_positions=[-1]).cache[name][0]
+        layer = _site_order(rt, name)[0]
+        want = {name: None}
+        if layer > start and not capture_patterns:
+            want[f"blocks.{layer - 1}.hook_resid_post"] = None
+        run = hooked.run(_parts_upto(rt, layer + 1), ids, cache=want,
+                         interventions=[e for lyr, e in edits if start <= lyr <= layer],
+                         logit_positions=[-1], start=start, resid_pre=resid)
+        x = run.cache[name]  # [batch, pos, ...]
+        if len(want) > 1:
+            start, resid = layer, run.cache[f"blocks.{layer - 1}.hook_resid_post"]
         new = x.clone()
         for c, src in valued[name]:
             pos = slice(None) if c.positions is None else list(c.positions)
@@ -666,7 +754,7 @@ def ablate_components(rt, ids: Sequence[int], comps: Sequence[Component], method
                 new[..., nn] = val
                 continue
             u = c.vector.to(device=new.device, dtype=new.dtype)
-            region = new[pos]
+            region = new[:, pos]
             coef = _coef(region, u)
             if method == "zero":
                 target = torch.zeros_like(coef)
@@ -674,10 +762,11 @@ def ablate_components(rt, ids: Sequence[int], comps: Sequence[Component], method
                 target = src.to(new.dtype).expand_as(coef)
             else:
                 target = src.to(new.dtype)[pos]
-            new[pos] = region + (target - coef)[..., None] * u
-        edits.append(hooked.Set(hook=name, value=new))
+            new[:, pos] = region + (target - coef)[..., None] * u
+        edits.append((layer, hooked.Set(hook=name, value=new)))
     cache = {"blocks.*.attn.hook_pattern": None} if capture_patterns else None
-    run = hooked.run(p, _ids(ids, 1, p.device), cache=cache, interventions=edits)
+    run = hooked.run(p, ids, cache=cache, interventions=[e for lyr, e in edits if lyr >= start],
+                     start=start, resid_pre=resid)
     patterns = ([run.cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(p.n_layers)]
                 if capture_patterns else [])
-    return RunOutput(run.logits, 0, patterns)
+    return RunOutput(run.logits, start, patterns)

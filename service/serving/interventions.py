@@ -330,17 +330,29 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
     else:
         est = I.variant_batch_bytes(rt, 2, T, T)
         detail = ", plus the ablated forward"
-        if comps is not None:
-            est += I.variant_batch_bytes(rt, 1, T, 1) * (1 + len(refs))
+        if comps is not None:  # the reference texts' forwards, batched under _batch_budget
+            longest = max([T] + [len(r) for r in refs])
+            est += min(I.variant_batch_bytes(rt, 1, longest, longest) * (1 + len(refs)),
+                       _batch_budget(rt))
             detail = ", plus the ablated forward (and one per neuron/direction hook)"
         if req.include_patterns:
             est += 4 * a.n_layers * a.n_heads * T * T * 2 + estimate_encoded_bytes(
                 a.n_layers * a.n_heads * T * T, encoding, req.dtype, req.round, req.layout, None, T)
 
-    def job(forwards) -> dict:
+    def job(forwards, shared: dict | None = None) -> dict:
+        """``shared`` (a dataset's job): ``value`` (the dataset's AblationValue) and
+        ``logits`` (this text's components-ablated logits ``[pos, vocab]``), computed once
+        for the dataset instead of per text."""
         ft = forwards[0].tensors
-        value = I.ablation_value(req.method, ft, [f.tensors for f in forwards[1:1 + len(refs)]],
-                                 forwards[-1].tensors if resample is not None else None)
+        shared = shared or {}
+        if "value" in shared:
+            value = shared["value"]
+        elif comps is not None and not req.scan:
+            value = None  # the components path takes its own sources
+        else:
+            value = I.ablation_value(req.method, ft,
+                                     [f.tensors for f in forwards[1:1 + len(refs)]],
+                                     forwards[-1].tensors if resample is not None else None)
         ids = main.input_ids
         labels = [t.label for t in main.tokens]
         body: dict = {"model": rt.model_ref(), "tokens": [t.as_dict() for t in main.tokens],
@@ -364,10 +376,13 @@ def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
             body["scan"] = _scan(rt, req, ft, value, clean, ids, positions, ld, dm)
             body["logit_diff"] = ld_body
             return body
-        if comps is not None:
+        if comps is not None and "logits" in shared:
+            run = I.RunOutput(shared["logits"][None], 0, [])
+        elif comps is not None:
             texts = [r.input_ids for r in refs] or [ids]
             src = I.component_sources(rt, comps, req.method, texts,
-                                      resample.input_ids if resample is not None else None)
+                                      resample.input_ids if resample is not None else None,
+                                      max_bytes=_batch_budget(rt))
             run = I.ablate_components(rt, ids, comps, req.method, src,
                                       capture_patterns=req.include_patterns)
         else:
@@ -678,6 +693,13 @@ def _check_sel(values, size: int, field: str, what: str) -> list[int] | None:
 
 #: most rows of one batch of patched forwards (the memory estimate may lower it)
 PATCH_CHUNK_BYTES = 512 << 20
+
+
+def _batch_budget(rt) -> int:
+    """The bytes one batched forward of a dataset's texts may take (:data:`PATCH_CHUNK_BYTES`,
+    at most half of ``max_request_bytes``)."""
+    limit = int(getattr(rt.settings, "max_request_bytes", 0) or 0)
+    return min(PATCH_CHUNK_BYTES, limit // 2) if limit else PATCH_CHUNK_BYTES
 
 
 def _hook_patch_plan(rt, req: PatchRequest, clean_t, corr_t, clean: str) -> Plan:
@@ -1093,21 +1115,48 @@ def _dataset_ablate_plan(rt, req: AblateRequest, *, binary: bool = False) -> Pla
     n, R = len(data), len(refs or [])
     items = list(data) + list(refs or [])
     est = max(sp.response_bytes for sp in subs) + 2048 * n * (2 if req.per_text else 1)
+    comps = _components(rt, req) if req.components is not None else None
+    budget = _batch_budget(rt)
+    if comps is not None and not req.scan:  # the batched forwards (at most the budget)
+        longest = max(len(t) for t in data)
+        est += min(budget, I.variant_batch_bytes(rt, n, longest, longest))
     if req.scan:
         est += 3 * 16 * rt.adapter.n_layers * rt.adapter.n_heads * n
     per_text = req.per_text
 
     def job(forwards) -> dict:
         texts_fw, ref_fw = forwards[:n], forwards[n:n + R]
+        mean_fw = list(texts_fw) if pooled else list(ref_fw)
         bodies = []
         with _QuietProgress() as q:
             q.report(0, n)
-            for i, sp in enumerate(subs):
-                cancel.checkpoint()
-                fw = [texts_fw[i]] + (list(texts_fw) if pooled else list(ref_fw)
-                                      if req.method == "mean" else [])
-                bodies.append(sp.job(fw))
-                q.report(i + 1, n)
+            # once for the dataset, not per text: the heads' mean z, the components' means
+            # and their ablated forwards (the texts of one length batched)
+            shared: dict = {}
+            if req.method == "mean" and (comps is None or req.scan):
+                shared["value"] = I.ablation_value("mean", texts_fw[0].tensors,
+                                                   [f.tensors for f in mean_fw])
+            if comps is not None and not req.scan:
+                src = I.component_sources(
+                    rt, comps, req.method,
+                    [list(t.input_ids) for t in (data if pooled else refs or [])], None,
+                    max_bytes=budget)
+                got: dict = {}
+
+                def each(i, logits):
+                    cancel.checkpoint()
+                    fw = [texts_fw[i]] + (mean_fw if req.method == "mean" else [])
+                    got[i] = subs[i].job(fw, dict(shared, logits=logits))
+                    q.report(len(got), n)
+                I.ablate_components_many(rt, [list(t.input_ids) for t in data], comps,
+                                         req.method, src, each, max_bytes=budget)
+                bodies = [got[i] for i in range(n)]
+            else:
+                for i, sp in enumerate(subs):
+                    cancel.checkpoint()
+                    fw = [texts_fw[i]] + (mean_fw if req.method == "mean" else [])
+                    bodies.append(sp.job(fw, shared))
+                    q.report(i + 1, n)
         stats, vals = {}, {}
 
         def add(name, xs):
