@@ -212,11 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scan", action="store_true", default=None, help="every head alone: effect grid")
     p.add_argument("--metric", choices=["loss", "kl", "logit_diff"], default=None,
                    help="scan metric (loss)")
+    _dataset_arg(p, "texts: one a line, a JSON string, a list of token ids or {\"text\": ...} "
+                 "/ {\"tokens\": [...]} (\"id\" ignored); method mean then takes its means "
+                 "over the whole dataset")
 
     p = sub.add_parser("patch", help="activation patching clean -> corrupted: [layer, head] grid")
     _common(p)
-    p.add_argument("clean_text", help="the clean prompt")
-    p.add_argument("corrupted_text", help="the corrupted prompt (same token count)")
+    p.add_argument("clean_text", nargs="?", default=None, help="the clean prompt (or --dataset)")
+    p.add_argument("corrupted_text", nargs="?", default=None,
+                   help="the corrupted prompt (same token count)")
+    _dataset_arg(p, "pairs: one a line, {\"clean_text\", \"corrupted_text\"} (or "
+                 "clean_tokens / corrupted_tokens, or \"clean\"/\"corrupted\" as text or ids, "
+                 "or a [clean, corrupted] list; optional \"metric\", \"id\" ignored)")
     p.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
                    help="prepend the BOS token (default: the model's convention)")
     p.add_argument("--target", default=None, help="logit difference: target token")
@@ -429,6 +436,20 @@ def _check_args(args) -> None:
                              "--attn / --neurons, or --scan (every head alone)")
         if args.plot and not args.scan and not _option_value(args, "scan"):
             raise UsageError("--plot draws the scan's effect grid: add --scan")
+    if args.cmd in ("patch", "ablate") and getattr(args, "dataset", None) is not None:
+        one = ("the CLEAN_TEXT CORRUPTED_TEXT arguments" if args.cmd == "patch" else
+               "TEXT / --tokens")
+        if (args.cmd == "patch" and (args.clean_text is not None
+                                     or args.corrupted_text is not None)) or (
+                args.cmd == "ablate" and (args.text is not None or args.tokens is not None)):
+            raise UsageError(f"--dataset {args.dataset}: the prompts are given twice (also as "
+                             f"{one}); give one or the other")
+        if args.plot:
+            raise UsageError("--plot draws one request's grid; with --dataset save the "
+                             "response with --output and plot its mean grid")
+    elif args.cmd == "patch" and (args.clean_text is None or args.corrupted_text is None):
+        raise UsageError("give CLEAN_TEXT and CORRUPTED_TEXT (same token count), or --dataset "
+                         "FILE of pairs")
     if args.cmd == "patch":
         given = {o.partition("=")[0] for o in args.option or []}
         metric = args.metric or _option_value(args, "metric") or "logit_diff"
@@ -711,11 +732,25 @@ def cmd_ablate(args) -> int:
     if comps:
         opts["components"] = opts.get("components", []) + comps
     text = _read_text(args.text)
+    if args.dataset is not None:
+        field, items = _read_dataset(args.dataset, "ablate")
+        opts[field] = items
+        text = None
     with _client(args) as c:
         res = c.ablate(text, heads=args.heads, **opts)
     _write_output(args, res)
     if args.json:
         _print_json(res)
+    elif getattr(res, "dataset", None) is not None and res.scan is None:
+        heads = ", ".join(f"L{l}H{h}" for l, h in res.heads or [])
+        if res.components:
+            heads = ", ".join(_component_label(c) for c in res.components)
+        ds = res.dataset
+        print(f"model {res.model.id}  ablated {heads} ({res.method})  over {ds.n_texts} texts"
+              + (f"  (means over the {ds.mean_over.replace('_', ' ')})" if ds.mean_over else ""))
+        rows = [[name, _fmt(st.mean), _fmt(st.std, blank=True), _fmt(st.sem, blank=True), st.n]
+                for name, st in ds.stats.items()]
+        print(_table(rows, ["statistic", "mean", "std", "sem", "n"]))
     elif res.scan is not None:
         s = res.scan
         print(f"model {res.model.id}  method {res.method}  scan metric {s.metric}  clean {_fmt(s.clean)}")
@@ -763,6 +798,8 @@ def cmd_patch(args) -> int:
                            "patch_positions": "patch_positions"})
     if _ld(args):
         opts["logit_diff"] = _ld(args)
+    if args.dataset is not None:
+        opts["pairs"] = _read_dataset(args.dataset, "patch")[1]
     with _client(args) as c:
         res = c.patch(args.clean_text, args.corrupted_text,
                       on_progress=_progress(args, "patch"), **opts)
@@ -770,6 +807,11 @@ def cmd_patch(args) -> int:
     if args.json:
         _print_json(res)
     else:
+        ds = getattr(res, "dataset", None)
+        if ds is not None:
+            print(f"dataset: {ds.n_pairs} pairs; the values below are means over the pairs "
+                  f"(clean sem {_fmt(ds.clean.sem, blank=True)}, corrupted sem "
+                  f"{_fmt(ds.corrupted.sem, blank=True)}; spread in --output's dataset.grid)")
         print(f"model {res.model.id}  metric {res.metric}  method {res.method}  clean "
               f"{_fmt(res.clean_value)}  corrupted {_fmt(res.corrupted_value)}")
         if res.approximation:
@@ -1019,6 +1061,110 @@ def _why_parsers(sub) -> None:
                    help="any request option, value as JSON; repeatable")
     _output_arg(p)
     _progress_arg(p)
+
+
+def _dataset_arg(p, what: str) -> None:
+    p.add_argument("--dataset", metavar="FILE", default=None,
+                   help=f"a dataset of prompts ('-' = stdin): a JSON list, a JSON object with "
+                        f"the list under its field, or JSONL; {what}")
+
+
+#: the fields of one dataset item (``--dataset``), per command
+_PAIR_KEYS = {"clean_text", "corrupted_text", "clean_tokens", "corrupted_tokens", "metric",
+              "clean", "corrupted", "id"}
+
+
+def _read_dataset(path: str, cmd: str) -> tuple[str, list]:
+    """``--dataset FILE`` (``-``: stdin) as ``(field, items)``: for ``patch`` ``("pairs",
+    [pair dicts])``, for ``ablate`` ``("texts", [str])`` or ``("token_lists", [[int]])``.
+    The file is a JSON list, a JSON object holding the list under ``pairs`` / ``texts`` /
+    ``token_lists``, or JSONL (one item a line, blank lines skipped; the batch pipeline's
+    ``{"id", "text"}`` lines read as texts). Raises UsageError naming the item (line) at fault."""
+    where = "standard input" if path == "-" else path
+    try:
+        raw = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    except OSError as exc:
+        raise UsageError(f"--dataset {path}: cannot read it ({exc.strerror})")
+    items, label = None, "item {}"
+    head = raw.lstrip()[:1]
+    if head in ("[", "{"):
+        try:
+            whole = json.loads(raw)
+        except json.JSONDecodeError:
+            whole = None  # JSONL of objects
+        if isinstance(whole, list):
+            items = whole
+        elif isinstance(whole, dict):
+            keys = [k for k in ("pairs", "texts", "token_lists") if k in whole]
+            if keys:
+                items = whole[keys[0]]
+                label = f"{keys[0]}[{{}}]"
+            # else one object: a JSONL file of one line
+    if items is None:
+        items, label = [], "line {}"
+        for n, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                items.append((n, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"--dataset {where}: line {n} is not valid JSON ({exc.msg} at "
+                                 f"character {exc.pos})")
+    else:
+        if not isinstance(items, list):
+            raise UsageError(f"--dataset {where}: a list of items is expected")
+        items = list(enumerate(items))
+    if not items:
+        raise UsageError(f"--dataset {where}: no items")
+
+    def ids(v):
+        return isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool)
+                                                 for x in v)
+    out = []
+    if cmd == "patch":
+        for n, it in items:
+            at = f"--dataset {where}: {label.format(n)}"
+            if isinstance(it, list) and len(it) == 2:
+                it = {"clean": it[0], "corrupted": it[1]}
+            if not isinstance(it, dict):
+                raise UsageError(f"{at}: a pair is an object {{\"clean_text\", "
+                                 f"\"corrupted_text\"}} or a [clean, corrupted] list")
+            bad = sorted(set(it) - _PAIR_KEYS)
+            if bad:
+                raise UsageError(f"{at}: unknown field {bad[0]!r} (a pair has "
+                                 f"{', '.join(sorted(_PAIR_KEYS - {'id'}))})")
+            pair = {k: v for k, v in it.items() if k not in ("clean", "corrupted", "id")}
+            for side in ("clean", "corrupted"):
+                if side in it:
+                    v = it[side]
+                    if isinstance(v, str):
+                        pair[f"{side}_text"] = v
+                    elif ids(v):
+                        pair[f"{side}_tokens"] = v
+                    else:
+                        raise UsageError(f"{at}: {side!r} is a text or a list of token ids")
+            out.append(pair)
+        return "pairs", out
+    kinds = set()
+    for n, it in items:
+        at = f"--dataset {where}: {label.format(n)}"
+        if isinstance(it, dict):
+            bad = sorted(set(it) - {"text", "tokens", "id"})
+            if bad or ("text" in it) == ("tokens" in it):
+                raise UsageError(f"{at}: an object with one of \"text\" and \"tokens\" (and "
+                                 "optionally \"id\")")
+            it = it.get("text", it.get("tokens"))
+        if isinstance(it, str):
+            kinds.add("texts")
+        elif ids(it):
+            kinds.add("token_lists")
+        else:
+            raise UsageError(f"{at}: a text, a list of token ids, or {{\"text\": ...}}")
+        out.append(it)
+    if len(kinds) > 1:
+        raise UsageError(f"--dataset {where}: texts and token id lists mixed; give all as "
+                         "texts or all as token ids")
+    return kinds.pop(), out
 
 
 def _progress_arg(p) -> None:
