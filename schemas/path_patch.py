@@ -27,7 +27,10 @@ SplitInput = Literal["q", "k", "v"]
 
 class HeadSender(StrictModel):
     """An attention head as a sender: its output ``blocks.{layer}.attn.hook_result[:, :, head]``
-    (``z_h W_O^h``, without ``b_O``, which is the same in both runs)."""
+    (``z_h W_O^h``, without ``b_O``, which is the same in both runs). Gemma 2 (post-attention
+    norm ``ln1_post``): the head's ``attn.hook_z`` from the other run, the layer's
+    ``hook_attn_out`` recomputed through ``ln1_post`` (not additive: a layer's sender heads
+    are patched together)."""
 
     kind: Literal["head"] = Field(description="'head'.")
     layer: Layer = Field(..., description="The head's layer (0-based).")
@@ -47,12 +50,17 @@ Sender = Annotated[Union[HeadSender, MLPSender], Field(discriminator="kind")]
 class HeadReceiver(StrictModel):
     """Attention heads' query, key or value input as a receiver: TransformerLens'
     ``blocks.{layer}.hook_{q,k,v}_input`` (``use_split_qkv_input``): each head's own copy of the
-    residual stream, before ln1."""
+    residual stream, before ln1. Under grouped-query attention the k and v inputs are per
+    key/value head (``hook_k_input`` / ``hook_v_input`` have ``n_kv_heads`` heads): ``heads``
+    then index key/value heads, and patching kv head g's input reaches every query head of its
+    group (``h // (n_heads / n_kv_heads) == g``), as /v1/patch counts k/v grids."""
 
     kind: Literal["head"] = Field(description="'head'.")
     layer: Layer = Field(..., description="The heads' layer (0-based).")
     heads: Annotated[list[HeadIndex], Field(min_length=1, max_length=MAX_COMPONENTS)] | None = \
-        Field(None, description="Heads of that layer; null = every head of the layer.")
+        Field(None, description="Heads of that layer; null = every head of the layer. Query "
+              "heads for 'q'; for 'k' and 'v' under grouped-query attention key/value heads "
+              "(0..n_kv_heads-1; the response's ``head_axis`` says 'kv_head').")
     input: SplitInput = Field(..., description="Which input: 'q' (queries), 'k' (keys), 'v' "
                               "(values).")
 
@@ -60,7 +68,10 @@ class HeadReceiver(StrictModel):
 class MLPReceiver(StrictModel):
     """An MLP's input as a receiver: the residual stream entering ``blocks.{layer}.ln2``,
     changed for the MLP only (TransformerLens 4.3's bridge: ``blocks.{layer}.mlp.hook_in``, ln2's
-    output, is what the MLP alone reads)."""
+    output, is what the MLP alone reads). GPT-NeoX's parallel residual has no
+    ``hook_resid_mid``: the MLP reads ``ln2(hook_resid_pre)``, so the receiver input is
+    ``blocks.{layer}.ln2.hook_normalized`` of ``hook_resid_pre`` plus the senders' change, and a
+    head does not reach its own layer's MLP."""
 
     kind: Literal["mlp"] = Field(description="'mlp'.")
     layer: Layer = Field(..., description="The MLP's layer (0-based).")
@@ -195,6 +206,13 @@ class PathPatchGrid(LenientModel):
                        "pair).")
     normalized: Grid5 = Field(description="``(raw - base.mean) / (other.mean - base.mean)``; "
                               "null where undefined.")
+    receiver_heads: dict[str, int] | None = Field(
+        None, description="Receiver heads of each input: n_heads for 'q'; for 'k' and 'v' "
+        "n_kv_heads under grouped-query attention, where ``receiver_head`` indexes key/value "
+        "heads and the cells past them are null.")
+    head_axes: dict[str, str] | None = Field(
+        None, description="What ``receiver_head`` indexes for each input: 'head' (query "
+        "heads) or 'kv_head' (key/value heads: k and v under grouped-query attention).")
 
 
 class PairInfo(LenientModel):
@@ -215,7 +233,9 @@ class PathPatchResponse(LenientModel):
     reduce: str = Field(description="How each run's terms were reduced ('mean' or 'sum').")
     construction: str = Field(description="How the patched run is built (text).")
     senders: list[dict] | None = Field(description="The senders, as run.")
-    receivers: list[dict] | None = Field(description="The receivers, as run (heads expanded).")
+    receivers: list[dict] | None = Field(description="The receivers, as run (heads expanded; a "
+                                         "head receiver's ``head_axis``: 'head', or 'kv_head' "
+                                         "for k/v under grouped-query attention).")
     pairs: list[PairInfo] = Field(description="The pairs, in request order.")
     base: Statistic = Field(description="The metric on the base run (raw).")
     other: Statistic = Field(description="The metric on the other run (raw).")

@@ -617,54 +617,7 @@ def test_patch_endpoint_equals_hf_hook_loop(fam, served):
             assert b["heads_raw"][layer][head] == pytest.approx(v, abs=1e-5), (layer, head)
 
 
-PP_LOSS = {"kind": "loss", "terms": [{"position": p} for p in range(7, 12)]}
-PP_CASES = {
-    "head->q": dict(senders=[{"kind": "head", "layer": 0, "head": 1}],
-                    receivers=[{"kind": "head", "layer": 1, "input": "q"}]),
-    "head->mlp": dict(senders=[{"kind": "head", "layer": 0, "head": 1}],
-                      receivers=[{"kind": "mlp", "layer": 1}]),
-    "head->logits": dict(senders=[{"kind": "head", "layer": 1, "head": 2}],
-                         receivers=[{"kind": "logits"}]),
-    "mlp->logits": dict(senders=[{"kind": "mlp", "layer": 0}], receivers=[{"kind": "logits"}]),
-    "head->k": dict(senders=[{"kind": "head", "layer": 0, "head": 1}],
-                    receivers=[{"kind": "head", "layer": 1, "input": "k"}]),
-}
-
-
-def _pp_refused(family: str, case: str) -> str | None:
-    """The words of the 422 where the construction does not hold for ``family``."""
-    if family == "gemma2" and case.startswith("head"):
-        return "ln1_post"
-    if family == "gpt_neox" and case == "head->mlp":
-        return "parallel residual"
-    if family in ("llama", "mistral", "qwen2", "gemma", "gemma2") and case == "head->k":
-        return "grouped-query"
-    return None
-
-
-@pytest.mark.parametrize("case", list(PP_CASES))
-def test_path_patch_equals_a_transformerlens_hand_loop(fam, served, case):
-    """/v1/path-patch equals Wang et al.'s three steps written with TL 4.3 hooks
-    (test_path_patch.tl_path_patch) to 1e-5 where the construction holds for the family, and
-    is a named 422 unsupported_model_config where it does not."""
-    from conftest import assert_error
-    from test_path_patch import tl_path_patch
-
-    client, rt = served
-    clean, corrupt = IDS[0].tolist(), IDS[1].tolist()
-    body = {"pairs": [{"clean_tokens": clean, "corrupted_tokens": corrupt}],
-            "metric": PP_LOSS, **PP_CASES[case]}
-    r = client.post("/v1/path-patch", json=body)
-    words = _pp_refused(fam.family, case)
-    if words is not None:
-        e = assert_error(r, 422, type_="unsupported_model_config")
-        assert words in e["message"], e
-        return
-    assert r.status_code == 200, r.text
-    out = r.json()
-    ref = tl_path_patch(fam.tl, clean, corrupt, metric=PP_LOSS, **PP_CASES[case])
-    for k in ("base", "other", "patched"):
-        assert abs(out[k]["mean"] - ref[k]) <= 1e-5, (k, out[k], ref[k])
+# /v1/path-patch on the families: tests/test_path_patch_families.py
 
 
 def test_logit_lens_on_the_families(fam, served):

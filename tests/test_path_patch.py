@@ -82,12 +82,14 @@ def tl_metric(logits: torch.Tensor, ids: list[int], metric: dict, base_logits=No
 
 def tl_path_patch(tl, base: list[int], other: list[int], senders, receivers, metric, *,
                   sender_positions=None, receiver_positions=None, freeze_mlps=True,
-                  input_override=None) -> dict:
+                  input_override=None, mlp_input="mlp.hook_in") -> dict:
     """Path patching by hand with TransformerLens hooks (Wang et al. 2022's three steps):
     (1) both runs cached; (2) the base run with every head's result and every MLP's output set
     to the base run's values except the senders' (the other run's, at the sender positions),
     the receivers' inputs cached; (3) the base run with the receivers' inputs set to those (at
-    the receiver positions). ``freeze_mlps=False`` and ``input_override`` plant faults."""
+    the receiver positions). ``freeze_mlps=False``, ``input_override`` (q/k/v for every head
+    receiver) and ``mlp_input`` (the hook an MLP receiver is set at, e.g. ``hook_resid_pre``:
+    the whole block reads it) plant faults."""
     bt, ot = torch.tensor([base]), torch.tensor([other])
     T = len(base)
     sp = list(range(T)) if sender_positions is None else [p % T for p in sender_positions]
@@ -120,20 +122,20 @@ def tl_path_patch(tl, base: list[int], other: list[int], senders, receivers, met
         step3 = []
         for r in receivers:
             if r["kind"] == "head":
-                heads = r.get("heads") or list(range(NH))
+                heads = r.get("heads")  # None: every head of the hook (kv heads for k/v on GQA)
                 name = f"blocks.{r['layer']}.hook_{input_override or r['input']}_input"
             elif r["kind"] == "mlp":
                 # the MLP's own input (ln2's output): TL 4.3's bridge edits the MLP alone
                 # there (an edit of ln2.hook_in / hook_resid_mid reaches the residual stream,
                 # not the MLP: measured)
-                heads, name = None, f"blocks.{r['layer']}.mlp.hook_in"
+                heads, name = None, f"blocks.{r['layer']}.{mlp_input}"
             else:
                 heads, name = None, "ln_final.hook_in"
 
             def hook(t, hook, name=name, heads=heads):
                 if heads is None:
                     t[:, rp] = c2[name][:, rp]
-                else:
+                else:  # the receiver heads alone (t [batch, pos, head, d_model])
                     for h in heads:
                         t[:, rp, h] = c2[name][:, rp, h]
                 return t
@@ -160,7 +162,8 @@ def test_readme_example_equals_a_hand_written_transformerlens_loop(client, tl):
     assert out["normalized"] == pytest.approx(
         (out["patched"]["mean"] - out["base"]["mean"]) / (out["other"]["mean"] - out["base"]["mean"]),
         rel=1e-5)
-    assert out["receivers"] == [{"kind": "head", "layer": 1, "heads": [0, 1, 2, 3], "input": "k"}]
+    assert out["receivers"] == [{"kind": "head", "layer": 1, "heads": [0, 1, 2, 3], "input": "k",
+                                 "head_axis": "head"}]
 
 
 def test_planted_faults_in_the_reference_are_caught(client, tl):

@@ -420,8 +420,11 @@ export interface paths {
          *     'corrupted_to_clean' (default, the IOI paper's): the base run is the clean prompt and the
          *     senders' outputs come from the corrupted one; 'clean_to_corrupted' the reverse. Senders:
          *     heads (``attn.hook_result``, ``z_h W_O^h``) and MLPs (``hook_mlp_out``), patched together.
-         *     Receivers: heads' ``q``/``k``/``v`` inputs (TransformerLens ``use_split_qkv_input``), MLPs'
-         *     inputs, or the logits (alone). Each receiver's input becomes the base run's plus the senders'
+         *     Receivers: heads' ``q``/``k``/``v`` inputs (TransformerLens ``use_split_qkv_input``; k and v
+         *     by key/value head under grouped-query attention, ``head_axis: kv_head``), MLPs' inputs
+         *     (GPT-NeoX's parallel residual: ``ln2`` of ``hook_resid_pre``), or the logits (alone). Gemma 2
+         *     head senders: the layer's attention output recomputed through ``ln1_post`` from the sender
+         *     heads' ``hook_z`` (exact; not additive over heads). Each receiver's input becomes the base run's plus the senders'
          *     change ``sum_s (out_s_other - out_s_base)``: the residual stream with every other component
          *     frozen at the base run (the direct path only); after the receivers the model runs normally.
          *     ``grid``: every sender head x every receiver head input of a later layer, batched. Metrics are
@@ -1847,12 +1850,15 @@ export interface components {
          * HeadReceiver
          * @description Attention heads' query, key or value input as a receiver: TransformerLens'
          *     ``blocks.{layer}.hook_{q,k,v}_input`` (``use_split_qkv_input``): each head's own copy of the
-         *     residual stream, before ln1.
+         *     residual stream, before ln1. Under grouped-query attention the k and v inputs are per
+         *     key/value head (``hook_k_input`` / ``hook_v_input`` have ``n_kv_heads`` heads): ``heads``
+         *     then index key/value heads, and patching kv head g's input reaches every query head of its
+         *     group (``h // (n_heads / n_kv_heads) == g``), as /v1/patch counts k/v grids.
          */
         HeadReceiver: {
             /**
              * Heads
-             * @description Heads of that layer; null = every head of the layer.
+             * @description Heads of that layer; null = every head of the layer. Query heads for 'q'; for 'k' and 'v' under grouped-query attention key/value heads (0..n_kv_heads-1; the response's ``head_axis`` says 'kv_head').
              */
             heads?: number[] | null;
             /**
@@ -1987,7 +1993,10 @@ export interface components {
         /**
          * HeadSender
          * @description An attention head as a sender: its output ``blocks.{layer}.attn.hook_result[:, :, head]``
-         *     (``z_h W_O^h``, without ``b_O``, which is the same in both runs).
+         *     (``z_h W_O^h``, without ``b_O``, which is the same in both runs). Gemma 2 (post-attention
+         *     norm ``ln1_post``): the head's ``attn.hook_z`` from the other run, the layer's
+         *     ``hook_attn_out`` recomputed through ``ln1_post`` (not additive: a layer's sender heads
+         *     are patched together).
          */
         HeadSender: {
             /**
@@ -3072,7 +3081,10 @@ export interface components {
          * MLPReceiver
          * @description An MLP's input as a receiver: the residual stream entering ``blocks.{layer}.ln2``,
          *     changed for the MLP only (TransformerLens 4.3's bridge: ``blocks.{layer}.mlp.hook_in``, ln2's
-         *     output, is what the MLP alone reads).
+         *     output, is what the MLP alone reads). GPT-NeoX's parallel residual has no
+         *     ``hook_resid_mid``: the MLP reads ``ln2(hook_resid_pre)``, so the receiver input is
+         *     ``blocks.{layer}.ln2.hook_normalized`` of ``hook_resid_pre`` plus the senders' change, and a
+         *     head does not reach its own layer's MLP.
          */
         MLPReceiver: {
             /**
@@ -3905,6 +3917,13 @@ export interface components {
         /** PathPatchGrid */
         PathPatchGrid: {
             /**
+             * Head Axes
+             * @description What ``receiver_head`` indexes for each input: 'head' (query heads) or 'kv_head' (key/value heads: k and v under grouped-query attention).
+             */
+            head_axes?: {
+                [key: string]: string;
+            } | null;
+            /**
              * Inputs
              * @description The last axis: receiver inputs ('q', 'k', 'v').
              */
@@ -3919,6 +3938,13 @@ export interface components {
              * @description ``[sender_layer][sender_head][receiver_layer][receiver_head][input]``: the patched metric's mean over pairs; null where the receiver's layer is not after the sender's.
              */
             raw: (number | null)[][][][][];
+            /**
+             * Receiver Heads
+             * @description Receiver heads of each input: n_heads for 'q'; for 'k' and 'v' n_kv_heads under grouped-query attention, where ``receiver_head`` indexes key/value heads and the cells past them are null.
+             */
+            receiver_heads?: {
+                [key: string]: number;
+            } | null;
             /**
              * Std
              * @description The same cells' sample standard deviations (null for one pair).
@@ -4098,7 +4124,7 @@ export interface components {
             patched: components["schemas"]["Statistic"] | null;
             /**
              * Receivers
-             * @description The receivers, as run (heads expanded).
+             * @description The receivers, as run (heads expanded; a head receiver's ``head_axis``: 'head', or 'kv_head' for k/v under grouped-query attention).
              */
             receivers: {
                 [key: string]: unknown;

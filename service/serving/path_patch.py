@@ -20,6 +20,20 @@ Per group of pairs of one length (and per chunk of pairs, by the memory estimate
    The grid batches every (pair, sender head, receiver head, input) cell of one receiver layer
    as rows of one forward (a per-row mask on the split input), in chunks of rows sized by the
    memory estimate.
+
+Where the family changes the construction (issue 28; the response's ``construction`` says so):
+
+* Gemma 2 normalises the attention output (``ln1_post``) before the residual stream, so a
+  head's change is not additive: per sender layer a hooked forward from that layer's
+  ``hook_resid_pre`` sets the sender heads' ``attn.hook_z`` to the other run's (a per-row head
+  mask for the grid) and reads ``hook_attn_out``; its change from the base run is the layer's
+  senders' change (exactly TransformerLens' freeze loop, tests/test_path_patch_families.py).
+* GPT-NeoX's parallel residual has no ``hook_resid_mid``: an MLP receiver's input is
+  ``ln2.hook_normalized`` of ``hook_resid_pre`` plus the change (the MLP's own input), and a
+  head does not reach its own layer's MLP.
+* Grouped-query attention: k/v receivers are key/value heads (``hook_k_input`` /
+  ``hook_v_input`` have ``n_kv_heads`` heads); the grid's k/v receiver axis has that many
+  cells (the rest null), ``receiver_heads`` / ``head_axes`` say so.
 """
 
 from __future__ import annotations
@@ -51,6 +65,37 @@ CONSTRUCTION = (
     "the sender positions, i.e. the residual stream with every component other than the senders "
     "frozen at the base run; head outputs are attn.hook_result (z_h W_O^h, no b_O), MLP outputs "
     "hook_mlp_out; after the receivers the model runs normally")
+#: what the construction becomes on a family that changes it (issue 28), appended to it
+POST_NORM = (
+    "; {fam}: the attention output is normalised (ln1_post) before the residual stream, so a "
+    "head's change is not additive: the sender heads of a layer take their attn.hook_z from the "
+    "other run (at the sender positions), the layer's other heads stay at the base run, and the "
+    "layer's hook_attn_out is recomputed through o_proj and ln1_post; the change of that "
+    "hook_attn_out is the layer's senders' change (senders of one layer patched together)")
+PARALLEL = (
+    "; {fam}: parallel residual (no hook_resid_mid): an MLP receiver's input is the MLP's own "
+    "input, blocks.{{l}}.ln2.hook_normalized = ln2's pre-affine value of hook_resid_pre plus the "
+    "senders' change (TransformerLens 4.3: blocks.{{l}}.mlp.hook_in after ln2's weight), and a "
+    "head does not reach its own layer's MLP")
+GQA = (
+    "; {fam}: grouped-query attention ({n} query heads, {kv} key/value heads): k and v "
+    "receivers are key/value heads (heads index hook_k_input / hook_v_input's {kv} heads, "
+    "head_axis 'kv_head'; patching kv head g's input reaches query heads g*{g}..g*{g}+{g1}); q "
+    "receivers are query heads")
+
+
+def construction(p) -> str:
+    """The response's ``construction`` text for the resident model's family."""
+    fam = getattr(p, "family", "gpt2")
+    out = CONSTRUCTION
+    if _post_norm(p):
+        out += POST_NORM.format(fam=fam)
+    if getattr(p, "parallel", False):
+        out += PARALLEL.format(fam=fam)
+    if _gqa(p):
+        g = p.n_heads // p.n_kv_heads
+        out += GQA.format(fam=fam, n=p.n_heads, kv=p.n_kv_heads, g=g, g1=g - 1)
+    return out
 
 
 # ------------------------------------------------------------------ checks
@@ -64,12 +109,14 @@ def _describe(c) -> str:
     return f"layer {c.layer} heads' {c.input} inputs"
 
 
-def _precedes(s, r) -> bool:
+def _precedes(s, r, parallel: bool = False) -> bool:
     """Whether sender ``s``'s output reaches receiver ``r``'s input along the residual stream:
-    a head feeds later layers' heads and its own layer's MLP on; an MLP feeds later layers."""
+    a head feeds later layers' heads and its own layer's MLP on (not under GPT-NeoX's parallel
+    residual, where the MLP reads ``hook_resid_pre`` as the heads do); an MLP feeds later
+    layers."""
     if r.kind == "logits":
         return True
-    if s.kind == "head" and r.kind == "mlp":
+    if s.kind == "head" and r.kind == "mlp" and not parallel:
         return r.layer >= s.layer
     return r.layer > s.layer
 
@@ -88,32 +135,26 @@ def _check_metric_roles(m, param: str) -> None:
                 "(null or 0)", f"{param}.terms.{i}.prompt")
 
 
-def _check_family(p, req: PathPatchRequest) -> None:
-    """422 ``unsupported_model_config`` where this construction does not hold for the family
-    (issue 28): Gemma 2 head senders (its ln1_post normalises the summed head outputs before
-    the residual, so one head's change is not additive), MLP receivers under GPT-NeoX's
-    parallel residual (the MLP reads hook_resid_pre; no hook_resid_mid), k/v receivers under
-    grouped-query attention (hook_k_input / hook_v_input have the key/value heads)."""
-    fam = getattr(p, "family", "gpt2")
-    if fam == "gemma2" and (req.grid or any(s.kind == "head" for s in req.senders or [])):
-        raise UnsupportedModelConfig(
-            "senders: path patching adds a sender head's change (attn.hook_result) to the "
-            "residual stream; gemma2 normalises the attention output (ln1_post) before adding "
-            "it, so one head's change is not additive (MLP senders are: hook_mlp_out is after "
-            "ln2_post)", "senders")
-    recv = [] if req.grid else (req.receivers or [])
-    if getattr(p, "parallel", False) and any(r.kind == "mlp" for r in recv):
-        raise UnsupportedModelConfig(
-            f"receivers: {fam} uses the parallel residual (the MLP reads hook_resid_pre, there "
-            "is no hook_resid_mid): MLP receivers are not implemented for it", "receivers")
-    kv = getattr(p, "n_kv_heads", p.n_heads)
-    inputs = set(req.grid_inputs) if req.grid else {r.input for r in recv if r.kind == "head"}
-    if kv != p.n_heads and inputs & {"k", "v"}:
-        raise UnsupportedModelConfig(
-            f"{'grid_inputs' if req.grid else 'receivers'}: {fam} has grouped-query attention "
-            f"({p.n_heads} query heads, {kv} key/value heads; hook_k_input / hook_v_input are "
-            "per key/value head): k and v receivers are not implemented for it (q is)",
-            "grid_inputs" if req.grid else "receivers")
+def _post_norm(p) -> bool:
+    """Whether the model normalises the attention output before the residual (Gemma 2's
+    ``ln1_post``): then a head sender's change is not additive over heads."""
+    return getattr(p.blocks[0], "lnpa_w", None) is not None
+
+
+def _n_receiver_heads(p, inp: str) -> int:
+    """Heads of a receiver input: query heads for q; key/value heads for k and v (their
+    ``hook_k_input`` / ``hook_v_input`` have ``n_kv_heads`` heads under grouped-query
+    attention, as /v1/patch counts k/v grids)."""
+    return p.n_heads if inp == "q" else getattr(p, "n_kv_heads", p.n_heads)
+
+
+def _gqa(p) -> bool:
+    return getattr(p, "n_kv_heads", p.n_heads) != p.n_heads
+
+
+def _head_axis(p, inp: str) -> str:
+    """'kv_head' where a receiver input's heads are key/value heads (k, v under GQA)."""
+    return "kv_head" if _gqa(p) and inp != "q" else "head"
 
 
 def check(rt, req: PathPatchRequest) -> None:
@@ -123,17 +164,20 @@ def check(rt, req: PathPatchRequest) -> None:
     check_lm(rt)
     p = parts(rt)
     L, Hn = p.n_layers, p.n_heads
-    _check_family(p, req)
+    parallel = bool(getattr(p, "parallel", False))
 
     def layer(v, param):
         if not 0 <= v < L:
             raise OutOfRange(f"{param} = {v} is out of range: the model has {L} layers (valid "
                              f"0..{L - 1})", param)
 
-    def head(v, param):
-        if not 0 <= v < Hn:
-            raise OutOfRange(f"{param} = {v} is out of range: the model has {Hn} heads per "
-                             f"layer (valid 0..{Hn - 1})", param)
+    def head(v, param, inp="q"):
+        n = _n_receiver_heads(p, inp)
+        if not 0 <= v < n:
+            what = (f"{n} key/value heads per layer ({inp} receivers count key/value heads: "
+                    f"{Hn} query heads share them)" if n != Hn else f"{Hn} heads per layer")
+            raise OutOfRange(f"{param} = {v} is out of range: the model has {what} (valid "
+                             f"0..{n - 1})", param)
 
     if req.grid and L < 2:
         raise InvalidRequest("grid: the model has one layer, so no head comes after another",
@@ -154,9 +198,9 @@ def check(rt, req: PathPatchRequest) -> None:
             layer(r.layer, f"receivers.{j}.layer")
         keys = [(r.kind, getattr(r, "layer", None), None, None)]
         if r.kind == "head":
-            hs = r.heads if r.heads is not None else list(range(Hn))
+            hs = r.heads if r.heads is not None else list(range(_n_receiver_heads(p, r.input)))
             for k, h in enumerate(hs):
-                head(h, f"receivers.{j}.heads.{k}")
+                head(h, f"receivers.{j}.heads.{k}", r.input)
             keys = [("head", r.layer, r.input, h) for h in hs]
         for key in keys:
             if key in seen:
@@ -172,11 +216,13 @@ def check(rt, req: PathPatchRequest) -> None:
                              f"receivers.{j}")
     for j, r in enumerate(recv):
         for i, s in enumerate(req.senders or []):
-            if not _precedes(s, r):
+            if not _precedes(s, r, parallel):
+                own = (f"; under {getattr(p, 'family', 'this model')}'s parallel residual not "
+                       "its own layer's MLP, which reads hook_resid_pre" if parallel else
+                       " (and, for a head, its own layer's MLP)")
                 raise InvalidRequest(
                     f"receivers.{j}: {_describe(r)} is not after sender {i} ({_describe(s)}): a "
-                    "sender's output reaches later layers only (and, for a head, its own "
-                    "layer's MLP)", f"receivers.{j}")
+                    f"sender's output reaches later layers only{own}", f"receivers.{j}")
     _check_metric_roles(req.metric, "metric")
     for i, pr in enumerate(req.pairs):
         if pr.metric is None:
@@ -292,6 +338,8 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
 
     # ---- the memory estimate (bytes of the model's dtype, float32 at least)
     kinds = list(req.grid_inputs)
+    parallel, post = bool(getattr(p, "parallel", False)), _post_norm(p)
+    nh = [_n_receiver_heads(p, k) for k in kinds]  # receiver heads of each grid input
     if req.grid:
         res_layers, mlp_layers = list(range(L - 1)), []
         pre_layers, mid_layers, final = list(range(1, L)), [], False
@@ -304,8 +352,16 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
         pre_layers = sorted({r.layer for r in heads_r} | {min(
             (r.layer for r in req.receivers if r.kind != "logits"), default=L)} - {L})
         mid_layers = sorted({r.layer for r in req.receivers if r.kind == "mlp"})
+        if parallel:  # the MLP reads ln2(hook_resid_pre): no hook_resid_mid
+            pre_layers, mid_layers = sorted(set(pre_layers) | set(mid_layers)), []
         final = any(r.kind == "logits" for r in req.receivers)
         n_split = len({(r.layer, r.input) for r in heads_r})
+    if post:  # each sender layer's attention output recomputed through ln1_post from z
+        pre_layers = sorted(set(pre_layers) | set(res_layers))
+    sender_heads: dict[int, list[int]] = {}
+    for s_ in req.senders or []:
+        if s_.kind == "head":
+            sender_heads.setdefault(s_.layer, []).append(s_.head)
     limit = _chunk_limit(rt)
     n_terms = max(len(x.terms) for x in pairs)
     est, n_fwd, widest, flops = 0, 0, 0, 0.0
@@ -324,19 +380,25 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
         pc = max(1, min(len(xs), limit // max(per_pair, 1)))
         per_row = es * (live + 6 * T * Hn * D * max(n_split, 1) + 3 * T * D + 3 * n_terms * V)
         if req.grid:
-            rows = [pc * lr * Hn * Hn * len(kinds) for lr in range(1, L)]
+            rows = [pc * lr * Hn * sum(nh) for lr in range(1, L)]
         else:
             rows = [pc]
         rc = max(1, min(max(rows), limit // max(per_row, 1)))
         sched[T] = (pc, rc)
         n_chunks = math.ceil(len(xs) / pc)
         n_fwd += n_chunks * (1 + sum(math.ceil(r / rc) for r in rows))
+        if post:  # the senders' attention outputs: a forward from each sender layer
+            att = [pc * Hn] * len(res_layers) if req.grid else [pc] * len(res_layers)
+            n_fwd += n_chunks * sum(math.ceil(r / rc) for r in att)
         # device work: the base runs (2 rows a pair) and the patched rows from their start
         dims = dict(n_layers=L, d_model=D, d_mlp=M, logit_positions=1, d_vocab=V)
         flops += forward_flops(T, rows=2 * len(xs), **dims)
         per_pair_rows = [r // pc for r in rows]
         flops += sum(forward_flops(T, rows=len(xs) * r, layers=L - s, **dims)
                      for r, s in zip(per_pair_rows, start_layers))
+        if post:
+            flops += sum(forward_flops(T, rows=len(xs) * (Hn if req.grid else 1),
+                                       layers=L - s, **dims) for s in res_layers)
         widest = max(widest, rc)
         est = max(est, pc * per_pair + rc * (per_row + (es * 2 * T * D if kind == "kl" else 0)))
     # the response: tokens of both sides, statistics, the grid's three arrays
@@ -360,7 +422,8 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
                 checkpoint()  # between chunks of pairs: a cancelled request stops here
                 chunk = xs[a:a + pc]
                 got = _base_runs(p, chunk, kind, reduce, res_layers, mlp_layers, pre_layers,
-                                 mid_layers, final)
+                                 mid_layers, final, rc=rc, grid=req.grid,
+                                 sender_heads=sender_heads)
                 for k, x in enumerate(chunk):
                     base_v[x.i], other_v[x.i] = got["base"][k], got["other"][k]
                 if not (np.isfinite(got["base"]).all() and np.isfinite(got["other"]).all()):
@@ -368,7 +431,7 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
                     raise NonFiniteValues("the metric on the base or other run is not finite "
                                           "(NaN or inf in the forward)", "metric")
                 if req.grid:
-                    mom.add(_grid_cells(p, chunk, got, kind, reduce, kinds, rc))
+                    mom.add(_grid_cells(p, chunk, got, kind, reduce, kinds, rc, nh))
                 else:
                     vals = _single(p, chunk, got, req, kind, reduce, rc)
                     for k, x in enumerate(chunk):
@@ -390,10 +453,11 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
             "model": rt.model_ref(), "add_bos": bool(bos and any(
                 pr.clean_text is not None or pr.corrupted_text is not None for pr in req.pairs)),
             "direction": req.direction, "base_run": base_side, "other_run": other_side,
-            "metric": kind, "reduce": reduce, "construction": CONSTRUCTION,
+            "metric": kind, "reduce": reduce, "construction": construction(p),
             "senders": None if req.grid else [s.model_dump() for s in req.senders],
             "receivers": None if req.grid else [
-                dict(r.model_dump(), heads=list(r.heads if r.heads is not None else range(Hn)))
+                dict(r.model_dump(), heads=list(r.heads if r.heads is not None else range(
+                    _n_receiver_heads(p, r.input))), head_axis=_head_axis(p, r.input))
                 if r.kind == "head" else r.model_dump() for r in req.receivers],
             "pairs": [{"n_tokens": x.T, "clean_tokens": [t.as_dict() for t in x.clean.tokens],
                        "corrupted_tokens": [t.as_dict() for t in x.corrupted.tokens]}
@@ -404,7 +468,8 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
         if req.grid:
             mean, std = mom.mean(), mom.std()
             lyr = np.arange(L)
-            valid = (lyr[None, :] > lyr[:, None])[:, None, :, None, None]  # receiver after sender
+            valid = ((lyr[None, :] > lyr[:, None])[:, None, :, None, None]  # receiver after sender
+                     & (np.arange(Hn)[:, None] < np.array(nh)[None, :]))  # a head of the input
             if not np.isfinite(mean[np.broadcast_to(valid, mean.shape)]).all():
                 raise NonFiniteValues("the grid's metric is not finite (NaN or inf in the "
                                       "forward)", "metric")
@@ -417,17 +482,20 @@ def plan(rt, req: PathPatchRequest, items, *, binary: bool = False) -> Plan:
                         r3, s3, n3 = [], [], []
                         for hr in range(Hn):
                             cell = mean[ls, hs, lr, hr]
-                            ok = lr > ls
-                            r3.append([_f(c) if ok else None for c in cell])
-                            s3.append([_f(c) if ok and std is not None else None
-                                       for c in (std[ls, hs, lr, hr] if std is not None
-                                                 else cell)])
-                            n3.append([None if not ok or (z := A.normalized(
-                                float(c), b_mean, o_mean)) is None else _f(z) for c in cell])
+                            ok = valid[ls, 0, lr, hr]  # [input]
+                            r3.append([_f(c) if o else None for c, o in zip(cell, ok)])
+                            s3.append([_f(c) if o and std is not None else None
+                                       for c, o in zip(std[ls, hs, lr, hr] if std is not None
+                                                       else cell, ok)])
+                            n3.append([None if not o or (z := A.normalized(
+                                float(c), b_mean, o_mean)) is None else _f(z)
+                                for c, o in zip(cell, ok)])
                         r2.append(r3), s2.append(s3), n2.append(n3)
                     r1.append(r2), s1.append(s2), n1.append(n2)
                 raw.append(r1), sd.append(s1), nz.append(n1)
-            body["grid"] = {"inputs": kinds, "raw": raw, "std": sd, "normalized": nz}
+            body["grid"] = {"inputs": kinds, "raw": raw, "std": sd, "normalized": nz,
+                            "receiver_heads": dict(zip(kinds, nh)),
+                            "head_axes": {k: _head_axis(p, k) for k in kinds}}
         else:
             if not np.isfinite(patched_v).all():
                 raise NonFiniteValues("the metric on the patched run is not finite (NaN or inf "
@@ -465,13 +533,23 @@ def _keep(p: H.GPT2Parts, positions, T: int):
 
 
 def _base_runs(p: H.GPT2Parts, chunk: list[_Pair], kind: str, reduce: str, res_layers,
-               mlp_layers, pre_layers, mid_layers, final: bool) -> dict:
+               mlp_layers, pre_layers, mid_layers, final: bool, *, rc: int = 1,
+               grid: bool = False, sender_heads: dict | None = None) -> dict:
     """One hooked forward of the chunk's base prompts (rows 0..n-1) and other prompts (rows
-    n..2n-1): the metric on both, the senders' changes and the base run's residual streams."""
+    n..2n-1): the metric on both, the senders' changes and the base run's residual streams.
+    Post-attention-norm models (Gemma 2): the head senders' change is computed exactly per
+    sender layer (:func:`_attn_out_change`; ``sender_heads`` {layer: heads} patched together,
+    or with ``grid`` every head alone), in forwards of at most ``rc`` rows."""
     n, T, L = len(chunk), chunk[0].T, p.n_layers
+    post = _post_norm(p)
     ids = torch.cat([_ids([x.base for x in chunk]), _ids([x.other for x in chunk])])
     base_rows = H.CacheSelect(prompts=list(range(n)))
-    cache = {f"blocks.{lyr}.attn.hook_result": None for lyr in res_layers}
+    if post:
+        cache = {f"blocks.{lyr}.attn.hook_z": H.CacheSelect(prompts=list(range(n, 2 * n)))
+                 for lyr in res_layers}
+        cache.update({f"blocks.{lyr}.hook_attn_out": base_rows for lyr in res_layers})
+    else:
+        cache = {f"blocks.{lyr}.attn.hook_result": None for lyr in res_layers}
     cache.update({f"blocks.{lyr}.hook_mlp_out": None for lyr in mlp_layers})
     cache.update({f"blocks.{lyr}.hook_resid_pre": base_rows for lyr in pre_layers})
     cache.update({f"blocks.{lyr}.hook_resid_mid": base_rows for lyr in mid_layers})
@@ -490,15 +568,58 @@ def _base_runs(p: H.GPT2Parts, chunk: list[_Pair], kind: str, reduce: str, res_l
            "resid_pre": {lyr: res.cache[f"blocks.{lyr}.hook_resid_pre"] for lyr in pre_layers},
            "resid_mid": {lyr: res.cache[f"blocks.{lyr}.hook_resid_mid"] for lyr in mid_layers},
            "final": res.cache[f"blocks.{L - 1}.hook_resid_post"] if final else None,
-           # [n, T, head, d_model] per layer; [n, T, d_model] per MLP: other - base
-           "head_delta": {lyr: A.sender_change(
-               res.cache[f"blocks.{lyr}.attn.hook_result"][n:].transpose(1, 2),
-               res.cache[f"blocks.{lyr}.attn.hook_result"][:n].transpose(1, 2), keep
-           ).transpose(1, 2) for lyr in res_layers},
+           # [n, T, d_model] per MLP: other - base
            "mlp_delta": {lyr: A.sender_change(res.cache[f"blocks.{lyr}.hook_mlp_out"][n:],
                                               res.cache[f"blocks.{lyr}.hook_mlp_out"][:n], keep)
                          for lyr in mlp_layers}}
+    if not post:  # [n, T, head, d_model] per layer: other - base, additive over heads
+        out["head_delta"] = {lyr: A.sender_change(
+            res.cache[f"blocks.{lyr}.attn.hook_result"][n:].transpose(1, 2),
+            res.cache[f"blocks.{lyr}.attn.hook_result"][:n].transpose(1, 2), keep
+        ).transpose(1, 2) for lyr in res_layers}
+        return out
+    Hn = p.n_heads
+    pairs = list(range(n))
+    if grid:  # every head alone: rows (pair, head), [n, T, head, d_model] per layer
+        rows = [j for j in pairs for _ in range(Hn)]
+        mask = torch.eye(Hn, dtype=torch.bool, device=p.device).repeat(n, 1)
+        out["head_delta"] = {lyr: _attn_out_change(
+            p, lyr, out, res.cache, rows, mask, chunk[0].spos, keep, rc
+        ).view(n, Hn, T, -1).transpose(1, 2) for lyr in res_layers}
+    else:  # the senders of each layer together: [n, T, d_model] per layer
+        out["layer_delta"] = {}
+        for lyr in res_layers:
+            mask = torch.zeros(n, Hn, dtype=torch.bool, device=p.device)
+            mask[:, list((sender_heads or {}).get(lyr, ()))] = True
+            out["layer_delta"][lyr] = _attn_out_change(p, lyr, out, res.cache, pairs, mask,
+                                                       chunk[0].spos, keep, rc)
     return out
+
+
+def _attn_out_change(p, layer: int, got: dict, cache: dict, rows: list[int],
+                     heads: torch.Tensor, spos, keep, rc: int) -> torch.Tensor:
+    """The change of ``blocks.{layer}.hook_attn_out`` ``[rows, T, d_model]`` when, in the base
+    run of pair ``rows[i]``, the heads where ``heads[i]`` ``[rows, head]`` (bool) is True take
+    their ``attn.hook_z`` from the other run at the sender positions ``spos`` and every other
+    head keeps its base-run z: the layer's attention output recomputed by the hooked forward
+    (o_proj, then Gemma 2's ln1_post), minus the base run's, zero outside ``keep``. Exactly
+    what a TransformerLens loop that freezes every other head's hook_result computes; not a
+    sum over heads, because ln1_post normalises their sum."""
+    T = got["T"]
+    name = f"blocks.{layer}.hook_attn_out"
+    z_other = cache[f"blocks.{layer}.attn.hook_z"]  # [n, T, head, d_head], the other run
+    base_out = cache[name]  # [n, T, d_model], the base run
+    parts_ = []
+    for a in range(0, len(rows), rc):
+        checkpoint()
+        j = torch.as_tensor(rows[a:a + rc], device=p.device)
+        z = z_other[j] if spos is None else z_other[j][:, spos]
+        res = H.run(p, got["ids"][j.cpu()], start=layer, resid_pre=got["resid_pre"][layer][j],
+                    interventions=[H.Set(hook=f"blocks.{layer}.attn.hook_z", positions=spos,
+                                         value=z, mask=heads[a:a + rc, None, :])],
+                    cache={name: None}, logit_positions=[T - 1])
+        parts_.append(A.sender_change(res.cache[name], base_out[j], keep))
+    return torch.cat(parts_)
 
 
 def _with_base_rows(kind: str, chunk, pair_of_row: list[int], T: int, ids, resid):
@@ -521,8 +642,12 @@ def _single(p: H.GPT2Parts, chunk, got, req, kind: str, reduce: str, rc: int) ->
     n, T, L, Hn = len(chunk), got["T"], p.n_layers, p.n_heads
     dS = 0
     for s in req.senders:
-        dS = dS + (got["head_delta"][s.layer][:, :, s.head] if s.kind == "head"
-                   else got["mlp_delta"][s.layer])
+        if s.kind == "mlp":
+            dS = dS + got["mlp_delta"][s.layer]
+        elif "layer_delta" not in got:
+            dS = dS + got["head_delta"][s.layer][:, :, s.head]
+    for d in got.get("layer_delta", {}).values():  # post-norm: a layer's senders together
+        dS = dS + d
     rpos = chunk[0].rpos
     recv = req.receivers
     if recv[0].kind == "logits":
@@ -542,14 +667,15 @@ def _single(p: H.GPT2Parts, chunk, got, req, kind: str, reduce: str, rc: int) ->
             if r.kind == "logits":
                 continue
             if r.kind == "head":
-                heads = list(r.heads) if r.heads is not None else list(range(Hn))
+                heads = (list(r.heads) if r.heads is not None
+                         else list(range(_n_receiver_heads(p, r.input))))
                 v = got["resid_pre"][r.layer][kt] + dS[kt]
                 v = v if rpos is None else v[:, rpos]
                 edits.append(H.Set(hook=f"blocks.{r.layer}.hook_{r.input}_input", heads=heads,
                                    positions=rpos, prompts=sel,
                                    value=v[:, :, None].expand(-1, -1, len(heads), -1)))
             else:
-                v = H.normalized(p, got["resid_mid"][r.layer][kt] + dS[kt])
+                v = H.normalized(p, _mlp_input_base(p, got, r.layer)[kt] + dS[kt])
                 edits.append(H.Set(hook=f"blocks.{r.layer}.ln2.hook_normalized",
                                    positions=rpos, prompts=sel,
                                    value=v if rpos is None else v[:, rpos]))
@@ -559,13 +685,23 @@ def _single(p: H.GPT2Parts, chunk, got, req, kind: str, reduce: str, rc: int) ->
     return out
 
 
+def _mlp_input_base(p, got: dict, layer: int) -> torch.Tensor:
+    """The base run's residual stream an MLP receiver reads ``[n, T, d_model]``:
+    ``hook_resid_mid``, or ``hook_resid_pre`` under GPT-NeoX's parallel residual."""
+    if getattr(p, "parallel", False):
+        return got["resid_pre"][layer]
+    return got["resid_mid"][layer]
+
+
 def _grid_cells(p: H.GPT2Parts, chunk, got, kind: str, reduce: str, kinds: list[str],
-                rc: int) -> np.ndarray:
+                rc: int, nh: list[int] | None = None) -> np.ndarray:
     """Every (sender head, receiver head input of a later layer) cell for every pair of
     ``chunk``: ``[pair, sender_layer, sender_head, receiver_layer, receiver_head, input]``
-    (NaN where the receiver is not after the sender)."""
+    (NaN where the receiver is not after the sender, and past input k's ``nh[k]`` receiver
+    heads: k and v receivers are the key/value heads under grouped-query attention)."""
     n, T, L, Hn = len(chunk), got["T"], p.n_layers, p.n_heads
     K = len(kinds)
+    nh = list(nh) if nh is not None else [Hn] * K
     out = np.full((n, L, Hn, L, Hn, K), np.nan)
     rpos = chunk[0].rpos
     # [sender = layer * Hn + head, pair, T, d_model]
@@ -573,12 +709,15 @@ def _grid_cells(p: H.GPT2Parts, chunk, got, kind: str, reduce: str, kinds: list[
                           for h in range(Hn)])
     for lr in range(1, L):
         S = lr * Hn
-        total = K * n * S * Hn
+        # the cells, input-major: (input, pair, sender, receiver head < nh[input])
+        cells = [np.concatenate(c) for c in zip(*[
+            (np.full(n * S * nh[k], k),) + np.unravel_index(np.arange(n * S * nh[k]),
+                                                            (n, S, nh[k])) for k in range(K)])]
+        total = len(cells[0])
         base = got["resid_pre"][lr]  # [n, T, d_model]
         for a in range(0, total, rc):
             checkpoint()  # between chunks of grid cells
-            idx = np.arange(a, min(total, a + rc))
-            k_i, j_i, s_i, h_i = np.unravel_index(idx, (K, n, S, Hn))
+            k_i, j_i, s_i, h_i = (c[a:a + rc] for c in cells)
             pair_of_row = j_i.tolist()
             ids, rp, terms, rows, B = _with_base_rows(kind, chunk, pair_of_row, T, got["ids"],
                                                       base)
@@ -587,16 +726,16 @@ def _grid_cells(p: H.GPT2Parts, chunk, got, kind: str, reduce: str, kinds: list[
             v = base[jt] + deltas[st, jt]  # [B, T, d_model]: the receiver's patched input
             if rpos is not None:
                 v = v[:, rpos]
-            v = v[:, :, None].expand(-1, -1, Hn, -1)
             sel = list(range(B)) if len(ids) > B else None
             edits = []
             for k in sorted(set(k_i.tolist())):
-                mask = torch.zeros(len(ids), 1, Hn, dtype=torch.bool, device=p.device)
+                mask = torch.zeros(len(ids), 1, nh[k], dtype=torch.bool, device=p.device)
                 r = np.nonzero(k_i == k)[0]
                 mask[torch.as_tensor(r, device=p.device), 0,
                      torch.as_tensor(h_i[r], device=p.device)] = True
                 edits.append(H.Set(hook=f"blocks.{lr}.hook_{kinds[k]}_input", positions=rpos,
-                                   prompts=sel, value=v, mask=mask))
+                                   prompts=sel, value=v[:, :, None].expand(-1, -1, nh[k], -1),
+                                   mask=mask))
             res = H.run(p, ids, interventions=edits, logit_positions=[T - 1],
                         metrics={"m": _metric(kind, terms)}, start=lr, resid_pre=rp)
             vals = _values(res, rows, len(ids), reduce)[:B]
@@ -615,8 +754,11 @@ resident causal LM, over one or many (clean, corrupted) pairs. ``direction``
 'corrupted_to_clean' (default, the IOI paper's): the base run is the clean prompt and the
 senders' outputs come from the corrupted one; 'clean_to_corrupted' the reverse. Senders:
 heads (``attn.hook_result``, ``z_h W_O^h``) and MLPs (``hook_mlp_out``), patched together.
-Receivers: heads' ``q``/``k``/``v`` inputs (TransformerLens ``use_split_qkv_input``), MLPs'
-inputs, or the logits (alone). Each receiver's input becomes the base run's plus the senders'
+Receivers: heads' ``q``/``k``/``v`` inputs (TransformerLens ``use_split_qkv_input``; k and v
+by key/value head under grouped-query attention, ``head_axis: kv_head``), MLPs' inputs
+(GPT-NeoX's parallel residual: ``ln2`` of ``hook_resid_pre``), or the logits (alone). Gemma 2
+head senders: the layer's attention output recomputed through ``ln1_post`` from the sender
+heads' ``hook_z`` (exact; not additive over heads). Each receiver's input becomes the base run's plus the senders'
 change ``sum_s (out_s_other - out_s_base)``: the residual stream with every other component
 frozen at the base run (the direct path only); after the receivers the model runs normally.
 ``grid``: every sender head x every receiver head input of a later layer, batched. Metrics are
