@@ -14,7 +14,7 @@
 
 import { Client, ApiError, decodeTensor } from "./attnscope.js";
 import { colourBar, headColour, headGrid, heatmap, lineView, showLabel, trajectoryPlot, fmt, fmtNum, lensGrid,
-  attributionBars, divergingGrid, compositionGraph, defaultThreshold, patchView } from "./views.js";
+  attributionBars, divergingGrid, compositionGraph, defaultThreshold, patchView, pathPatchView, pathPatchCells } from "./views.js";
 
 const $ = (s) => document.querySelector(s);
 const client = new Client("");
@@ -187,6 +187,7 @@ function renderModel() {
   const hsel = $("#head");
   hsel.replaceChildren(new Option("head mean", "mean"),
     ...Array.from({ length: m.n_heads }, (_, h) => new Option(headName(h), String(h))));
+  buildPathPickers();
   ready("model");
 }
 
@@ -344,7 +345,7 @@ function pickHead(l, h) {
 }
 
 function drawHeadGrid() {
-  headGrid($("#headgrid"), heads, pickHead, state.head === "mean" ? null : [state.layer, state.head]);
+  headGrid($("#headgrid"), heads, pickHead, state.head === "mean" ? null : [state.layer, state.head], { kv: kvMap() });
 }
 
 async function renderLinks() {
@@ -542,6 +543,156 @@ async function runPatch() {
   ready("interventions");
 }
 
+// ---- path patching (/v1/path-patch) ---------------------------------------------------------
+
+const ppBox = (kind, attrs, label) => {
+  const lab = document.createElement("label");
+  const c = document.createElement("input");
+  c.type = "checkbox"; c.className = kind;
+  for (const [k, v] of Object.entries(attrs)) c.dataset[k] = v;
+  lab.append(c, ` ${label}`);
+  return [lab, c];
+};
+
+/** The sender and receiver checkboxes of the path-patching panel, one row per layer; on a
+ * grouped-query model the k/v receivers (and grid inputs) are off: the service path-patches
+ * only q inputs there (hook_k_input / hook_v_input are per key/value head). */
+function buildPathPickers() {
+  const m = model, gqa = !!kvMap();
+  const send = document.createElement("table"), recv = document.createElement("table");
+  for (let l = 0; l < m.n_layers; l++) {
+    const tr = document.createElement("tr");
+    const th = document.createElement("th"); th.textContent = `layer ${l}`; tr.append(th);
+    const td = document.createElement("td");
+    for (let h = 0; h < m.n_heads; h++) td.append(ppBox("pp-send", { kind: "head", layer: l, head: h }, headName(h))[0], " ");
+    td.append(ppBox("pp-send", { kind: "mlp", layer: l }, "MLP")[0]);
+    tr.append(td); send.append(tr);
+    const tr2 = document.createElement("tr");
+    const th2 = document.createElement("th"); th2.textContent = `layer ${l}`; tr2.append(th2);
+    const td2 = document.createElement("td");
+    for (let h = 0; h < m.n_heads; h++) {
+      const span = document.createElement("span"); span.className = "pp-recv-head";
+      span.append(`${headName(h)}:`);
+      for (const inp of ["q", "k", "v"]) {
+        const [lab, c] = ppBox("pp-recv", { kind: "head", layer: l, head: h, input: inp }, inp);
+        if (gqa && inp !== "q") { c.disabled = true; lab.title = "grouped-query attention: only q inputs are path-patched"; }
+        span.append(" ", lab);
+      }
+      td2.append(span);
+    }
+    td2.append(ppBox("pp-recv", { kind: "mlp", layer: l }, "MLP input")[0]);
+    tr2.append(td2); recv.append(tr2);
+  }
+  const tr = document.createElement("tr");
+  const th = document.createElement("th"); th.textContent = "final"; tr.append(th);
+  const td = document.createElement("td"); td.append(ppBox("pp-recv", { kind: "logits" }, "logits")[0]);
+  tr.append(td); recv.append(tr);
+  $("#pp-senders").replaceChildren(send);
+  $("#pp-receivers").replaceChildren(recv);
+  for (const inp of ["k", "v"]) {
+    const c = $(`#pp-grid-${inp}`);
+    c.disabled = gqa; if (gqa) { c.checked = false; c.parentElement.title = "grouped-query attention: only q inputs are path-patched"; }
+  }
+}
+
+/** The metric of the path-patching panel as /v1/run's metric (one term per position). */
+function ppMetric() {
+  const kind = $("#pp-metric").value;
+  const target = $("#pp-target").value, distractor = $("#pp-distractor").value;
+  const raw = $("#pp-positions").value.split(",").map((x) => x.trim()).filter(Boolean);
+  if (!raw.length || raw.some((x) => !/^-?\d+$/.test(x))) throw new Error(`positions: '${$("#pp-positions").value}' is not a comma-separated list of integers`);
+  const terms = raw.map((x) => {
+    const position = +x;
+    if (kind === "logit_diff") return { position, target, distractor };
+    if (kind === "prob" || kind === "logprob") return { position, target };
+    if (kind === "kl") return { prompt: 0, reference_prompt: 1, position };
+    return { position };
+  });
+  if ((kind === "logit_diff" || kind === "prob" || kind === "logprob") && !target) throw new Error(`${kind}: type a target token`);
+  if (kind === "logit_diff" && !distractor) throw new Error("logit_diff: type a distractor token");
+  return { kind, terms };
+}
+
+// whether sender s's output reaches receiver r along the residual stream (the service's rule)
+const ppPrecedes = (s, r) => r.kind === "logits" || (s.kind === "head" && r.kind === "mlp" ? r.layer >= s.layer : r.layer > s.layer);
+const ppChecked = (cls) => [...document.querySelectorAll(`.${cls}:checked`)].map((c) => {
+  const d = c.dataset;
+  if (d.kind === "logits") return { kind: "logits" };
+  if (d.kind === "mlp") return { kind: "mlp", layer: +d.layer };
+  return cls === "pp-send" ? { kind: "head", layer: +d.layer, head: +d.head }
+    : { kind: "head", layer: +d.layer, heads: [+d.head], input: d.input };
+});
+const PP_MAX_CELLS = 256;
+
+async function runPathPatch() {
+  ready("pathpatch", false);
+  const my = runId, box = $("#pathpatch");
+  // a message in the panel; `final` (not a progress line): the panel is done
+  const say = (msg, cls = "note", final = true) => {
+    const p = document.createElement("p"); p.className = cls; p.textContent = msg; box.replaceChildren(p);
+    if (final) ready("pathpatch");
+  };
+  const corrupted = $("#pp-corrupted").value;
+  if (!corrupted.trim()) { say("type a corrupted text (the same number of tokens as the text)"); return; }
+  let metric;
+  try { metric = ppMetric(); } catch (e) { say(e.message, "fail panel-error"); return; }
+  const base = { pairs: [{ clean_text: state.text, corrupted_text: corrupted }], add_bos: state.addBos,
+    direction: $("#pp-direction").value, metric };
+  const mode = $("#pp-mode").value, opts = { model: model.id, kv: kvMap() };
+  const senders = ppChecked("pp-send"), receivers = ppChecked("pp-recv");
+  try {
+    if (mode === "grid") {
+      const inputs = ["q", "k", "v"].filter((x) => $(`#pp-grid-${x}`).checked);
+      if (!inputs.length) { say("check at least one grid input (q, k or v)"); return; }
+      say("path-patching every sender head \u2192 receiver input\u2026", "note", false);
+      const r = await client.path_patch({ ...base, grid: true, grid_inputs: inputs });
+      if (my !== runId) return;
+      pathPatchView(box, r, opts);
+    } else if (!senders.length || !receivers.length) {
+      say("check at least one sender and one receiver under \u201csenders and receivers\u201d");
+      $("#pp-pick").open = true;
+      return;
+    } else if (mode === "together") {
+      // head receivers of one (layer, input) go as one receiver with their heads
+      const merged = [];
+      for (const r of receivers) {
+        const same = r.kind === "head" && merged.find((x) => x.kind === "head" && x.layer === r.layer && x.input === r.input);
+        if (same) same.heads.push(...r.heads); else merged.push(r.kind === "head" ? { ...r, heads: [...r.heads] } : r);
+      }
+      say("path-patching\u2026", "note", false);
+      const r = await client.path_patch({ ...base, senders, receivers: merged });
+      if (my !== runId) return;
+      pathPatchView(box, r, opts);
+    } else {
+      const n = senders.length * receivers.length;
+      if (n > PP_MAX_CELLS) { say(`${senders.length} senders x ${receivers.length} receivers = ${n} experiments; at most ${PP_MAX_CELLS} (or use the grid mode)`); return; }
+      const cells = senders.map(() => receivers.map(() => null));
+      const jobs = [];
+      senders.forEach((s, i) => receivers.forEach((r, j) => { if (ppPrecedes(s, r)) jobs.push([i, j]); }));
+      let done = 0;
+      say(`path-patching ${jobs.length} sender \u2192 receiver experiments\u2026`, "note", false);
+      const worker = async () => {
+        while (jobs.length) {
+          const [i, j] = jobs.shift();
+          cells[i][j] = await client.path_patch({ ...base, senders: [senders[i]], receivers: [receivers[j]] });
+          if (my !== runId) return;
+          done++;
+        }
+      };
+      await Promise.all([worker(), worker(), worker(), worker()]);
+      if (my !== runId) return;
+      pathPatchCells(box, senders, receivers, cells, { ...opts,
+        title: `${model.id} \u00b7 path patching: each sender alone \u2192 each receiver alone (${done} experiments)` });
+    }
+  } catch (e) {
+    if (!(e instanceof ApiError) || e.status === 401) throw e;
+    if (my !== runId) return;
+    say(describeError(e), "fail panel-error");
+    return;
+  }
+  ready("pathpatch");
+}
+
 function drawPatch(r) {
   patchView($("#patch"), r, { model: model.id });
 }
@@ -632,7 +783,7 @@ function clearResults() {
   heads = null;
   lens = null;
   for (const id of ["tokens", "heatmap", "cbar", "line-heads", "lineview", "headgrid", "links", "trajectories", "verify",
-    "lens", "dla", "scan", "patch", "composition"]) {
+    "lens", "dla", "scan", "patch", "pathpatch", "composition"]) {
     const box = $(`#${id}`);
     box.replaceChildren();
     delete box.dataset.key;
@@ -708,6 +859,7 @@ async function main() {
   $("#dla-order").addEventListener("change", rerun("dla", "#dla", renderDla));
   $("#scan-run").addEventListener("click", rerun("interventions", "#scan", runScan));
   $("#patch-run").addEventListener("click", rerun("interventions", "#patch", runPatch));
+  $("#pp-run").addEventListener("click", rerun("pathpatch", "#pathpatch", runPathPatch));
   $("#comp-kind").addEventListener("change", () => { $("#comp-thr").value = ""; if (circuits) drawComposition(); });
   $("#comp-thr").addEventListener("change", () => { if (circuits) drawComposition(); });
   $("#layer").addEventListener("change", onPick);

@@ -336,18 +336,31 @@ export function lineView(container, heads, opts = {}) {
 
 export function headColour(h) { return seriesColour(h); }
 
+/** "head 3", or on a grouped-query model (`kv` = query head -> key/value head, GET /v1/model's
+ * attention.kv_head_of_query_head; null without GQA) "head 3 \u00b7 kv 1". */
+export function headName(h, kv = null) {
+  return kv && kv[h] !== undefined && kv[h] !== null ? `head ${h} \u00b7 kv ${kv[h]}` : `head ${h}`;
+}
+
+/** `kv` as given when some query heads share a key/value head, else null (nothing to label). */
+export function gqaMap(kv) {
+  return Array.isArray(kv) && new Set(kv).size < kv.length ? kv : null;
+}
+
 /**
  * Layer x head grid of /v1/heads: a button per head coloured by its label, every score in its
- * tooltip (title) and aria-label; `onPick(layer, head)` on click / Enter.
+ * tooltip (title) and aria-label; `onPick(layer, head)` on click / Enter. `opts.kv` (query head
+ * -> key/value head, grouped-query models): each head column's header says "head h \u00b7 kv g".
  */
-export function headGrid(container, res, onPick, selected = null) {
+export function headGrid(container, res, onPick, selected = null, opts = {}) {
   const heads = res.heads;
   const nL = 1 + Math.max(...heads.map((h) => h.layer));
   const nH = 1 + Math.max(...heads.map((h) => h.head));
+  const kv = gqaMap(opts.kv);
   const by = new Map(heads.map((h) => [`${h.layer},${h.head}`, h]));
-  const table = el("table", { class: "headgrid" });
+  const table = el("table", { class: "headgrid" + (kv ? " gqa" : "") });
   const hr = el("tr", {}, el("th", { text: "layer \\ head" }));
-  for (let h = 0; h < nH; h++) hr.append(el("th", { text: String(h) }));
+  for (let h = 0; h < nH; h++) hr.append(el("th", { class: "headcol", "data-head": h, text: kv ? headName(h, kv) : String(h) }));
   table.append(hr);
   for (let l = 0; l < nL; l++) {
     const tr = el("tr", {}, el("th", { text: String(l) }));
@@ -361,8 +374,8 @@ export function headGrid(container, res, onPick, selected = null) {
         const b = el("button", {
           class: "headcell" + (selected && selected[0] === l && selected[1] === h ? " selected" : ""),
           style: `background:${LABEL_COLOURS[it.label] || "#ccc"}`,
-          title: `layer ${l}, head ${h}: ${named}\n${scores}`,
-          "aria-label": `layer ${l} head ${h}, ${named}; ${scores.replace(/\n/g, ", ")}`,
+          title: `layer ${l}, ${headName(h, kv)}: ${named}\n${scores}`,
+          "aria-label": `layer ${l} ${headName(h, kv)}, ${named}; ${scores.replace(/\n/g, ", ")}`,
           "data-layer": l, "data-head": h, "data-label": it.label,
           text: SHORT_LABEL[it.label] || it.label.slice(0, 5),
         });
@@ -798,3 +811,191 @@ export function patchView(box, r, opts = {}) {
   }
 }
 
+
+// ---- path patching (/v1/path-patch) ----------------------------------------------------------
+
+/** The metric of a /v1/path-patch response (or request) in words. */
+function ppMetricName(r) {
+  const m = { logit_diff: "logit difference", prob: "probability", logprob: "log-probability (nats)",
+    loss: "loss (nats)", kl: "KL to the base run (nats)" }[r.metric] || `metric ${r.metric}`;
+  return r.reduce && r.reduce !== "mean" ? `${m} (${r.reduce} of the terms)` : m;
+}
+
+const ppStat = (s) => s ? `${fmtNum(s.mean, 4)}${s.std !== null && s.std !== undefined ? ` \u00b1 ${fmtNum(s.std, 2)}` : ""}` : "n/a";
+
+/** A sender or receiver ({kind, layer, head | heads, input}) in words, with kv labels. */
+export function componentName(c, kv = null) {
+  if (c.kind === "logits") return "the logits";
+  if (c.kind === "mlp") return `MLP ${c.layer}`;
+  if (c.head !== undefined) return `L${c.layer} ${headName(c.head, kv)}`;
+  const hs = c.heads || [];
+  return `L${c.layer} ${hs.length === 1 ? headName(hs[0], kv) : `heads ${hs.join(", ")}`} ${c.input} input`;
+}
+
+/**
+ * A sender x receiver table of path-patching results on the diverging scale of the normalised
+ * effect (patched - base) / (other - base) (0 = the path carries nothing, 1 = all of the other
+ * run's effect), n/a hatched. `rows` [{label, sender}], `cols` [{groups: [level0, level1, ...],
+ * receiver}] (adjacent equal groups merged into one header cell), `cell(i, j)` -> {raw, std,
+ * normalized} | null. Each td carries data-row/col, data-sender, data-receiver, data-input,
+ * data-value (normalised), data-raw; hovering or focusing a cell writes its raw metric, change
+ * and normalised value into the readout (.pp-readout) and its title.
+ */
+function pathGrid(container, rows, cols, cell, opts = {}) {
+  let vmax = 0, na = 0;
+  const vals = rows.map((_, i) => cols.map((_, j) => {
+    const c = cell(i, j);
+    const ok = c && c.normalized !== null && c.normalized !== undefined && Number.isFinite(c.normalized);
+    if (ok) vmax = Math.max(vmax, Math.abs(c.normalized)); else na++;
+    return ok ? c : null;
+  }));
+  vmax = vmax || 1;
+  const table = el("table", { class: "effectgrid pathgrid" });
+  const levels = Math.max(1, ...cols.map((c) => c.groups.length));
+  for (let lv = 0; lv < levels; lv++) {
+    const tr = el("tr", { class: `pp-head pp-head-${lv}` });
+    tr.append(el("th", { class: "corner", text: lv === levels - 1 ? "sender \\ receiver" : "" }));
+    for (let j = 0; j < cols.length;) {
+      const key = (k) => cols[k].groups.slice(0, lv + 1).join("\u0000");
+      let n = 1;
+      while (j + n < cols.length && key(j + n) === key(j)) n++;
+      tr.append(el("th", { class: "pp-colhead", colspan: n > 1 ? n : null, "data-col": j, "data-level": lv,
+        text: cols[j].groups[lv] ?? "" }));
+      j += n;
+    }
+    table.append(tr);
+  }
+  const readout = el("div", { class: "note pp-readout", role: "status", "aria-live": "polite",
+    text: "hover or focus a cell for its values" });
+  const base = opts.base, other = opts.other;
+  vals.forEach((r, i) => {
+    const tr = el("tr", {}, el("th", { class: "pp-rowhead", "data-row": i, text: rows[i].label }));
+    r.forEach((c, j) => {
+      const raw = cell(i, j);
+      const where = `sender ${rows[i].label} \u2192 receiver ${cols[j].label}`;
+      const txt = !raw ? `${where}: n/a (the receiver is not after the sender)`
+        : `${where}: patched ${ppStat({ mean: raw.raw, std: raw.std })}` +
+          (base ? ` (base ${fmtNum(base.mean, 4)}, other ${fmtNum(other.mean, 4)}; change ${fmtNum(raw.raw - base.mean, 4)})` : "") +
+          `; normalised ${c ? fmtNum(c.normalized, 4) : "n/a"}`;
+      const col = c ? divergingColour(c.normalized, vmax) : null;
+      const td = el("td", {
+        class: "effcell" + (c ? "" : " na"), tabindex: "0", title: txt,
+        style: c ? `background:${rgb(col)};color:${ink(col)}` : null,
+        "data-row": i, "data-col": j, "data-sender": rows[i].key, "data-receiver": cols[j].key,
+        "data-input": cols[j].input ?? "", "data-value": c ? String(c.normalized) : "null",
+        "data-raw": raw && raw.raw !== null && raw.raw !== undefined ? String(raw.raw) : "null",
+        text: c && cols.length <= 16 ? fmtNum(c.normalized, 2) : "",
+      });
+      const show = () => { readout.textContent = txt; readout.dataset.row = i; readout.dataset.col = j; };
+      td.addEventListener("mouseenter", show);
+      td.addEventListener("focus", show);
+      tr.append(td);
+    });
+    table.append(tr);
+  });
+  const parts = [];
+  if (opts.title) parts.push(el("div", { class: "view-title", text: opts.title }));
+  parts.push(scroller(table, `${cols.length} receivers`), readout);
+  const bar = el("div", { class: "cbar-row" });
+  colourBar(bar, { masked: false, title: "normalised (patched \u2212 base) / (other \u2212 base): 0 = nothing, 1 = the other run's whole effect (scale \u00b1max |value|)",
+    vmin: -vmax, vmax, colourOf: (v) => divergingColour(v, vmax), na: na ? "n/a: the receiver is not after the sender" : null });
+  parts.push(bar);
+  container.replaceChildren(...parts);
+  return table;
+}
+
+/** The runs' statistics of a /v1/path-patch response (base, other, patched) as a table. */
+function ppSummary(r) {
+  const t = el("table", { class: "pp-summary" });
+  const rows = [[`base run (${r.base_run})`, r.base, "everything but the senders' direct path frozen here"],
+    [`other run (${r.other_run})`, r.other, "the senders' outputs come from here"]];
+  if (r.patched) rows.push(["path-patched", r.patched, r.receivers ? `senders \u2192 receivers` : ""]);
+  for (const [k, s, note] of rows) {
+    t.append(el("tr", { "data-name": k.split(" ")[0] }, el("th", { text: k }), el("td", { class: "num", text: ppStat(s) }),
+      el("td", { class: "note", text: note })));
+  }
+  if (r.patched) {
+    t.append(el("tr", { "data-name": "normalized" }, el("th", { text: "normalised" }),
+      el("td", { class: "num pp-normalized", text: fmtNum(r.normalized, 4) }),
+      el("td", { class: "note", text: "(patched \u2212 base) / (other \u2212 base): 0 = the path carries nothing, 1 = all of the other run's effect" })));
+  }
+  return t;
+}
+
+/**
+ * The views of a /v1/path-patch response (Wang et al. 2022): the metric on the base and other
+ * runs (mean +- sample std over the pairs, n); with `grid` a sender head x receiver head input
+ * table ([sender_layer][sender_head] rows, [receiver_layer][receiver_head][input] columns with
+ * a three-level header: layer, "head h \u00b7 kv g" on grouped-query models, input); otherwise the
+ * single experiment's patched value and normalised effect. Equal base and other metrics: the
+ * normalised effect divides by zero, so it says so and draws no grid.
+ * @param opts {model, kv (query head -> key/value head, or null), title}
+ */
+export function pathPatchView(box, r, opts = {}) {
+  const kv = gqaMap(opts.kv);
+  const n = r.base.n;
+  const head = el("p", { class: "note pp-head-note" });
+  head.textContent = `${ppMetricName(r)} over ${n} pair${n === 1 ? "" : "s"}: base (${r.base_run}) ${ppStat(r.base)}, ` +
+    `other (${r.other_run}) ${ppStat(r.other)}; direction ${r.direction}`;
+  const parts = [head];
+  if (!r.grid) {
+    const what = el("p", { class: "pp-what", text: `senders ${(r.senders || []).map((c) => componentName(c, kv)).join(", ")} ` +
+      `\u2192 receivers ${(r.receivers || []).map((c) => componentName(c, kv)).join(", ")}` });
+    parts.push(what, ppSummary(r));
+    box.replaceChildren(...parts);
+    return;
+  }
+  if (r.base.mean === r.other.mean) {
+    parts.push(el("div", { class: "panel-msg pp-equal", text: `The base and other runs give the same ${ppMetricName(r)} ` +
+      `(${fmtNum(r.base.mean, 6)}): the normalised effect (patched \u2212 base) / (other \u2212 base) divides by zero, so no ` +
+      "cell has a value and no grid is drawn. Choose a corrupted text that changes the metric." }));
+    box.replaceChildren(...parts);
+    return;
+  }
+  const g = r.grid, L = g.raw.length, H = L ? g.raw[0].length : 0;
+  const rows = [], cols = [];
+  for (let l = 0; l + 1 < L; l++) for (let h = 0; h < H; h++) rows.push({ l, h, key: `${l}.${h}`, label: `L${l} ${headName(h, kv)}` });
+  for (let l = 1; l < L; l++) for (let h = 0; h < H; h++) g.inputs.forEach((inp, k) => cols.push({ l, h, k, input: inp,
+    key: `${l}.${h}`, groups: [`layer ${l}`, headName(h, kv), inp], label: `L${l} ${headName(h, kv)} ${inp} input` }));
+  const grid = el("div", { class: "pp-grid" });
+  parts.push(grid);
+  box.replaceChildren(...parts);
+  pathGrid(grid, rows, cols, (i, j) => {
+    const s = rows[i], c = cols[j];
+    const raw = g.raw[s.l][s.h][c.l][c.h][c.k];
+    if (raw === null) return null;
+    return { raw, std: g.std[s.l][s.h][c.l][c.h][c.k], normalized: g.normalized[s.l][s.h][c.l][c.h][c.k] };
+  }, { base: r.base, other: r.other, title: opts.title ||
+    `${opts.model || r.model.id} \u00b7 path patching every sender head \u2192 every later head's ${g.inputs.join("/")} input` });
+}
+
+/**
+ * A grid of separate path-patching experiments, one per (sender, receiver) cell (the explorer's
+ * "each pair" mode): `cells[i][j]` a /v1/path-patch response of senders [senders[i]] ->
+ * receivers [receivers[j]], or null where the receiver is not after the sender.
+ * @param opts {model, kv, title}
+ */
+export function pathPatchCells(box, senders, receivers, cells, opts = {}) {
+  const kv = gqaMap(opts.kv);
+  const any = cells.flat().find((c) => c);
+  const parts = [];
+  if (any) {
+    parts.push(el("p", { class: "note pp-head-note", text: `${ppMetricName(any)} over ${any.base.n} pair${any.base.n === 1 ? "" : "s"}: ` +
+      `base (${any.base_run}) ${ppStat(any.base)}, other (${any.other_run}) ${ppStat(any.other)}; one experiment per cell` }));
+  }
+  const grid = el("div", { class: "pp-grid" });
+  parts.push(grid);
+  box.replaceChildren(...parts);
+  const rows = senders.map((s) => ({ key: s.kind === "mlp" ? `mlp.${s.layer}` : `${s.layer}.${s.head}`, label: componentName(s, kv) }));
+  const cols = receivers.map((r) => {
+    if (r.kind === "logits") return { key: "logits", input: "", groups: ["logits", "", ""], label: "the logits" };
+    if (r.kind === "mlp") return { key: `mlp.${r.layer}`, input: "mlp", groups: [`layer ${r.layer}`, "MLP", "input"], label: `MLP ${r.layer} input` };
+    const h = r.heads[0];
+    return { key: `${r.layer}.${h}`, input: r.input, groups: [`layer ${r.layer}`, headName(h, kv), r.input],
+      label: `L${r.layer} ${headName(h, kv)} ${r.input} input` };
+  });
+  pathGrid(grid, rows, cols, (i, j) => {
+    const c = cells[i][j];
+    return c ? { raw: c.patched.mean, std: c.patched.std, normalized: c.normalized } : null;
+  }, { base: any ? any.base : null, other: any ? any.other : null, title: opts.title });
+}

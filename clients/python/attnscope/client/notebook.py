@@ -3,6 +3,7 @@
 Every response the client returns has ``_repr_html_`` (the way CircuitsVis' views do), so a
 cell ending in ``c.attention(text)`` shows the heat map with layer/head pickers, value on
 hover, the 0..1 colour scale and the line view; ``c.heads(text)`` the head grid (scores on
+hover); ``c.path_patch(...)`` the sender x receiver grid (normalised effect, raw values on
 hover); ``c.trajectories(text)`` the PCA paths with arrows and explained variance; tokenize,
 links and verify responses small tables. The HTML is self-contained: the explorer's
 ``views.js`` and ``attnscope.js`` (shipped in the package) are inlined as ES modules loaded
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ._kv import kv_head_map
 from ._tensors import to_numpy
 
 _WEB = Path(__file__).resolve().parent / "_web"
@@ -125,7 +127,7 @@ if (D.kind === "attention") {
     $(".nb-picked").textContent = `layer ${l}, head ${h}: ${it.label}; ` +
       Object.entries(it.scores).map(([k, x]) => `${k} ${x === null ? "n/a" : Number(x).toFixed(3)}`).join(", ");
   };
-  v.headGrid($(".nb-grid"), D.result, show);
+  v.headGrid($(".nb-grid"), D.result, show, null, {kv: D.kv});
 } else if (D.kind === "lens") {
   v.lensGrid($(".nb-view"), D.prompt, {title: D.title});
 } else if (D.kind === "dla") {
@@ -154,6 +156,8 @@ if (D.kind === "attention") {
   v.divergingGrid($(".nb-view"), D.effect, {rowTitle: "layer", colTitle: "head", label: D.label, title: D.title});
 } else if (D.kind === "patch") {
   v.patchView($(".nb-view"), D.result, {model: D.model});
+} else if (D.kind === "path_patch") {
+  v.pathPatchView($(".nb-view"), D.result, {model: D.model, kv: D.kv});
 } else if (D.kind === "trajectories") {
   v.trajectoryPlot($(".nb-traj"), {paths: w.decodeTensor(D.paths), positions: D.positions, states: D.states,
     labels, evr: D.evr});
@@ -212,8 +216,10 @@ def _attention(resp) -> str:
     return _interactive("attention", data, body, f"result 1 of {n}" if n > 1 else "")
 
 
-def _heads(resp) -> str:
-    data = {"model": resp.model.id, "tokens": [], "result": _dump(resp)}
+def _heads(resp, kv_heads=None) -> str:
+    n_heads = 1 + max((h.head for h in resp.heads), default=0)
+    data = {"model": resp.model.id, "tokens": [], "result": _dump(resp),
+            "kv": kv_head_map(kv_heads, n_heads)}
     body = (f'<div class="view-title">{html.escape(resp.model.id)} \u00b7 head classification '
             f'({resp.n_texts} text{"s" if resp.n_texts != 1 else ""})</div>'
             '<div class="nb-grid"></div><p class="nb-picked note">click a head for its scores</p>')
@@ -339,6 +345,32 @@ def _patch(resp) -> str:
     return _interactive("patch", data, '<div class="nb-view"></div>')
 
 
+def _path_patch(resp, kv_heads=None) -> str:
+    """PathPatchResponse: the grid (sender head x receiver head input, normalised effect on the
+    diverging scale, raw values on hover) or the single experiment's statistics."""
+    n_heads = len(resp.grid.raw[0]) if resp.grid is not None and resp.grid.raw else None
+    if n_heads is None:
+        heads = [s.get("head") for s in (resp.senders or []) if s.get("kind") == "head"]
+        heads += [h for r in (resp.receivers or []) for h in (r.get("heads") or [])]
+        n_heads = len(_kv_list(kv_heads) or []) or (1 + max(heads, default=0))
+    data = {"tokens": [], "model": resp.model.id, "result": _dump(resp),
+            "kv": kv_head_map(kv_heads, n_heads)}
+    n = len(resp.pairs)
+    return _interactive("path_patch", data, '<div class="nb-view"></div>',
+                        f"{n} prompt pairs" if n > 1 else "")
+
+
+def _kv_list(kv_heads):
+    """The query head -> key/value head list ``kv_heads`` names (a list, or a ModelInfo / its
+    dict), None for an int or nothing (then the head count comes from the response)."""
+    if kv_heads is None or isinstance(kv_heads, (int, np.integer)):
+        return None
+    att = kv_heads.get("attention") if isinstance(kv_heads, dict) else getattr(kv_heads, "attention", None)
+    if att is not None:
+        return att.get("kv_head_of_query_head") if isinstance(att, dict) else getattr(att, "kv_head_of_query_head", None)
+    return list(kv_heads)
+
+
 def _run(out) -> str:
     """RunOutput (client.run): a table of the cached hooks with their shapes, the metrics."""
     rows = [[name, " x ".join(map(str, a.shape)), str(a.dtype)] for name, a in out.cache.items()]
@@ -362,6 +394,7 @@ def _run(out) -> str:
 _RENDER = {
     "LogitLensResponse": _lens, "LogitAttributionResponse": _dla, "CircuitsResponse": _circuits,
     "AblateResponse": _ablate, "PatchResponse": _patch, "RunOutput": _run,
+    "PathPatchResponse": _path_patch,
     "AttentionResponse": _attention, "HeadsResponse": _heads,
     "TrajectoriesResponse": _trajectories, "TokenizeResponse": _tokens,
     "LinksResponse": _links, "VerifyResponse": _verify,
@@ -375,17 +408,28 @@ def _kind(obj: Any) -> str | None:
     return None
 
 
-def to_html(resp: Any) -> str:
+_KV_AWARE = {"HeadsResponse", "PathPatchResponse"}
+
+
+def to_html(resp: Any, *, kv_heads: Any = None) -> str:
     """The notebook view of a client response as one self-contained HTML string.
+
+    ``kv_heads`` (grouped-query models; the heads and path-patch views): ``client.model()``, its
+    ``attention.kv_head_of_query_head`` or ``n_kv_heads``; head headers then read
+    "head h \u00b7 kv g" (``_repr_html_`` has no model info, so names heads only).
 
     Raises:
         TypeError: not a response this module draws (attention, heads, trajectories,
             tokenize, links, verify, logit lens, logit attribution, circuits, ablate, patch,
-            run).
+            path patch, run).
+        ValueError: ``kv_heads`` that does not fit the model's heads (see
+            ``plots.kv_head_map``).
     """
     kind = _kind(resp)
     if kind is None:
         raise TypeError(f"no notebook view for {type(resp).__name__}")
+    if kind in _KV_AWARE:
+        return _RENDER[kind](resp, kv_heads)
     return _RENDER[kind](resp)
 
 

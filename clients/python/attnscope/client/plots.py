@@ -29,6 +29,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "attnscope.client.plots needs matplotlib: pip install matplotlib (the 'plot' extra of attnscope or attnscope-client)"
     ) from exc
 
+from ._kv import kv_head_map  # noqa: F401  (public here: plots.kv_head_map)
 from ._tensors import to_numpy
 
 __all__ = [
@@ -193,34 +194,6 @@ def _pattern(result: Any):
     p = _arr(res.pattern)
     return (p, bool(res.head_mean), list(res.layers), list(res.heads), token_labels(res.tokens),
             _headline(_model_id(result), _text_of(res.tokens)))
-
-
-def kv_head_map(kv_heads: Any, n_heads: int) -> list[int] | None:
-    """Query head -> key/value head for grouped-query attention labels: ``kv_heads`` is GET
-    /v1/model's ``attention.kv_head_of_query_head`` (a list), its ``n_kv_heads`` (an int:
-    head h reads kv head ``h // (n_heads // n_kv_heads)``, Hugging Face's ``repeat_kv``), a
-    ``ModelInfo`` (or its dict), or None (no labels). Returns None where every query head has
-    its own key/value head (no GQA: nothing to label).
-
-    Raises:
-        ValueError: an int that does not divide ``n_heads``, or a list not ``n_heads`` long."""
-    if kv_heads is None:
-        return None
-    att = _get(kv_heads, "attention", None)
-    if att is not None:
-        kv_heads = _get(att, "kv_head_of_query_head", None)
-        if kv_heads is None:
-            return None
-    if isinstance(kv_heads, (int, np.integer)):
-        n_kv = int(kv_heads)
-        if n_kv <= 0 or n_heads % n_kv:
-            raise ValueError(f"kv_heads {n_kv} does not divide the {n_heads} query heads")
-        out = [h // (n_heads // n_kv) for h in range(n_heads)]
-    else:
-        out = [int(x) for x in kv_heads]
-        if len(out) != n_heads:
-            raise ValueError(f"kv_heads has {len(out)} entries for {n_heads} query heads")
-    return None if len(set(out)) == n_heads else out
 
 
 def _kv_suffix(kv: list[int] | None, head: int) -> str:
@@ -894,3 +867,63 @@ def residual_grid(res: Any, *, title: str | None = None, figsize=None) -> Figure
     head = _headline(_model_id(res), _text_of(_get(res, "clean_tokens")))
     return _diverging(a, "layer", "position (clean token)", labels, _NORM,
                       title or f"{head}\nresidual stream (resid_pre) patched at one position", None, figsize)
+
+
+__all__ += ["path_patch_grid"]
+
+
+def path_patch_grid(res: Any, *, value: str = "normalized", kv_heads: Any = None,
+                    title: str | None = None, figsize=None) -> Figure:
+    """The grid of ``/v1/path-patch`` (``grid=True``; Wang et al. 2022): rows the sender heads
+    ``(sender_layer, sender_head)`` of layers 0..L-2, columns the receiver head inputs
+    ``(receiver_layer, receiver_head, input)`` of layers 1..L-1, on the diverging scale centred
+    on 0 (RdBu_r, symmetric at the largest |value|); cells whose receiver is not after the
+    sender are blank (no value). ``value`` 'normalized' = ``(patched - base) / (other - base)``
+    (0 = the path carries nothing, 1 = all of the other run's effect) or 'change' = ``patched -
+    base`` in the metric's units. ``kv_heads`` (grouped-query models; :func:`kv_head_map`):
+    tick labels name the key/value head ("L1 H2 kv 1 q"). The title names the model, the
+    metric, the base and other runs' means and the pair count.
+
+    Raises:
+        ValueError: not a grid response (a single experiment is one number: ``.normalized``),
+            ``value`` not 'normalized' or 'change', or 'normalized' when the base and other
+            runs give the same metric (0 / 0).
+    """
+    if value not in ("normalized", "change"):
+        raise ValueError(f"value is 'normalized' or 'change', not {value!r}")
+    g = _get(res, "grid")
+    if g is None:
+        raise ValueError("the path-patch response has no grid (request grid=true); a single "
+                         "experiment is one number: its .normalized and .patched")
+    base, other = _get(_get(res, "base"), "mean"), _get(_get(res, "other"), "mean")
+    if value == "normalized" and base == other:
+        raise ValueError(
+            f"the base and other runs give the same metric ({base!r}): the normalised effect "
+            "(patched - base) / (other - base) divides by zero, so no cell has a value; plot "
+            "value='change' or choose a corrupted prompt that changes the metric")
+    src = np.array(_get(g, "normalized" if value == "normalized" else "raw"), dtype=object)
+    a = np.where(src == None, np.nan, src).astype(float)  # noqa: E711
+    if value == "change":
+        a = a - float(base)
+    L, H, K = a.shape[0], a.shape[1], a.shape[4]
+    inputs = list(_get(g, "inputs"))
+    kv = kv_head_map(kv_heads, H)
+    kvs = (lambda h: "") if kv is None else (lambda h: f" kv {kv[h]}")
+    m = a[: L - 1, :, 1:, :, :].reshape((L - 1) * H, (L - 1) * H * K)
+    rows = [f"L{l} H{h}{kvs(h)}" for l in range(L - 1) for h in range(H)]
+    cols = [f"L{l} H{h}{kvs(h)} {x}" for l in range(1, L) for h in range(H) for x in inputs]
+    label = ("(patched - base) / (other - base)\n0 = nothing, 1 = the other run's effect"
+             if value == "normalized" else "patched - base (metric units)")
+    n = len(_get(res, "pairs") or [])
+    metric = str(_get(res, "metric"))
+    head = "\n".join(x for x in (
+        _model_id(res),
+        "path patching: sender head -> receiver head input",
+        f"{metric}: base ({_get(res, 'base_run')}) {float(base):.4g}, other ({_get(res, 'other_run')}) "
+        f"{float(other):.4g}; {n} pair{'s' if n != 1 else ''}")
+        if x)
+    fig = _diverging(m, "sender head", "receiver head input", cols, label, title or head, None,
+                     figsize or (max(7.0, 0.3 * len(cols) + 3.5), max(3.4, 0.32 * len(rows) + 2.8)))
+    ax = fig.axes[0]
+    ax.set_yticklabels(rows, fontsize=TICK_FONT)
+    return fig
