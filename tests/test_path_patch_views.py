@@ -314,3 +314,44 @@ def test_notebook_path_patch_views(live_server, llama_server, page):  # noqa: F8
     assert "kv" in fails(check_grid, page, ".attnscope-nb", g.model_dump(mode="json"), kv)
     with pytest.raises(ValueError, match="entries for 4 query heads"):
         notebook.to_html(g, kv_heads=[0, 1])
+
+
+# ---- a 3-layer grouped-query Llama: cells with no value, kv labels in the figure ----------------
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    """An in-process client of the real app on a random 3-layer Llama (4 query heads, 2 kv)."""
+    from attnscope.client import Client
+    from attnscope.service.config import Settings
+    from attnscope.service.runtime import Runtime
+    from conftest import _client
+    from families import family_checkpoint
+
+    d = family_checkpoint("llama", tmp_path_factory.mktemp("llama3"), num_hidden_layers=3)
+    rt = Runtime.load(Settings(model=str(d)))
+    with _client(rt, model=str(d)) as tc:
+        yield Client("http://testserver", http_client=tc, max_retries=0)
+
+
+def test_three_layer_gqa_grid_in_the_notebook_and_the_figure(llama3, page):
+    from attnscope.client import notebook, plots
+    from test_plots import check_path_patch_figure
+
+    info = llama3.model()
+    kv = info.attention.kv_head_of_query_head
+    assert kv == [0, 0, 1, 1] and info.n_layers == 3
+    res = llama3.path_patch([(CLEAN, CORRUPTED)], grid=True, grid_inputs=["q"], metric=METRIC)
+    ref = res.model_dump(mode="json")
+    page.set_viewport_size({"width": 1400, "height": 900})
+    nb_show(page, notebook.to_html(res, kv_heads=info))
+    check_grid(page, ".attnscope-nb", ref, kv)
+    # sender L1 -> receiver L1: no value (hatched, said on hover and in the colour bar's key)
+    na = page.locator(".attnscope-nb td.effcell.na")
+    assert na.count() == 4 * 4
+    assert "not after the sender" in na.first.get_attribute("title")
+    assert "n/a" in page.inner_text(".attnscope-nb .cbar-row")
+    screenshot(page, "notebook-path-patch-llama3", ".attnscope-nb")
+    fig = plots.path_patch_grid(res, kv_heads=info)
+    check_path_patch_figure(fig, res, kv=kv)
+    with pytest.raises(AssertionError):  # the same figure read as a model without GQA
+        check_path_patch_figure(fig, res, kv=None)

@@ -264,3 +264,73 @@ def test_head_grid_labels_key_value_groups_on_the_bundled_llama(llama_api, api, 
     g = api.attention(SENTENCE)
     assert [a.get_title() for a in plots.head_grid(g, layer=1, kv_heads=api.model()).axes
             if a.images] == [f"Head {h}" for h in range(4)]
+
+
+# ---- path patching (/v1/path-patch grid) ------------------------------------------------------
+
+PP_CLEAN = "the cat sat on the mat and the cat sat"
+PP_CORRUPTED = "the dog sat on the mat and the cat sat"
+PP_METRIC = {"kind": "logit_diff", "terms": [{"position": -1, "target": " on", "distractor": " the"}]}
+
+
+def check_path_patch_figure(fig, res, value="normalized", kv=None):
+    """The figure's image is the grid: row (sender layer, head) of layers 0..L-2, column
+    (receiver layer, head, input) of layers 1..L-1, each cell the response's own value (blank
+    where the receiver is not after the sender); tick labels name them (kv heads on GQA)."""
+    g = res.grid
+    L, H, inputs = len(g.raw), len(g.raw[0]), g.inputs
+    ax = fig.axes[0]
+    img = ax.images[0].get_array()
+    assert img.shape == ((L - 1) * H, (L - 1) * H * len(inputs)), img.shape
+    src = g.normalized if value == "normalized" else g.raw
+    for r, (ls, hs) in enumerate((l, h) for l in range(L - 1) for h in range(H)):
+        for c, (lr, hr, k) in enumerate((l, h, k) for l in range(1, L) for h in range(H)
+                                        for k in range(len(inputs))):
+            want = src[ls][hs][lr][hr][k]
+            if want is None:
+                assert img.mask[r, c], (r, c)
+                continue
+            want = want if value == "normalized" else want - res.base.mean
+            assert not img.mask[r, c] and img[r, c] == pytest.approx(want, rel=1e-6, abs=1e-9), (r, c)
+    kvs = (lambda h: "") if kv is None else (lambda h: f" kv {kv[h]}")
+    assert [t.get_text() for t in ax.get_yticklabels()] == \
+        [f"L{l} H{h}{kvs(h)}" for l in range(L - 1) for h in range(H)]
+    assert [t.get_text() for t in ax.get_xticklabels()] == \
+        [f"L{l} H{h}{kvs(h)} {x}" for l in range(1, L) for h in range(H) for x in inputs]
+
+
+def test_path_patch_grid_figure(api, tmp_path, monkeypatch):
+    pair = [(PP_CLEAN, PP_CORRUPTED)]
+    res = api.path_patch(pair, grid=True, metric=PP_METRIC)
+    fig = plots.path_patch_grid(res)
+    check_path_patch_figure(fig, res)
+    title = fig.axes[0].get_title()
+    assert "attnscope-tiny-gpt2" in title and f"{res.base.mean:.4g}" in title and "1 pair" in title
+    assert "(patched - base) / (other - base)" in fig.axes[1].get_ylabel()
+    w, h = _png(fig, tmp_path / "path-patch-grid.png")
+    assert w > 500 and h > 250
+    check_path_patch_figure(plots.path_patch_grid(res, value="change"), res, value="change")
+    # a planted fault (two receiver columns swapped before drawing) fails the check
+    real = plots._diverging
+
+    def swapped(a, *args, **kw):
+        a = a.copy()
+        a[:, [0, 1]] = a[:, [1, 0]]
+        return real(a, *args, **kw)
+
+    monkeypatch.setattr(plots, "_diverging", swapped)
+    with pytest.raises(AssertionError):
+        check_path_patch_figure(plots.path_patch_grid(res), res)
+    monkeypatch.undo()
+    # bad input: said, never an empty figure
+    single = api.path_patch(pair, senders=[(0, 1)], receivers=["logits"], metric=PP_METRIC)
+    with pytest.raises(ValueError, match="no grid"):
+        plots.path_patch_grid(single)
+    with pytest.raises(ValueError, match="'normalized' or 'change'"):
+        plots.path_patch_grid(res, value="raw")
+    equal = api.path_patch([(PP_CLEAN, PP_CLEAN)], grid=True, metric=PP_METRIC)
+    with pytest.raises(ValueError, match="divides by zero"):
+        plots.path_patch_grid(equal)
+    check_path_patch_figure(plots.path_patch_grid(equal, value="change"), equal, value="change")
+    with pytest.raises(ValueError, match="does not divide"):
+        plots.path_patch_grid(res, kv_heads=3)

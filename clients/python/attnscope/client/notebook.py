@@ -83,6 +83,10 @@ _CSS = """
 .attnscope-nb .heatmap-cursor { position: absolute; pointer-events: none; border: 2px solid #f0a500; outline: 1px solid #111; display: none; }
 .attnscope-nb .heatmap-cursor.show { display: block; }
 .attnscope-nb svg .axis { fill: #5a6270; }
+.attnscope-nb table.pathgrid th.pp-colhead { text-align: center; font-weight: 500; font-size: 11px; }
+.attnscope-nb table.pathgrid th.pp-rowhead { text-align: right; font-size: 11px; }
+.attnscope-nb table.pp-summary td.num { text-align: right; } .attnscope-nb .pp-readout { min-height: 1.4em; }
+.attnscope-nb table.headgrid th.headcol { white-space: nowrap; font-size: 11px; }
 """
 
 # The page-side script: imports the two modules from blob URLs, then draws `kind` from DATA.
