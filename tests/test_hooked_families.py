@@ -9,7 +9,8 @@ sqrt(d_model)). Texts of 13 tokens, longer than the windows.
   hooks on ``o_proj`` / ``dense`` / ``k_proj``), with planted faults (wrong theta, swapped
   kv heads, window off by one, no soft-cap) that the HF equality catches.
 * TransformerLens 4.3's bridge (no_processing, hook_result, split q/k/v inputs): the same
-  hook names (less ``hook_cos`` / ``hook_sin``), shapes, values within TL's own float32
+  hook names (``hook_cos`` / ``hook_sin`` with the request's batch where TL caches a broadcast
+  batch of 1), shapes, values within TL's own float32
   rounding ``1e-5 + 1e-6 * max|value|``, and the same interventions through
   ``run_with_hooks``.
 """
@@ -76,8 +77,9 @@ def fam(request, tmp_path_factory):
 
 
 def _tl_legacy(cache):
-    return {k: v for k, v in cache.items() if tl_legacy_name(k)
-            and not k.endswith(("hook_cos", "hook_sin"))}
+    """TL's legacy-named hooks; its rotary tables' broadcast batch of 1 expanded to IDS'."""
+    return {k: v.expand(len(IDS), *v.shape[1:]) if k.endswith(("hook_cos", "hook_sin")) else v
+            for k, v in cache.items() if tl_legacy_name(k)}
 
 
 def _bound(t: torch.Tensor) -> float:
@@ -362,6 +364,8 @@ def test_every_hook_equals_transformerlens_by_name_shape_and_value(fam):
     assert ("blocks.0.hook_resid_mid" in names) == (fam.family != "gpt_neox")
     assert ("blocks.0.ln1_post.hook_scale" in names) == (fam.family == "gemma2")
     assert "hook_pos_embed" not in names
+    assert tuple(cache["rotary_emb.hook_cos"].shape) == (1, IDS.shape[1], fam.parts.rotary_dim)
+    assert {"rotary_emb.hook_sin", "blocks.1.attn.hook_cos"} <= names
 
 
 def test_a_wrong_name_map_fails_the_transformerlens_comparison(fam):
@@ -415,6 +419,11 @@ def _tl_edits(fam):
          [("ln_final.hook_normalized", lambda t, hook: t + vec)]),
         ([K.Set(hook="blocks.1.hook_q_input", heads=[3], source_prompt=0, prompts=[1])],
          [("blocks.1.hook_q_input", set_head(3))]),
+        # the rotary tables: every layer's (rotary_emb), one layer's (attn)
+        ([K.Scale(hook="rotary_emb.hook_sin", factor=0.0)],
+         [("rotary_emb.hook_sin", lambda t, hook: t * 0.0)]),
+        ([K.Scale(hook="blocks.1.attn.hook_cos", factor=0.5)],
+         [("blocks.1.attn.hook_cos", lambda t, hook: t * 0.5)]),
     ]
     if fam.family != "gpt_neox":
         out.append(([K.Scale(hook="blocks.0.attn.hook_rot_k", factor=0.0, heads=[0])],
@@ -534,6 +543,51 @@ def test_hooks_and_run_through_the_app(fam, served):
                                               "heads": [2]}],
                   logits={"positions": None, "full": True, "top_k": None}).logits
     assert np.array_equal(got, abl.numpy())
+
+
+def test_rotary_hooks_through_the_app_equal_transformerlens(fam, served):
+    """TL 4.3's rotary hooks are served: GET /v1/hooks lists rotary_emb.hook_cos / hook_sin
+    and blocks.{l}.attn.hook_cos / hook_sin as [batch, pos, d_rotary] (d_rotary = the rotated
+    dims: NeoX 0.25 x d_head); /v1/run caches each prompt's row equal to TL's broadcast
+    table; an edit through /v1/run equals TL's run_with_hooks. Planted: a catalogue serving
+    sin under cos's name is caught by the same comparison."""
+    client, rt = served
+    hooks = {h["name"]: h for h in client.get("/v1/hooks").json()["hooks"]}
+    rd = fam.parts.rotary_dim
+    assert rd == (4 if fam.family == "gpt_neox" else 16)
+    names = ["rotary_emb.hook_cos", "rotary_emb.hook_sin", "blocks.0.attn.hook_cos",
+             "blocks.1.attn.hook_sin"]
+    for n in names:
+        assert hooks[n]["axes"] == ["batch", "pos", "d_rotary"], hooks[n]
+        assert hooks[n]["shape"] == [None, None, rd], hooks[n]
+    with torch.no_grad():
+        _, cache = fam.tl.run_with_cache(IDS)
+    from attnscope.client import Client
+
+    api = Client("http://testserver", http_client=client, max_retries=0)
+    out = api.run(tokens=IDS.tolist(), cache=names)
+    for n in names:
+        got = out.cache[n]
+        assert got.shape == (2, 13, rd), (n, got.shape)
+        for row in got:  # TL: [1, pos, d_rotary], one table for every prompt
+            assert np.array_equal(row, cache[n][0].numpy()), n
+    r = client.post("/v1/run", json={"token_lists": IDS.tolist(), "interventions": [
+        {"kind": "scale", "hook": "blocks.0.attn.hook_cos", "factor": 0.5}],
+        "logits": {"positions": None, "full": True, "top_k": None}})
+    assert r.status_code == 200, r.text
+    with torch.no_grad():
+        ref = fam.tl.run_with_hooks(IDS, fwd_hooks=[("blocks.0.attn.hook_cos",
+                                                     lambda t, hook: t * 0.5)])
+    from attnscope.client.run import run_output
+
+    got = torch.as_tensor(run_output(r.json()).logits)
+    with torch.no_grad():
+        assert float((ref - fam.tl(IDS)).abs().max()) > 1e-2  # the edit does something
+    assert _diff(got, ref) <= 2 * _bound(ref)
+    bad = K.with_names(fam.parts, dict(fam.parts.names, rot_cos="rotary_emb.hook_sin",
+                                       rot_sin="rotary_emb.hook_cos"))
+    swapped = K.run(bad, IDS, cache={"rotary_emb.hook_cos": None}).cache["rotary_emb.hook_cos"]
+    assert _diff(swapped, cache["rotary_emb.hook_cos"].expand_as(swapped)) > 0.1
 
 
 def test_ablate_endpoint_equals_an_hf_hook_loop(fam, served):

@@ -261,7 +261,8 @@ def _sites(p):
             _AXES, frozenset()
     from . import hooked_families as HF
 
-    return p.layer_sites, ("embed",), ("lnf_scale", "lnf_normalized"), HF.AXES, HF.KV_SITES
+    return p.layer_sites, ("embed", "rot_cos", "rot_sin"), ("lnf_scale", "lnf_normalized"), \
+        HF.AXES, HF.KV_SITES
 
 
 def embedding(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -309,7 +310,7 @@ def hook_points(model) -> list[HookPoint]:
     p = _as_parts(model)
     layer_sites, before, after, axes_of, kv_sites = _sites(p)
     sizes = {"1": 1, "head": p.n_heads, "d_head": p.d_head, "d_model": p.d_model,
-             "d_mlp": p.d_mlp}
+             "d_mlp": p.d_mlp, "d_rotary": getattr(p, "rotary_dim", None)}
     kv_sizes = dict(sizes, head=getattr(p, "n_kv_heads", p.n_heads))
 
     def hp(site, layer):

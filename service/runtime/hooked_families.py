@@ -50,8 +50,12 @@ Hook names and shapes are those of TransformerLens 4.3's bridge with compatibili
   ``hook_attn_out`` / ``hook_mlp_out`` are their outputs (what enters the residual stream).
 * GPT-NeoX with the parallel residual has no ``hook_resid_mid`` (both branches read
   ``hook_resid_pre``); ``hook_resid_post = resid_pre + attn_out + mlp_out``.
-* No ``hook_pos_embed`` (rotary). TL's ``hook_cos`` / ``hook_sin`` (the rotary tables, a
-  function of position only, with a batch axis of 1) are not served.
+* No ``hook_pos_embed`` (rotary). The rotary tables are TL's ``rotary_emb.hook_cos`` /
+  ``hook_sin`` (once, before the blocks) and ``blocks.{l}.attn.hook_cos`` / ``hook_sin`` (what
+  layer ``l``'s attention rotates q and k with), ``[batch, pos, d_rotary]``: TL caches them
+  with a broadcast batch axis of 1 (a function of position alone); here each prompt's row, all
+  equal to TL's. An edit of ``rotary_emb.*`` reaches every layer, of ``blocks.{l}.attn.*``
+  that layer only (TL's bridge: the rotary module's output feeds each attention's hooks).
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ SITES: dict[str, tuple[str, tuple[str, ...]]] = {
     "q_input": ("hook_q_input", ("batch", "pos", "head", "d_model")),
     "k_input": ("hook_k_input", ("batch", "pos", "head", "d_model")),
     "v_input": ("hook_v_input", ("batch", "pos", "head", "d_model")),
+    "attn_cos": ("attn.hook_cos", ("batch", "pos", "d_rotary")),
+    "attn_sin": ("attn.hook_sin", ("batch", "pos", "d_rotary")),
     "q": ("attn.hook_q", _BHD),
     "k": ("attn.hook_k", _BHD),
     "v": ("attn.hook_v", _BHD),
@@ -101,6 +107,8 @@ SITES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 GLOBAL = {
     "embed": ("hook_embed", ("batch", "pos", "d_model")),
+    "rot_cos": ("rotary_emb.hook_cos", ("batch", "pos", "d_rotary")),
+    "rot_sin": ("rotary_emb.hook_sin", ("batch", "pos", "d_rotary")),
     "lnf_scale": ("ln_final.hook_scale", ("batch", "pos", "1")),
     "lnf_normalized": ("ln_final.hook_normalized", ("batch", "pos", "d_model")),
 }
@@ -111,8 +119,10 @@ _SPLIT = ("q_input", "k_input", "v_input")
 
 
 def _layer_sites(gated: bool, rotary_hooks: bool, post_norms: bool, parallel: bool):
-    out = ["resid_pre", "ln1_scale", "ln1_normalized", "q_input", "k_input", "v_input",
-           "q", "k", "v"]
+    # the layer's rotary tables first: they are a function of position alone, hooked as the
+    # forward enters the block (forward())
+    out = ["attn_cos", "attn_sin", "resid_pre", "ln1_scale", "ln1_normalized", "q_input",
+           "k_input", "v_input", "q", "k", "v"]
     if rotary_hooks:
         out += ["rot_q", "rot_k"]
     out += ["scores", "pattern", "z", "result"]
@@ -584,6 +594,14 @@ def rotary(p: FamilyParts, T: int, device, dtype):
     return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
+def _rotary_hook(r, site, table: torch.Tensor, B: int) -> torch.Tensor:
+    """``table`` ``[1 | batch, 1, pos, d_rotary]`` through a rotary hook (TL's
+    ``hook_cos`` / ``hook_sin``, seen as ``[batch, pos, d_rotary]``); unchanged without one."""
+    if site is None:
+        return table
+    return r.at(site, table[:, 0].expand(B, -1, -1)).unsqueeze(1)
+
+
 def forward(p: FamilyParts, r, ids: torch.Tensor, plan, start: int = 0,
             resid_pre: torch.Tensor | None = None):
     """Embedding (or ``resid_pre`` at block ``start``), the blocks, the final norm: returns
@@ -598,6 +616,8 @@ def forward(p: FamilyParts, r, ids: torch.Tensor, plan, start: int = 0,
         x = resid_pre
     dt = x.dtype
     cos, sin = rotary(p, T, x.device, dt)
+    # TL's rotary hooks: [batch, pos, d_rotary] views of the [1, 1, pos, d_rotary] tables
+    cos, sin = (_rotary_hook(r, g.get(f"rot_{w}"), t, B) for w, t in (("cos", cos), ("sin", sin)))
     qi = torch.arange(T, device=x.device)
     causal = qi[None, :] > qi[:, None]  # key > query
     masks = {}
@@ -607,6 +627,8 @@ def forward(p: FamilyParts, r, ids: torch.Tensor, plan, start: int = 0,
             masks[blk.window] = (torch.zeros(T, T, dtype=dt, device=x.device).masked_fill(
                 m, torch.finfo(dt).min), m)
         mask, masked = masks[blk.window]
-        x = _block(p, blk, r, sites, x, cos, sin, mask, masked)
+        c_l, s_l = (_rotary_hook(r, sites.get(f"attn_{w}"), t, B)
+                    for w, t in (("cos", cos), ("sin", sin)))
+        x = _block(p, blk, r, sites, x, c_l, s_l, mask, masked)
     h = _norm(p, r, g, "lnf", x, p.lnf_w, p.lnf_bias)
     return x, h
