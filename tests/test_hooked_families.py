@@ -590,6 +590,37 @@ def test_rotary_hooks_through_the_app_equal_transformerlens(fam, served):
     assert _diff(swapped, cache["rotary_emb.hook_cos"].expand_as(swapped)) > 0.1
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/run", {"cache": ["blocks.1.hook_resid_mid"]}, "cache.0.hook"),
+    ("/v1/run", {"cache": [{"hook": "blocks.*.hook_resid_mid"}]}, "cache.0.hook"),
+    ("/v1/run", {"interventions": [{"kind": "zero", "hook": "blocks.0.hook_resid_mid"}]},
+     "interventions.0.hook"),
+    ("/v1/patch", {"hook": "resid_mid", "metric": {"kind": "loss", "terms": [{"position": 1}]}},
+     "hook"),
+])
+def test_resid_mid_on_the_parallel_residual_is_a_family_named_422(fam, served, path, body,
+                                                                   param):
+    """GPT-NeoX's parallel residual has no hook_resid_mid: a 422 unsupported_model_config
+    naming the family and the reason (it was a validation_error listing close names); the
+    other families serve it; a misspelt name still gets the closest names."""
+    from conftest import assert_error
+
+    client, rt = served
+    ids = IDS[:1, :6].tolist()
+    b = dict(body, **({"token_lists": ids} if path == "/v1/run" else
+                      {"clean_tokens": ids[0], "corrupted_tokens": IDS[1, :6].tolist()}))
+    r = client.post(path, json=b)
+    if fam.family != "gpt_neox":
+        assert r.status_code == 200, r.text
+        return
+    e = assert_error(r, 422, type_="unsupported_model_config", param=param)
+    assert "gpt_neox has a parallel residual: no blocks." in e["message"], e
+    assert "hook_resid_pre" in e["message"], e
+    r = client.post("/v1/run", json={"token_lists": ids, "cache": ["blocks.0.hook_resid_mdi"]})
+    e = assert_error(r, 422, type_="validation_error", param="cache.0.hook")
+    assert "closest: blocks.0.hook_resid_pre" in e["message"], e
+
+
 def test_ablate_endpoint_equals_an_hf_hook_loop(fam, served):
     """/v1/ablate zeroing heads (1, 0) and (0, 3): its KL and ablated top tokens equal an HF
     forward with those heads' slices of o_proj's (dense's) input zeroed."""

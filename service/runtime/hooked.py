@@ -338,7 +338,8 @@ def resolve(model, pattern: str, param: str = "hook") -> list[HookPoint]:
     """The hook points ``pattern`` names: an exact TL name, or an fnmatch pattern
     (``blocks.*.hook_resid_post``, ``blocks.[0-3].attn.hook_z``) matched against the whole
     catalogue. Raises ``InvalidRequest(param=param)`` naming the closest real names (difflib)
-    when nothing matches."""
+    when nothing matches, ``UnsupportedModelConfig`` naming the family where it is the reason
+    (:func:`.hooked_families.absent_hook`: GPT-NeoX's ``hook_resid_mid``)."""
     cat = _catalogue(_as_parts(model))
     if not isinstance(pattern, str) or not pattern:
         raise InvalidRequest(f"{param}: a hook name is a non-empty string", param)
@@ -348,6 +349,13 @@ def resolve(model, pattern: str, param: str = "hook") -> list[HookPoint]:
         hits = [h for n, h in cat.items() if fnmatch.fnmatchcase(n, pattern)]
         if hits:
             return hits
+    p = _as_parts(model)
+    if not isinstance(p, GPT2Parts):
+        from . import hooked_families as HF
+
+        why = HF.absent_hook(p, pattern)
+        if why is not None:
+            raise UnsupportedModelConfig(f"{param}: {why}", param)
     close = difflib.get_close_matches(pattern, list(cat), n=3, cutoff=0.4)
     hint = f"; closest: {', '.join(close)}" if close else ""
     raise InvalidRequest(f"{param}: no hook point is named {pattern!r}{hint} "

@@ -60,6 +60,7 @@ Hook names and shapes are those of TransformerLens 4.3's bridge with compatibili
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -138,6 +139,30 @@ def _layer_sites(gated: bool, rotary_hooks: bool, post_norms: bool, parallel: bo
     if post_norms:
         out += ["lnpf_scale", "lnpf_normalized"]
     return tuple(out + ["mlp_out", "resid_post"])
+
+
+_LAYER_HOOK = re.compile(r"^blocks\.([^.]+)\.(.+)$")
+
+
+def absent_hook(p: FamilyParts, name: str) -> str | None:
+    """Why TransformerLens hook ``name`` (or pattern) is absent from this family's catalogue,
+    where the family itself is the reason (GPT-NeoX's parallel residual has no
+    ``hook_resid_mid``; TL's NeoX bridge has no ``attn.hook_rot_q`` / ``hook_rot_k``); None
+    otherwise (the caller names the closest hooks)."""
+    m = _LAYER_HOOK.match(name)
+    if m is None:
+        return None
+    lyr, suffix = m.group(1), m.group(2)
+    if suffix == "hook_resid_mid" and p.parallel:
+        return (f"{p.family} has a parallel residual: no blocks.{lyr}.hook_resid_mid (attention "
+                f"and MLP both read blocks.{lyr}.hook_resid_pre; hook_resid_post = resid_pre + "
+                "attn_out + mlp_out). Use hook_resid_pre, or ln2.hook_normalized / "
+                "hook_mlp_out for the MLP's input / output")
+    if suffix in ("attn.hook_rot_q", "attn.hook_rot_k") and "rot_q" not in p.layer_sites:
+        return (f"{p.family}: TransformerLens 4.3's bridge has no blocks.{lyr}.{suffix} for "
+                f"this architecture; the rotary tables are blocks.{lyr}.attn.hook_cos / "
+                "hook_sin, q and k before RoPE attn.hook_q / hook_k")
+    return None
 
 
 def _unsupported(what: str, family: str, why: str):
