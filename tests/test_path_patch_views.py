@@ -80,15 +80,32 @@ def cells(page, root: str) -> list[dict]:
         "row: +td.dataset.row, col: +td.dataset.col}))")
 
 
+def grid_columns(g: dict, kv) -> tuple[list, list[list[str]]]:
+    """The receiver columns a /v1/path-patch grid should show, ``[(layer, head, input)]``, and
+    the expected header rows: layer / "head h[ \u00b7 kv g]" / input, or on a grouped-query grid
+    (k/v receivers are key/value heads, ``head_axes``) layer / input / "kv g" (q: query heads)."""
+    L, H, inputs = len(g["raw"]), len(g["raw"][0]), g["inputs"]
+    axes, n = g.get("head_axes") or {}, g.get("receiver_heads") or {}
+    layers = [f"layer {l}" for l in range(1, L)]
+    if any(axes.get(x) == "kv_head" for x in inputs):
+        cols = [(l, h, x) for l in range(1, L) for x in inputs for h in range(n[x])]
+        names = [f"kv {h}" if axes[x] == "kv_head" else head_name(h, kv) for _, h, x in cols]
+        return cols, [layers, [x for _ in range(1, L) for x in inputs], names]
+    cols = [(l, h, x) for l in range(1, L) for h in range(H) for x in inputs]
+    return cols, [layers, [head_name(h, kv) for _ in range(1, L) for h in range(H)], [x for _, _, x in cols]]
+
+
 def check_grid(page, root: str, ref: dict, kv=None) -> None:
     """The grid under ``root`` shows ``ref``'s every cell (normalised as colour and data-value,
-    raw in data-raw and the tooltip), its headers (layer, "head h[ \u00b7 kv g]", input) and the
-    hover readout."""
+    raw in data-raw and the tooltip), its headers (:func:`grid_columns`) and the hover
+    readout."""
     g = ref["grid"]
     L, H, inputs = len(g["raw"]), len(g["raw"][0]), g["inputs"]
-    K = len(inputs)
+    cols, headers = grid_columns(g, kv)
     got = cells(page, root)
-    assert len(got) == (L - 1) * H * (L - 1) * H * K, len(got)
+    assert len(got) == (L - 1) * H * len(cols), len(got)
+    assert sorted((c["receiver"], c["input"]) for c in got) == \
+        sorted((f"{l}.{h}", x) for l, h, x in cols for _ in range((L - 1) * H))
     for c in got:
         ls, hs = map(int, c["sender"].split("."))
         lr, hr = map(int, c["receiver"].split("."))
@@ -103,10 +120,9 @@ def check_grid(page, root: str, ref: dict, kv=None) -> None:
         assert f"patched {fmt_num(want_r, 4)}" in c["title"], (c["title"], want_r)
         assert f"change {fmt_num(want_r - ref['base']['mean'], 4)}" in c["title"], c["title"]
     # headers: receiver layer / head / input, sender rows
-    lvl = lambda i: page.locator(f"{root} .pp-grid tr.pp-head-{i} th.pp-colhead").all_inner_texts()  # noqa: E731
-    assert lvl(0) == [f"layer {l}" for l in range(1, L)]
-    assert lvl(1) == [head_name(h, kv) for _ in range(1, L) for h in range(H)], lvl(1)
-    assert lvl(2) == [x for _ in range(1, L) for _ in range(H) for x in inputs]
+    for i, want in enumerate(headers):
+        got_h = page.locator(f"{root} .pp-grid tr.pp-head-{i} th.pp-colhead").all_inner_texts()
+        assert got_h == want, (i, got_h, want)
     rows = page.locator(f"{root} .pp-grid th.pp-rowhead").all_inner_texts()
     assert rows == [f"L{l} {head_name(h, kv)}" for l in range(L - 1) for h in range(H)], rows
     # hover: the readout says the cell's values (the cell with the largest |normalised|)
@@ -251,12 +267,29 @@ def test_llama_kv_labels_in_the_path_patch_grid_and_the_heads_grid(llama_server,
     open_explorer(page, url)
     page.wait_for_function("document.querySelector('#panel-heads').dataset.ready === '1'")
     check_head_headers(page, kv)
-    # GQA: k and v inputs are not path-patched by the service: off in the page
-    assert page.is_disabled("#pp-grid-k") and page.is_disabled("#pp-grid-v")
-    assert page.is_disabled("#pp-receivers input.pp-recv[data-input='k'][data-layer='1'][data-head='0']")
+    # GQA: the k/v receivers are the 2 key/value heads (each reaches its group's query heads)
+    kv_boxes = page.locator("#pp-receivers input.pp-recv[data-input='k'][data-layer='1']")
+    assert kv_boxes.count() == 2 and kv_boxes.nth(1).get_attribute("data-axis") == "kv_head"
     run_path_patch(page, "grid")
-    ref = ref_path_patch(url, grid=True, grid_inputs=["q"])
+    ref = ref_path_patch(url, grid=True)
+    assert ref["grid"]["head_axes"] == {"q": "head", "k": "kv_head", "v": "kv_head"}
     check_grid(page, "#pathpatch", ref, kv)
+    assert page.get_attribute("#pathpatch tr.pp-head-2 th.pp-colhead[data-col='5']", "title") == \
+        "key/value head 1: read by query heads 2, 3"
+    # one sender -> kv head 1's k input and query head 2's q input, as separate experiments
+    page.click("#pp-pick summary")
+    page.check("#pp-senders input.pp-send[data-kind='head'][data-layer='0'][data-head='3']")
+    page.check("#pp-receivers input.pp-recv[data-input='k'][data-layer='1'][data-head='1']")
+    page.check("#pp-receivers input.pp-recv[data-input='q'][data-layer='1'][data-head='2']")
+    run_path_patch(page, "pairs")
+    # (columns in the pickers' order: q's query heads, then k's key/value heads)
+    assert page.locator("#pathpatch tr.pp-head-1 th.pp-colhead").all_inner_texts() == ["head 2 \u00b7 kv 1", "kv 1"]
+    assert page.inner_text("#pathpatch th.pp-rowhead") == "L0 head 3 \u00b7 kv 1"
+    for col, r in enumerate([{"kind": "head", "layer": 1, "heads": [2], "input": "q"},
+                             {"kind": "head", "layer": 1, "heads": [1], "input": "k"}]):
+        want = ref_path_patch(url, senders=[{"kind": "head", "layer": 0, "head": 3}], receivers=[r])
+        got = page.get_attribute(f"#pathpatch td.effcell[data-col='{col}']", "data-value")
+        assert float(got) == pytest.approx(want["normalized"], rel=1e-6), (col, got, want["normalized"])
     screenshot(page, "path-patch-llama", "#panel-pathpatch")
     screenshot(page, "heads-llama-kv", "#panel-heads")
 
@@ -264,8 +297,8 @@ def test_llama_kv_labels_in_the_path_patch_grid_and_the_heads_grid(llama_server,
 def test_planted_wrong_kv_headers_fail(llama_server, page):  # noqa: F811
     url = llama_server
     kv = [0, 0, 1, 1]
-    ref = ref_path_patch(url, grid=True, grid_inputs=["q"])
-    plant(page, url, "groups: [`layer ${l}`, headName(h, kv), inp]", "groups: [`layer ${l}`, headName(h), inp]")
+    ref = ref_path_patch(url, grid=True)
+    plant(page, url, "const name = byKv ? kvHeadName(h) : headName(h, kv);", "const name = byKv ? kvHeadName(h) : headName(h);")
     open_explorer(page, url)
     run_path_patch(page, "grid")
     assert "kv" in fails(check_grid, page, "#pathpatch", ref, kv)
@@ -306,7 +339,7 @@ def test_notebook_path_patch_views(live_server, llama_server, page):  # noqa: F8
     assert "divides by zero" in page.inner_text(".pp-equal") and page.locator("table.pathgrid").count() == 0
     with Client(llama_server) as c:
         info = c.model()
-        g = c.path_patch(pair, grid=True, grid_inputs=["q"], metric=METRIC)
+        g = c.path_patch(pair, grid=True, metric=METRIC)
     kv = info.attention.kv_head_of_query_head
     nb_show(page, notebook.to_html(g, kv_heads=info))
     check_grid(page, ".attnscope-nb", g.model_dump(mode="json"), kv)
@@ -340,14 +373,14 @@ def test_three_layer_gqa_grid_in_the_notebook_and_the_figure(llama3, page):
     info = llama3.model()
     kv = info.attention.kv_head_of_query_head
     assert kv == [0, 0, 1, 1] and info.n_layers == 3
-    res = llama3.path_patch([(CLEAN, CORRUPTED)], grid=True, grid_inputs=["q"], metric=METRIC)
+    res = llama3.path_patch([(CLEAN, CORRUPTED)], grid=True, metric=METRIC)
     ref = res.model_dump(mode="json")
     page.set_viewport_size({"width": 1400, "height": 900})
     nb_show(page, notebook.to_html(res, kv_heads=info))
     check_grid(page, ".attnscope-nb", ref, kv)
     # sender L1 -> receiver L1: no value (hatched, said on hover and in the colour bar's key)
     na = page.locator(".attnscope-nb td.effcell.na")
-    assert na.count() == 4 * 4
+    assert na.count() == 4 * (4 + 2 + 2)  # sender L1 x receiver L1's q (4 heads), k and v (2 kv heads)
     assert "not after the sender" in na.first.get_attribute("title")
     assert "n/a" in page.inner_text(".attnscope-nb .cbar-row")
     screenshot(page, "notebook-path-patch-llama3", ".attnscope-nb")

@@ -279,24 +279,30 @@ def check_path_patch_figure(fig, res, value="normalized", kv=None):
     where the receiver is not after the sender); tick labels name them (kv heads on GQA)."""
     g = res.grid
     L, H, inputs = len(g.raw), len(g.raw[0]), g.inputs
+    axes, n = g.head_axes or {}, g.receiver_heads or {}
+    gqa = any(axes.get(x) == "kv_head" for x in inputs)
+    kvs = (lambda h: "") if kv is None else (lambda h: f" kv {kv[h]}")
+    if gqa:  # k/v receivers are key/value heads: columns layer, input, head
+        cols = [(l, h, k, f"L{l} {'kv ' + str(h) if axes[x] == 'kv_head' else f'H{h}{kvs(h)}'} {x}")
+                for l in range(1, L) for k, x in enumerate(inputs) for h in range(n[x])]
+    else:
+        cols = [(l, h, k, f"L{l} H{h}{kvs(h)} {x}") for l in range(1, L) for h in range(H)
+                for k, x in enumerate(inputs)]
     ax = fig.axes[0]
     img = ax.images[0].get_array()
-    assert img.shape == ((L - 1) * H, (L - 1) * H * len(inputs)), img.shape
+    assert img.shape == ((L - 1) * H, len(cols)), img.shape
     src = g.normalized if value == "normalized" else g.raw
     for r, (ls, hs) in enumerate((l, h) for l in range(L - 1) for h in range(H)):
-        for c, (lr, hr, k) in enumerate((l, h, k) for l in range(1, L) for h in range(H)
-                                        for k in range(len(inputs))):
+        for c, (lr, hr, k, _) in enumerate(cols):
             want = src[ls][hs][lr][hr][k]
             if want is None:
                 assert img.mask[r, c], (r, c)
                 continue
             want = want if value == "normalized" else want - res.base.mean
             assert not img.mask[r, c] and img[r, c] == pytest.approx(want, rel=1e-6, abs=1e-9), (r, c)
-    kvs = (lambda h: "") if kv is None else (lambda h: f" kv {kv[h]}")
     assert [t.get_text() for t in ax.get_yticklabels()] == \
         [f"L{l} H{h}{kvs(h)}" for l in range(L - 1) for h in range(H)]
-    assert [t.get_text() for t in ax.get_xticklabels()] == \
-        [f"L{l} H{h}{kvs(h)} {x}" for l in range(1, L) for h in range(H) for x in inputs]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [c[3] for c in cols]
 
 
 def test_path_patch_grid_figure(api, tmp_path, monkeypatch):

@@ -555,10 +555,10 @@ const ppBox = (kind, attrs, label) => {
 };
 
 /** The sender and receiver checkboxes of the path-patching panel, one row per layer; on a
- * grouped-query model the k/v receivers (and grid inputs) are off: the service path-patches
- * only q inputs there (hook_k_input / hook_v_input are per key/value head). */
+ * grouped-query model the k/v receivers are key/value heads (hook_k_input / hook_v_input have
+ * n_kv_heads heads: patching kv head g's input reaches every query head of its group). */
 function buildPathPickers() {
-  const m = model, gqa = !!kvMap();
+  const m = model, kv = kvMap(), gqa = !!kv;
   const send = document.createElement("table"), recv = document.createElement("table");
   for (let l = 0; l < m.n_layers; l++) {
     const tr = document.createElement("tr");
@@ -570,15 +570,26 @@ function buildPathPickers() {
     const tr2 = document.createElement("tr");
     const th2 = document.createElement("th"); th2.textContent = `layer ${l}`; tr2.append(th2);
     const td2 = document.createElement("td");
-    for (let h = 0; h < m.n_heads; h++) {
-      const span = document.createElement("span"); span.className = "pp-recv-head";
-      span.append(`${headName(h)}:`);
-      for (const inp of ["q", "k", "v"]) {
-        const [lab, c] = ppBox("pp-recv", { kind: "head", layer: l, head: h, input: inp }, inp);
-        if (gqa && inp !== "q") { c.disabled = true; lab.title = "grouped-query attention: only q inputs are path-patched"; }
-        span.append(" ", lab);
+    if (!gqa) {
+      for (let h = 0; h < m.n_heads; h++) {
+        const span = document.createElement("span"); span.className = "pp-recv-head";
+        span.append(`${headName(h)}:`);
+        for (const inp of ["q", "k", "v"]) span.append(" ", ppBox("pp-recv", { kind: "head", layer: l, head: h, input: inp, axis: "head" }, inp)[0]);
+        td2.append(span);
       }
-      td2.append(span);
+    } else {
+      for (const inp of ["q", "k", "v"]) {
+        const span = document.createElement("span"); span.className = "pp-recv-head";
+        span.append(`${inp}:`);
+        const n = inp === "q" ? m.n_heads : m.attention.n_kv_heads;
+        for (let h = 0; h < n; h++) {
+          const axis = inp === "q" ? "head" : "kv_head";
+          const [lab] = ppBox("pp-recv", { kind: "head", layer: l, head: h, input: inp, axis }, inp === "q" ? headName(h) : `kv ${h}`);
+          if (axis === "kv_head") lab.title = `key/value head ${h}: read by query heads ${kv.map((x, q) => (x === h ? q : -1)).filter((q) => q >= 0).join(", ")}`;
+          span.append(" ", lab);
+        }
+        td2.append(span);
+      }
     }
     td2.append(ppBox("pp-recv", { kind: "mlp", layer: l }, "MLP input")[0]);
     tr2.append(td2); recv.append(tr2);
@@ -590,8 +601,7 @@ function buildPathPickers() {
   $("#pp-senders").replaceChildren(send);
   $("#pp-receivers").replaceChildren(recv);
   for (const inp of ["k", "v"]) {
-    const c = $(`#pp-grid-${inp}`);
-    c.disabled = gqa; if (gqa) { c.checked = false; c.parentElement.title = "grouped-query attention: only q inputs are path-patched"; }
+    $(`#pp-grid-${inp}`).parentElement.title = gqa ? `grouped-query attention: the grid's ${inp} columns are the ${m.attention.n_kv_heads} key/value heads` : "";
   }
 }
 
@@ -613,14 +623,18 @@ function ppMetric() {
   return { kind, terms };
 }
 
-// whether sender s's output reaches receiver r along the residual stream (the service's rule)
-const ppPrecedes = (s, r) => r.kind === "logits" || (s.kind === "head" && r.kind === "mlp" ? r.layer >= s.layer : r.layer > s.layer);
+// whether sender s's output reaches receiver r along the residual stream (the service's rule:
+// a head feeds its own layer's MLP, except under GPT-NeoX's parallel residual)
+const ppPrecedes = (s, r) => r.kind === "logits" ||
+  (s.kind === "head" && r.kind === "mlp" && !(model.attention && model.attention.parallel_residual) ? r.layer >= s.layer : r.layer > s.layer);
+// a receiver as the request takes it (head_axis is the page's label, echoed by the service)
+const ppWire = (r) => { const { head_axis: _, ...x } = r; return x; };
 const ppChecked = (cls) => [...document.querySelectorAll(`.${cls}:checked`)].map((c) => {
   const d = c.dataset;
   if (d.kind === "logits") return { kind: "logits" };
   if (d.kind === "mlp") return { kind: "mlp", layer: +d.layer };
   return cls === "pp-send" ? { kind: "head", layer: +d.layer, head: +d.head }
-    : { kind: "head", layer: +d.layer, heads: [+d.head], input: d.input };
+    : { kind: "head", layer: +d.layer, heads: [+d.head], input: d.input, head_axis: d.axis };
 });
 const PP_MAX_CELLS = 256;
 
@@ -660,7 +674,7 @@ async function runPathPatch() {
         if (same) same.heads.push(...r.heads); else merged.push(r.kind === "head" ? { ...r, heads: [...r.heads] } : r);
       }
       say("path-patching\u2026", "note", false);
-      const r = await client.path_patch({ ...base, senders, receivers: merged });
+      const r = await client.path_patch({ ...base, senders, receivers: merged.map(ppWire) });
       if (my !== runId) return;
       pathPatchView(box, r, opts);
     } else {
@@ -674,7 +688,7 @@ async function runPathPatch() {
       const worker = async () => {
         while (jobs.length) {
           const [i, j] = jobs.shift();
-          cells[i][j] = await client.path_patch({ ...base, senders: [senders[i]], receivers: [receivers[j]] });
+          cells[i][j] = await client.path_patch({ ...base, senders: [senders[i]], receivers: [ppWire(receivers[j])] });
           if (my !== runId) return;
           done++;
         }

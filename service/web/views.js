@@ -823,14 +823,20 @@ function ppMetricName(r) {
 
 const ppStat = (s) => s ? `${fmtNum(s.mean, 4)}${s.std !== null && s.std !== undefined ? ` \u00b1 ${fmtNum(s.std, 2)}` : ""}` : "n/a";
 
-/** A sender or receiver ({kind, layer, head | heads, input}) in words, with kv labels. */
+/** A sender or receiver ({kind, layer, head | heads, input, head_axis}) in words, with kv
+ * labels; a k/v receiver of a grouped-query model (head_axis "kv_head") names key/value heads. */
 export function componentName(c, kv = null) {
   if (c.kind === "logits") return "the logits";
   if (c.kind === "mlp") return `MLP ${c.layer}`;
   if (c.head !== undefined) return `L${c.layer} ${headName(c.head, kv)}`;
   const hs = c.heads || [];
+  if (c.head_axis === "kv_head") return `L${c.layer} ${hs.length === 1 ? `kv ${hs[0]}` : `kv heads ${hs.join(", ")}`} ${c.input} input`;
   return `L${c.layer} ${hs.length === 1 ? headName(hs[0], kv) : `heads ${hs.join(", ")}`} ${c.input} input`;
 }
+
+/** "kv 1" with the query heads that read it ("kv 1 (heads 2, 3)" as a title). */
+const kvHeadName = (g) => `kv ${g}`;
+const kvHeadTitle = (g, kv) => kv ? `key/value head ${g}: read by query heads ${kv.map((x, h) => (x === g ? h : -1)).filter((h) => h >= 0).join(", ")}` : `key/value head ${g}`;
 
 /**
  * A sender x receiver table of path-patching results on the diverging scale of the normalised
@@ -860,7 +866,7 @@ function pathGrid(container, rows, cols, cell, opts = {}) {
       let n = 1;
       while (j + n < cols.length && key(j + n) === key(j)) n++;
       tr.append(el("th", { class: "pp-colhead", colspan: n > 1 ? n : null, "data-col": j, "data-level": lv,
-        text: cols[j].groups[lv] ?? "" }));
+        title: lv === levels - 1 || n === 1 ? cols[j].title || null : null, text: cols[j].groups[lv] ?? "" }));
       j += n;
     }
     table.append(tr);
@@ -953,10 +959,23 @@ export function pathPatchView(box, r, opts = {}) {
     return;
   }
   const g = r.grid, L = g.raw.length, H = L ? g.raw[0].length : 0;
+  const axes = g.head_axes || {}, nRecv = g.receiver_heads || {};
   const rows = [], cols = [];
   for (let l = 0; l + 1 < L; l++) for (let h = 0; h < H; h++) rows.push({ l, h, key: `${l}.${h}`, label: `L${l} ${headName(h, kv)}` });
-  for (let l = 1; l < L; l++) for (let h = 0; h < H; h++) g.inputs.forEach((inp, k) => cols.push({ l, h, k, input: inp,
-    key: `${l}.${h}`, groups: [`layer ${l}`, headName(h, kv), inp], label: `L${l} ${headName(h, kv)} ${inp} input` }));
+  if (g.inputs.some((inp) => axes[inp] === "kv_head")) {
+    // grouped-query attention: k/v receivers are key/value heads, so columns go layer / input / head
+    for (let l = 1; l < L; l++) g.inputs.forEach((inp, k) => {
+      const byKv = axes[inp] === "kv_head";
+      for (let h = 0; h < (nRecv[inp] ?? H); h++) {
+        const name = byKv ? kvHeadName(h) : headName(h, kv);
+        cols.push({ l, h, k, input: inp, key: `${l}.${h}`, groups: [`layer ${l}`, inp, name],
+          title: byKv ? kvHeadTitle(h, kv) : null, label: `L${l} ${name} ${inp} input` });
+      }
+    });
+  } else {
+    for (let l = 1; l < L; l++) for (let h = 0; h < H; h++) g.inputs.forEach((inp, k) => cols.push({ l, h, k, input: inp,
+      key: `${l}.${h}`, groups: [`layer ${l}`, headName(h, kv), inp], label: `L${l} ${headName(h, kv)} ${inp} input` }));
+  }
   const grid = el("div", { class: "pp-grid" });
   parts.push(grid);
   box.replaceChildren(...parts);
@@ -990,9 +1009,9 @@ export function pathPatchCells(box, senders, receivers, cells, opts = {}) {
   const cols = receivers.map((r) => {
     if (r.kind === "logits") return { key: "logits", input: "", groups: ["logits", "", ""], label: "the logits" };
     if (r.kind === "mlp") return { key: `mlp.${r.layer}`, input: "mlp", groups: [`layer ${r.layer}`, "MLP", "input"], label: `MLP ${r.layer} input` };
-    const h = r.heads[0];
-    return { key: `${r.layer}.${h}`, input: r.input, groups: [`layer ${r.layer}`, headName(h, kv), r.input],
-      label: `L${r.layer} ${headName(h, kv)} ${r.input} input` };
+    const h = r.heads[0], name = r.head_axis === "kv_head" ? kvHeadName(h) : headName(h, kv);
+    return { key: `${r.layer}.${h}`, input: r.input, groups: [`layer ${r.layer}`, name, r.input],
+      title: r.head_axis === "kv_head" ? kvHeadTitle(h, kv) : null, label: `L${r.layer} ${name} ${r.input} input` };
   });
   pathGrid(grid, rows, cols, (i, j) => {
     const c = cells[i][j];

@@ -876,7 +876,8 @@ def path_patch_grid(res: Any, *, value: str = "normalized", kv_heads: Any = None
                     title: str | None = None, figsize=None) -> Figure:
     """The grid of ``/v1/path-patch`` (``grid=True``; Wang et al. 2022): rows the sender heads
     ``(sender_layer, sender_head)`` of layers 0..L-2, columns the receiver head inputs
-    ``(receiver_layer, receiver_head, input)`` of layers 1..L-1, on the diverging scale centred
+    ``(receiver_layer, receiver_head, input)`` of layers 1..L-1 (grouped-query models: k/v
+    columns are the key/value heads, ordered layer, input, head), on the diverging scale centred
     on 0 (RdBu_r, symmetric at the largest |value|); cells whose receiver is not after the
     sender are blank (no value). ``value`` 'normalized' = ``(patched - base) / (other - base)``
     (0 = the path carries nothing, 1 = all of the other run's effect) or 'change' = ``patched -
@@ -905,13 +906,23 @@ def path_patch_grid(res: Any, *, value: str = "normalized", kv_heads: Any = None
     a = np.where(src == None, np.nan, src).astype(float)  # noqa: E711
     if value == "change":
         a = a - float(base)
-    L, H, K = a.shape[0], a.shape[1], a.shape[4]
+    L, H = a.shape[0], a.shape[1]
     inputs = list(_get(g, "inputs"))
+    axes = _get(g, "head_axes") or {}
+    n_recv = _get(g, "receiver_heads") or {}
     kv = kv_head_map(kv_heads, H)
     kvs = (lambda h: "") if kv is None else (lambda h: f" kv {kv[h]}")
-    m = a[: L - 1, :, 1:, :, :].reshape((L - 1) * H, (L - 1) * H * K)
     rows = [f"L{l} H{h}{kvs(h)}" for l in range(L - 1) for h in range(H)]
-    cols = [f"L{l} H{h}{kvs(h)} {x}" for l in range(1, L) for h in range(H) for x in inputs]
+    if any(axes.get(x) == "kv_head" for x in inputs):
+        # grouped-query attention: k/v receivers are key/value heads (layer, input, head order)
+        spec = [(l, h, k, f"L{l} {'kv ' + str(h) if axes.get(x) == 'kv_head' else f'H{h}{kvs(h)}'} {x}")
+                for l in range(1, L) for k, x in enumerate(inputs) for h in range(n_recv.get(x, H))]
+    else:
+        spec = [(l, h, k, f"L{l} H{h}{kvs(h)} {x}") for l in range(1, L) for h in range(H)
+                for k, x in enumerate(inputs)]
+    cols = [c[3] for c in spec]
+    lr, hr, kr = (np.array([c[i] for c in spec], dtype=int) for i in range(3))
+    m = a[: L - 1][:, :, lr, hr, kr].reshape((L - 1) * H, len(spec))
     label = ("(patched - base) / (other - base)\n0 = nothing, 1 = the other run's effect"
              if value == "normalized" else "patched - base (metric units)")
     n = len(_get(res, "pairs") or [])
