@@ -77,6 +77,19 @@ def _one_error(model: type, key: str, value: Any, error: str | PydanticCustomErr
     return ValidationError.from_exception_data(model.__name__, [details])
 
 
+def field_error(model: type, loc: tuple, message: str, value: Any = None, *,
+                missing: bool = False) -> ValidationError:
+    """A ValidationError at the field ``loc`` (``("grad", "metric")``) for a model validator
+    to raise, so that the 422 envelope's ``param`` names that field (a ``ValueError`` raised in
+    a model validator has the model's own location: ``param`` null). ``missing``: the field
+    is absent from the body (the error's type is then pydantic's ``missing``, which the
+    envelope's loc keeps though the body lacks the key)."""
+    err = PydanticCustomError("missing" if missing else "value_error", message)
+    return _one_error(model, loc[0], value, err) if len(loc) == 1 else \
+        ValidationError.from_exception_data(model.__name__, [
+            InitErrorDetails(type=err, loc=tuple(loc), input=value)])
+
+
 _LIST_LIMITS: dict[type, dict[str, int]] = {}
 
 

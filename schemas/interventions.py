@@ -20,7 +20,7 @@ from .common import (
 from .common import (
     TOKEN_LISTS_DOC, TOKENS_DOC, TokenIds, add_bos_echo, add_bos_field, one_input,
 )
-from .common import BYTES_DOC, LABEL_DOC, PARTIAL_DOC, NestedNumbers
+from .common import BYTES_DOC, LABEL_DOC, PARTIAL_DOC, NestedNumbers, field_error
 
 #: most components ablated together in one /v1/ablate request
 MAX_COMPONENTS = 4096
@@ -304,7 +304,8 @@ class AblateRequest(TensorOptions):
                              f"{'text' if reference == 'reference_texts' else 'sequence'} "
                              "(or be null)")
         if self.scan_metric == "logit_diff" and self.scan and self.logit_diff is None:
-            raise ValueError("scan_metric 'logit_diff' needs logit_diff {target, distractor}")
+            raise field_error(type(self), ("logit_diff",), "scan_metric 'logit_diff' needs "
+                              "logit_diff {target, distractor}", missing=True)
         if self.include_patterns and self.scan:
             raise ValueError("include_patterns applies to a single ablation, not a scan")
         return self
@@ -519,7 +520,9 @@ class PatchRequest(StrictModel):
             raise ValueError("a pair's own metric needs a declared metric on the request (its "
                              "kind and reduce)")
         if self.metric == "logit_diff" and self.logit_diff is None:
-            raise ValueError("metric 'logit_diff' needs logit_diff {target, distractor}")
+            raise field_error(type(self), ("logit_diff",), "metric 'logit_diff' (the default) "
+                              "needs logit_diff {target, distractor}, or a declared metric",
+                              missing=True)
         if self.metric != "loss" and self.positions is not None:
             raise ValueError("positions applies to metric 'loss' only")
         if not isinstance(self.metric, str) and self.logit_diff is not None:

@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from .interventions import TopToken
 from .common import (
     MAX_TEXTS, LenientModel, ModelRef, StrictModel, TensorField, Token,
-    TensorOptions, example,
+    TensorOptions, example, field_error,
 )
 
 #: at most this many prompts in one run (max_batch, a setting, may be lower)
@@ -315,8 +315,9 @@ class RunRequest(TensorOptions):
                 raise ValueError("add_bos applies to texts; token ids are used as given (put "
                                  "the BOS id first)")
         if self.grad is not None and self.grad.metric not in self.metrics:
-            raise ValueError(f"grad.metric {self.grad.metric!r} is not declared in 'metrics' "
-                             f"(declared: {sorted(self.metrics)})")
+            raise field_error(type(self), ("grad", "metric"),
+                              f"{self.grad.metric!r} is not declared in 'metrics' (declared: "
+                              f"{sorted(self.metrics)})", self.grad.metric)
         return self
 
     @field_validator("texts")

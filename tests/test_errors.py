@@ -186,6 +186,15 @@ PARAM_CASES = [
     ("/v1/predictions", {"text": "a b", "positions": [0, 0]}, "positions.1", ["repeats"]),
     ("/v1/tokenize", {"tokens": [0, 5, 6, 99999]}, "tokens.3", ["99999"]),
     ("/v1/circuits", {"top_k": 0}, "top_k", ["greater than or equal to 1"]),
+    # model-level rules name their field too (they were param null)
+    ("/v1/patch", {"clean_tokens": [0, 5, 6, 7], "corrupted_tokens": [0, 8, 6, 7]}, "logit_diff",
+     ["logit_diff: metric 'logit_diff' (the default) needs logit_diff {target, distractor}"]),
+    ("/v1/ablate", {"text": "a b c", "scan": True, "scan_metric": "logit_diff"}, "logit_diff",
+     ["scan_metric 'logit_diff' needs logit_diff"]),
+    ("/v1/run", {"token_lists": TOKENS, "grad": {"metric": "m", "hooks": ["hook_embed"]}},
+     "grad.metric", ["grad.metric: 'm' is not declared in 'metrics' (declared: [])"]),
+    ("/v1/run", {"token_lists": TOKENS, "metrics": {"m": LOSS}, "grad": {
+        "metric": "x", "hooks": ["hook_embed"]}}, "grad.metric", ["'x'", "(declared: ['m'])"]),
 ]
 
 
@@ -206,6 +215,51 @@ def test_every_error_names_the_field_as_the_request_spells_it(client, path, body
     for w in words:
         assert w in err["message"], (w, err)
     assert client.get("/healthz").status_code == 200  # and the service keeps serving
+
+
+def test_a_device_limit_reached_while_the_job_runs_names_the_field(gpt2_runtime):
+    """A job stopped as it runs for passing 1.5 x max_request_flops (its estimate was under
+    the limit) names the same field as the refusal before the job: the plan's
+    ``device_param`` (/v1/path-patch: ``pairs``), else ``texts`` / ``text`` by its items (it
+    was param null). Real app, an extra table endpoint whose job multiplies matrices until
+    stopped."""
+    import torch
+    from fastapi.testclient import TestClient
+    from pydantic import BaseModel
+
+    from attnscope.service.app import create_app
+    from attnscope.service.config import Settings
+    from attnscope.service.serving.core.engine import Plan
+    from attnscope.service.serving.core.table import Endpoint, default_table
+
+    class SpinRequest(BaseModel):
+        texts: list[str]
+        device_param: str | None = None
+
+    class SpinResponse(BaseModel):
+        done: bool
+
+    def plan(rt, req, items):
+        def job(_):
+            m = torch.ones(64, 64)
+            while True:
+                m = (m @ m) * 0.0 + 1.0
+        its = [rt.tokenize(t, True, f"texts.{i}") for i, t in enumerate(req.texts)]
+        return Plan(its, job, response_bytes=1 << 20, device_param=req.device_param)
+
+    spin = Endpoint(path="/v1/spin", name="spin", request=SpinRequest, response=SpinResponse,
+                    summary="spin", description="spin", plan=plan, tokenize=False, order=999)
+    app = create_app(Settings(model="bundled", request_timeout_s=0, max_request_flops=1e8),
+                     runtime=gpt2_runtime, endpoints=[*default_table(), spin])
+    with TestClient(app, raise_server_exceptions=False) as c:
+        for body, param in [({"texts": ["a b", "c d"]}, "texts"), ({"texts": ["a b"]}, "text"),
+                            ({"texts": ["a"], "device_param": "pairs"}, "pairs")]:
+            r = c.post("/v1/spin", json=body)
+            assert r.status_code == 422, r.text
+            err = r.json()["error"]
+            assert err["type"] == "device_limit_exceeded" and "passed" in err["message"], err
+            assert err["param"] == param, err
+        assert c.get("/healthz").status_code == 200
 
 
 def test_param_spelling_rewrites_bracketed_paths():

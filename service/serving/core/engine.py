@@ -277,7 +277,7 @@ class Engine:
                       if not in_cache(rt, it.input_ids))
         return check_device(fwd, float(p.device_flops or 0), limit, len(p.items),
                             max((len(it) for it in p.items), default=0), p.detail,
-                            p.device_param)
+                            device_param(p))
 
     @property
     def budget(self) -> MemoryBudget:
@@ -366,7 +366,7 @@ class Engine:
         try:
             return await self._turn(rt, p, token)
         except cancel.JobCancelled as exc:
-            raise stopped(exc.reason, token) from None
+            raise stopped(exc.reason, token, device_param(p)) from None
 
     async def _turn(self, rt: Runtime | None, p: Plan, token) -> Any:
         hits = rt.cached_forwards(p.items) if (rt is not None and p.items) else None
@@ -517,8 +517,16 @@ def in_cache(rt: Runtime, key) -> bool:
 RUN_FLOPS_SLACK = 1.5
 
 
-def stopped(reason: str, token: cancel.CancelToken | None = None) -> Exception:
-    """The request's error for a job stopped for ``reason`` (service/serving/core/cancel.py)."""
+def device_param(p: Plan) -> str:
+    """The request field a device-work refusal names (before the job or while it runs): the
+    plan's ``device_param``, else ``texts`` / ``text`` (estimates.check_device's rule)."""
+    return p.device_param or ("texts" if len(p.items) > 1 else "text")
+
+
+def stopped(reason: str, token: cancel.CancelToken | None = None,
+            param: str | None = None) -> Exception:
+    """The request's error for a job stopped for ``reason`` (service/serving/core/cancel.py);
+    ``param``: the field a device-limit stop names (:func:`device_param`)."""
     if reason == cancel.OVER_LIMIT:
         from .estimates import fmt_flops
 
@@ -528,7 +536,7 @@ def stopped(reason: str, token: cancel.CancelToken | None = None) -> Exception:
             f"this request's device work passed {fmt_flops(ran)} of matrix products and was "
             f"stopped: the limit is {fmt_flops(limit)} (max_request_flops = {limit:.4g}; a job "
             f"may run {RUN_FLOPS_SLACK:g}x it). Send fewer or shorter texts, fewer positions, "
-            "layers or variants")
+            "layers or variants", param)
     if reason == cancel.SHUTDOWN:
         return ShuttingDown("the service is shutting down and stopped this request's work at "
                             "the end of its grace period; retry (another replica answers)")
