@@ -646,6 +646,24 @@ class PatchGrid(LenientModel):
                                "position the metric reads (causal model).")
 
 
+class ProgressReport(LenientModel):
+    done: int = Field(description="Units of the job done so far (0 at the start; == total at "
+                      "the end).")
+    total: int = Field(description="Units of the whole job.")
+    unit: str = Field(description="What is counted: 'cells' (/v1/patch of one pair: the cells "
+                      "of the grids asked), 'pairs' (/v1/patch over pairs, /v1/path-patch: "
+                      "pairs done).")
+
+
+class ProgressLine(LenientModel):
+    """One progress line of a streamed answer (``Accept: application/x-ndjson``, docs/api.md
+    "Streamed progress"): every line but the last is one of these; the last line is the
+    endpoint's normal response body, or the error envelope when the job failed after the
+    stream began (the status is 200 by then)."""
+
+    progress: ProgressReport = Field(description="The job's progress at the time of the line.")
+
+
 AblateResponse.model_rebuild()
 AblateDataset.model_rebuild()
 PatchResponse.model_rebuild()

@@ -335,3 +335,29 @@ def test_async_client_on_progress_takes_a_coroutine_function(gpt2_runtime):
     a, b = asyncio.run(main())
     assert a.model_dump() == b.model_dump()
     assert seen == [(0, 1, "pairs"), (1, 1, "pairs")]
+
+
+def test_the_ndjson_200_is_in_the_openapi_and_every_line_validates(sc):
+    """/openapi.json documents the streamed 200 of /v1/patch and /v1/path-patch (content
+    application/x-ndjson, each line ProgressLine | the response | ErrorResponse); every line
+    of a real stream validates against it, a progress line with a string ``done`` does not,
+    and endpoints that do not stream have no NDJSON content."""
+    import jsonschema
+
+    spec = sc.get("/openapi.json").json()
+    for path, resp in (("/v1/patch", "PatchResponse"), ("/v1/path-patch", "PathPatchResponse")):
+        content = spec["paths"][path]["post"]["responses"]["200"]["content"]
+        assert set(content) == {"application/json", NDJSON}
+        refs = [x["$ref"].rsplit("/", 1)[-1] for x in content[NDJSON]["schema"]["anyOf"]]
+        assert refs == ["ProgressLine", resp, "ErrorResponse"]
+    for path in ("/v1/attention", "/v1/ablate", "/v1/run"):
+        assert NDJSON not in spec["paths"][path]["post"]["responses"]["200"]["content"]
+    schema = spec["paths"]["/v1/patch"]["post"]["responses"]["200"]["content"][NDJSON]["schema"]
+    v = jsonschema.Draft202012Validator({**schema, "components": spec["components"]})
+    line = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/ProgressLine",
+                                            "components": spec["components"]})
+    progress, last = streamed(sc, "/v1/patch", HOOK_GRID)
+    for doc in [*progress, json.loads(last)]:
+        assert [e.message for e in v.iter_errors(doc)] == []
+    assert all(line.is_valid(p) for p in progress) and not line.is_valid(json.loads(last))
+    assert not line.is_valid({"progress": {"done": "1", "total": 2, "unit": "cells"}})

@@ -4352,6 +4352,39 @@ export interface components {
         } & {
             [key: string]: unknown;
         };
+        /**
+         * ProgressLine
+         * @description One progress line of a streamed answer (``Accept: application/x-ndjson``, docs/api.md
+         *     "Streamed progress"): every line but the last is one of these; the last line is the
+         *     endpoint's normal response body, or the error envelope when the job failed after the
+         *     stream began (the status is 200 by then).
+         */
+        ProgressLine: {
+            /** @description The job's progress at the time of the line. */
+            progress: components["schemas"]["ProgressReport"];
+        } & {
+            [key: string]: unknown;
+        };
+        /** ProgressReport */
+        ProgressReport: {
+            /**
+             * Done
+             * @description Units of the job done so far (0 at the start; == total at the end).
+             */
+            done: number;
+            /**
+             * Total
+             * @description Units of the whole job.
+             */
+            total: number;
+            /**
+             * Unit
+             * @description What is counted: 'cells' (/v1/patch of one pair: the cells of the grids asked), 'pairs' (/v1/patch over pairs, /v1/path-patch: pairs done).
+             */
+            unit: string;
+        } & {
+            [key: string]: unknown;
+        };
         /** Prompt */
         Prompt: {
             /**
@@ -6698,13 +6731,14 @@ export interface operations {
             };
         };
         responses: {
-            /** @description Successful Response */
+            /** @description JSON, or with Accept: application/x-ndjson a stream of progress lines and the body as its last line (docs/api.md, 'Streamed progress'). */
             200: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
                     "application/json": components["schemas"]["PatchResponse"];
+                    "application/x-ndjson": components["schemas"]["ProgressLine"] | components["schemas"]["PatchResponse"] | components["schemas"]["ErrorResponse"];
                 };
             };
             /** @description API keys are configured and none was valid. */
@@ -6776,13 +6810,14 @@ export interface operations {
             };
         };
         responses: {
-            /** @description Successful Response */
+            /** @description JSON, or with Accept: application/x-ndjson a stream of progress lines and the body as its last line (docs/api.md, 'Streamed progress'). */
             200: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
                     "application/json": components["schemas"]["PathPatchResponse"];
+                    "application/x-ndjson": components["schemas"]["ProgressLine"] | components["schemas"]["PathPatchResponse"] | components["schemas"]["ErrorResponse"];
                 };
             };
             /** @description API keys are configured and none was valid. */

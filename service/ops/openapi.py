@@ -2,11 +2,14 @@
 
 * :func:`document_errors`: every 4xx/5xx body in ``/openapi.json`` is the envelope
   (``ErrorResponse``), and ``/v1/...`` documents 401 / 504 when keys / a time limit are set;
+  the line schema of the streamed (NDJSON) 200s, ``ProgressLine``, is in its components;
 * :func:`route_template` / :func:`openapi_templates`: the matched route's path template (a
   bounded metrics label), also for requests answered before routing (401, 413, 504).
 """
 
 from __future__ import annotations
+
+import json
 
 from fastapi import FastAPI
 
@@ -39,6 +42,17 @@ def openapi_templates(app: FastAPI):
     return match
 
 
+def _component(comps: dict, model) -> None:
+    """``model``'s JSON schema (and the schemas it refers to) under ``components/schemas``
+    unless there already."""
+    if model.__name__ in comps:
+        return
+    js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    for name, sub in js.pop("$defs", {}).items():
+        comps.setdefault(name, sub)
+    comps[model.__name__] = js
+
+
 def document_errors(app: FastAPI, keys: bool, timeout_s: float) -> None:
     """Make OpenAPI tell the truth about errors: every 4xx/5xx body is the envelope
     (``ErrorResponse``), not FastAPI's ``HTTPValidationError``; ``/v1/...`` documents 401 when
@@ -52,10 +66,11 @@ def document_errors(app: FastAPI, keys: bool, timeout_s: float) -> None:
             return app.openapi_schema
         spec = build()
         comps = spec.setdefault("components", {}).setdefault("schemas", {})
-        if "ErrorResponse" not in comps:
-            js = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-            comps.update(js.pop("$defs", {}))
-            comps["ErrorResponse"] = js
+        _component(comps, ErrorResponse)
+        if '"#/components/schemas/ProgressLine"' in json.dumps(spec.get("paths", {})):
+            from attnscope.schemas.interventions import ProgressLine
+
+            _component(comps, ProgressLine)  # the NDJSON 200's line schema (streams=True)
         ref = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
         extra = {}
         if keys:

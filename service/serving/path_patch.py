@@ -768,7 +768,7 @@ hand-written TransformerLens 4.3 loop that freezes every other component (tests/
 test_path_patch.py). Errors: 422 the prompts of a pair of different lengths, a sender not
 before its receiver, an unknown component kind, a layer/head/position out of range, a metric
 term naming another run; 429 over the memory budget.""",
-        plan=plan, check=check, tokenize=False,
+        plan=plan, check=check, tokenize=False, streams=True,
         invalid="Invalid request: prompts of a pair of different lengths, a sender after its "
                 "receiver, an unknown component, an index out of range, memory.",
         tags=("interventions",), order=93,

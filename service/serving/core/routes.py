@@ -255,6 +255,23 @@ def _responses(ep: Endpoint) -> dict:
     if ep.request is None:
         return {}
     out = error_responses(ep.invalid, device=ep.device)
+    if ep.streams:
+        from .engine import NDJSON
+
+        ref = "#/components/schemas/"
+        out = {
+            200: {"content": {NDJSON: {"schema": {
+                "description": "One JSON document a line: ProgressLine lines while the job "
+                               "runs, then the response body (or, when the job failed after "
+                               "the stream began, the error envelope).",
+                "anyOf": [{"$ref": ref + "ProgressLine"},
+                          {"$ref": ref + ep.response.__name__},
+                          {"$ref": ref + "ErrorResponse"}]}}},
+                  "description": "JSON, or with Accept: application/x-ndjson a stream of "
+                                 "progress lines and the body as its last line (docs/api.md, "
+                                 "'Streamed progress')."},
+            **out,
+        }
     if ep.binary:
         out = {
             200: {"content": {SAFETENSORS: {}}, "description": "JSON, or with Accept: "

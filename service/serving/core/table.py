@@ -38,7 +38,9 @@ class Endpoint:
     /v1/model, /v1/tokenize); replaces the engine call. ``summary``, ``description`` (the
     OpenAPI text: formula, units, source, errors), ``invalid`` (its 422 cases), ``tags``.
     ``device``: the route waits for the device (documents 429). ``order``: position in the
-    table (OpenAPI and clients list endpoints in this order).
+    table (OpenAPI and clients list endpoints in this order). ``streams``: its plans report
+    progress, so ``Accept: application/x-ndjson`` gets the NDJSON 200 (progress lines, then
+    the body; documented in OpenAPI with the line schema ``ProgressLine``).
     """
 
     path: str
@@ -58,6 +60,7 @@ class Endpoint:
     tags: tuple[str, ...] = ()
     device: bool = True
     order: int = 100
+    streams: bool = False
 
     @property
     def method(self) -> str:
