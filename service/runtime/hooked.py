@@ -900,21 +900,58 @@ def _plan(p: GPT2Parts, B: int, T: int, cache, interventions, grad) -> _Plan:
 class _Run:
     """One forward's state: the plan, what it keeps, the gradient inputs."""
 
-    def __init__(self, plan: _Plan, grad: bool, keep=None):
+    def __init__(self, plan: _Plan, grad: bool, keep=None, into=None):
         self.plan = plan
         self.out: dict[str, Any] = {}
         self.grad_inputs: dict[str, torch.Tensor] = {}
         self.grad = grad
         self.keep = keep
+        self.into: Mapping[str, torch.Tensor] = into or {}
+        self._scores: torch.Tensor | None = None  # with ``into``: every layer's scores buffer
+
+    def target(self, site: _Site | None, like: torch.Tensor) -> torch.Tensor | None:
+        """``into``'s tensor of ``site`` when the forward may compute the hook's value
+        straight into it (unedited, no gradient, ``like``'s shape, dtype and device)."""
+        t = None if site is None or site.edits or site.grad else self.into.get(site.hp.name)
+        if t is None or t.shape != like.shape or t.dtype != like.dtype \
+                or t.device != like.device or not t.is_contiguous():
+            return None
+        return t
+
+    def scores(self, site: _Site | None, q: torch.Tensor, k: torch.Tensor, scaling: float,
+               mask: torch.Tensor, softcap: float | None = None) -> torch.Tensor | None:
+        """With ``into`` (a recorded forward) and no scores hook: ``q.k^T * scaling``
+        (``c * tanh(s / c)`` with a soft-cap) ``+ mask`` in ONE buffer every layer reuses, the
+        same kernels in place (bit for bit); else None (the caller's out-of-place code). At
+        T = 1024 on GPT-2-small shapes each fresh [head, query_pos, key_pos] tensor is 50 MB
+        faulted in afresh, three per layer."""
+        if not self.into or site is not None or self.grad or q.requires_grad:
+            return None
+        shape = (*q.shape[:-1], k.shape[-2])
+        buf = self._scores
+        if buf is None or buf.shape != shape or buf.dtype != q.dtype or buf.device != q.device:
+            buf = self._scores = torch.empty(shape, dtype=q.dtype, device=q.device)
+        torch.matmul(q, k.transpose(-1, -2), out=buf)
+        buf.mul_(scaling)
+        if softcap is not None:
+            buf.div_(softcap).tanh_().mul_(softcap)
+        return buf.add_(mask)
 
     def at(self, site: _Site, x: torch.Tensor, tl_view=None) -> torch.Tensor:
-        """Apply ``site``'s edits in order, register it for the gradient, keep its cache."""
+        """Apply ``site``'s edits in order, register it for the gradient, keep its cache
+        (a hook of ``into``: copied there, or already computed there)."""
         for e in site.edits:
             x = e.apply(x)
         if site.grad:
             if not x.requires_grad:  # nothing upstream needs a gradient: a leaf here
                 x = x.detach().requires_grad_(True)
             self.grad_inputs[site.hp.name] = x
+        t = self.into.get(site.hp.name) if site.cache is not None else None
+        if t is not None:
+            if t is not x:
+                t.copy_((x if tl_view is None else tl_view(x)).detach())
+            self.out[site.hp.name] = t
+            return x
         if site.cache is not None:
             v = site.cache.take(x if tl_view is None else tl_view(x))
             if self.keep is not None:  # e.g. the wire form: the clone is freed right here
@@ -985,15 +1022,17 @@ def _block(p: GPT2Parts, blk: Block, r: _Run, sites: dict, x: torch.Tensor,
             qkv4[i] = r.at(s, qkv4[i])
     q, k, v = (t.transpose(1, 2) for t in qkv4)  # [batch, head, pos, d_head]
     # 2. scores = q.k^T * scaling + mask (finfo.min above the diagonal), [b, head, q, k]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * blk.scaling
-    scores = scores + mask
+    scores = r.scores(get("scores"), q, k, blk.scaling, mask)
+    if scores is None:
+        scores = torch.matmul(q, k.transpose(-1, -2)) * blk.scaling
+        scores = scores + mask
     if (s := get("scores")) is not None:
         new = r.at(s, scores, tl_view=lambda t: t.masked_fill(masked, float("-inf")))
         if s.edits:  # keep the model causal after an edit
             new = new.masked_fill(masked, torch.finfo(new.dtype).min)
         scores = new
     # 3. pattern = softmax in the dtype; z = pattern @ v, [batch, pos, head, d_head]
-    pattern = torch.softmax(scores, dim=-1).type(v.dtype)
+    pattern = torch.softmax(scores, dim=-1, out=r.target(get("pattern"), scores)).type(v.dtype)
     if (s := get("pattern")) is not None:
         pattern = r.at(s, pattern)
     z = torch.matmul(pattern, v).transpose(1, 2)

@@ -530,19 +530,22 @@ def _block(p: FamilyParts, blk: FamilyBlock, r, sites: dict, x: torch.Tensor,
     # 3. scores = q.k^T * scaling (soft-capped), + mask, [batch, head, query_pos, key_pos]
     k = _repeat_kv(k, p.kv_group)
     v = _repeat_kv(v, p.kv_group)
-    scores = torch.matmul(q, k.transpose(2, 3)) * blk.scaling
-    if p.attn_softcap is not None:
-        scores = scores / p.attn_softcap
-        scores = torch.tanh(scores)
-        scores = scores * p.attn_softcap
-    scores = scores + mask
+    scores = r.scores(get("scores"), q, k, blk.scaling, mask, p.attn_softcap)
+    if scores is None:
+        scores = torch.matmul(q, k.transpose(2, 3)) * blk.scaling
+        if p.attn_softcap is not None:
+            scores = scores / p.attn_softcap
+            scores = torch.tanh(scores)
+            scores = scores * p.attn_softcap
+        scores = scores + mask
     if (s := get("scores")) is not None:
         new = r.at(s, scores, tl_view=lambda t: t.masked_fill(masked, float("-inf")))
         if s.edits:  # keep the model causal (and windowed) after an edit
             new = new.masked_fill(masked, torch.finfo(new.dtype).min)
         scores = new
     # 4. pattern: softmax in float32; z = pattern @ v, [batch, pos, head, d_head]
-    pattern = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = r.target(get("pattern"), scores) if scores.dtype == torch.float32 else None
+    pattern = torch.softmax(scores, dim=-1, dtype=torch.float32, out=out).to(q.dtype)
     if (s := get("pattern")) is not None:
         pattern = r.at(s, pattern)
     z = torch.matmul(pattern, v).transpose(1, 2).contiguous()
