@@ -105,8 +105,10 @@ class ScratchAttentionRequest(TensorOptions):
     project: int | None = Field(
         None, ge=1, le=MAX_DIM,
         description="'text' source: project Q and K (not V) onto this many PCA components fitted "
-        "on the whole embedding matrix (whiten=True, svd_solver='randomized', random_state=seed), "
-        "as the source's project_embeddings; null = no projection. At most d_model.",
+        "on the whole embedding matrix (whiten=True; the exact PCA, equal to scikit-learn's "
+        "svd_solver='full' with its signs, of which the source's project_embeddings' "
+        "svd_solver='randomized' is an approximation; deterministic, seed-independent); "
+        "null = no projection. At most min(vocab, d_model).",
     )
     variant: Variant = Field(
         "self",
@@ -127,8 +129,8 @@ class ScratchAttentionRequest(TensorOptions):
     )
     seed: int = Field(
         0, ge=0, le=2**32 - 1,
-        description="Seed of the random queries (cross without query_text) and random_state of "
-        "the PCA.",
+        description="Seed of the random queries (cross without query_text). The PCA of "
+        "'project' is exact and uses no seed.",
     )
 
     @field_validator("q", "k", "v")

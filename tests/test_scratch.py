@@ -168,7 +168,9 @@ def test_text_projected_matches_sklearn(client, gpt2_runtime):
     emb = _emb(gpt2_runtime)
     # the reference on the tokens the response reports (add_bos null: BOS first for GPT-2)
     ids = list(gpt2_runtime.tokenize(SENTENCE, add_bos=True).input_ids)
-    pca = PCA(n_components=16, whiten=True, svd_solver="randomized", random_state=0).fit(emb)
+    # the exact PCA (issue 29 item 8: no longer sklearn's randomized solver, whose LU power
+    # iterations held the GIL; on this matrix its 16 axes are off by up to 0.41 whitened units)
+    pca = PCA(n_components=16, whiten=True, svd_solver="full").fit(emb)
     P = pca.transform(emb[ids])
     out, W = np_attention(P, P, emb[ids], mask=np.tril(np.ones((len(ids), len(ids)), bool)))
     r = client.post(URL, json={"text": SENTENCE, "project": 16, "variant": "causal"})
@@ -310,12 +312,12 @@ def test_scratch_weights_cap_text_source(bert_client):
 
 @pytest.mark.regression
 def test_embedding_pca_fit_is_cached(client, gpt2_runtime):
-    from attnscope.service.analysis.scratch import fit_embedding_pca
+    from attnscope.service.analysis.scratch import embedding_pca
 
     emb = gpt2_runtime.adapter.embed_matrix()
-    a = fit_embedding_pca(emb, 3, 7)
-    assert fit_embedding_pca(emb, 3, 7) is a
-    assert fit_embedding_pca(emb, 3, 8) is not a
+    a = embedding_pca(emb, 3)
+    assert embedding_pca(emb, 3) is a and embedding_pca(emb, 7) is a  # one fit, every width
+    assert embedding_pca(emb.clone(), 3) is not a  # another matrix
     body = {"text": "hello world", "project": 3, "seed": 7}
     r1, r2 = (client.post("/v1/scratch-attention", json=body) for _ in range(2))
     assert r1.status_code == r2.status_code == 200 and r1.json() == r2.json()
@@ -376,3 +378,90 @@ def test_scratch_base64_round_trip(client, dtype):
     big = {"q": (q * 300).tolist(), "k": (k * 300).tolist(), "v": v.tolist()}
     assert_error(client.post("/v1/scratch-attention", json={**big, "encoding": "base64",
                                                            "dtype": "float16"}), param="dtype")
+
+
+# --- scratch-attention: the projection's PCA held the GIL (issue 29 item 8) -------------------
+# scikit-learn's randomized PCA normalised its power iterations with scipy.linalg.lu, which
+# holds the GIL: on a GPT-2-small-shaped embedding ~1.2 s of event-loop lag (bench/loop_stalls.py)
+
+
+@pytest.mark.parametrize("k", [1, 16, 128])
+def test_embedding_pca_equals_sklearn_full_solver(gpt2_runtime, k):
+    from sklearn.decomposition import PCA
+
+    from attnscope.service.analysis.scratch import embedding_pca
+
+    emb = _emb(gpt2_runtime)
+    ref = PCA(n_components=k, whiten=True, svd_solver="full").fit(emb)
+    ours = embedding_pca(gpt2_runtime.adapter.embed_matrix(), k)
+    # same signs as sklearn's svd_flip: no alignment needed
+    np.testing.assert_allclose(ours.components[:k].numpy(), ref.components_, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(ours.explained_variance[:k].numpy(), ref.explained_variance_,
+                               rtol=1e-12)
+    x = emb[::97]
+    np.testing.assert_allclose(ours.transform(torch.from_numpy(x), k).numpy(), ref.transform(x),
+                               rtol=0, atol=1e-10)
+
+
+def test_embedding_pca_of_a_wide_matrix_equals_sklearn():
+    # vocab < d_model: the thin-SVD branch
+    from sklearn.decomposition import PCA
+
+    from attnscope.service.analysis.scratch import embedding_pca
+
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    ref = PCA(n_components=30, whiten=True, svd_solver="full").fit(x.numpy())
+    got = embedding_pca(x, 30).transform(x[:7], 30).numpy()
+    np.testing.assert_allclose(got, ref.transform(x[:7].numpy()), rtol=0, atol=1e-10)
+
+
+_GIL_HOLDING = [("scipy.linalg", n) for n in ("lu", "lu_factor", "qr", "svd", "eigh")] + [
+    ("numpy.linalg", n) for n in ("qr", "svd", "eigh")] + [
+    ("sklearn.utils.extmath", "randomized_svd"), ("sklearn.decomposition.PCA", "fit"),
+    ("sklearn.decomposition.PCA", "transform")]
+
+
+def _projected_with_gil_holders_refused(client, monkeypatch, torch_calls):
+    """POST a projected text after a fresh fit with scikit-learn's, scipy's and numpy's linear
+    algebra made to raise (what runs is torch's, whose ops give the GIL back while they
+    compute); ``torch.linalg.eigh`` calls are recorded in ``torch_calls``."""
+    import importlib
+
+    from attnscope.service.analysis import scratch
+
+    for mod, name in _GIL_HOLDING:
+        owner = (importlib.import_module(mod) if name != "fit" and name != "transform"
+                 else importlib.import_module(mod.rsplit(".", 1)[0]).PCA)
+
+        def refuse(*a, _n=f"{mod}.{name}", **k):
+            raise AssertionError(f"{_n} called: it holds the GIL")
+
+        monkeypatch.setattr(owner, name, refuse)
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda *a, **k: torch_calls.append(1) or eigh(*a, **k))
+    scratch.clear_pca_cache()
+    return client.post(URL, json={"text": SENTENCE, "project": 16})
+
+
+def test_the_projection_fit_runs_on_gil_releasing_torch_ops(client, monkeypatch):
+    calls: list = []
+    r = _projected_with_gil_holders_refused(client, monkeypatch, calls)
+    assert r.status_code == 200, r.text
+    assert calls == [1] and r.json()["d_k"] == 16
+
+
+def test_planted_fault_a_scikit_learn_fit_is_caught(client, monkeypatch):
+    from sklearn.decomposition import PCA
+
+    from attnscope.service.analysis import scratch
+
+    def sklearn_fit(X):  # the old path: scikit-learn's randomized solver
+        pca = PCA(16, whiten=True, svd_solver="randomized", random_state=0).fit(X.numpy())
+        return scratch.EmbeddingPCA(torch.from_numpy(pca.mean_), torch.from_numpy(pca.components_),
+                                    torch.from_numpy(pca.explained_variance_))
+
+    monkeypatch.setattr(scratch, "_exact_pca", sklearn_fit)
+    calls: list = []
+    r = _projected_with_gil_holders_refused(client, monkeypatch, calls)
+    assert r.status_code == 500 and calls == []
+    scratch.clear_pca_cache()

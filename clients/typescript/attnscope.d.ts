@@ -561,7 +561,10 @@ export interface paths {
          *     unscaled toy example of 001_92e9928af52718c3.txt.
          *
          *     Q, K, V are the given ``q``, ``k``, ``v``, or the static token embeddings of ``text``
-         *     (optionally PCA-projected for Q and K, the source's ``project_embeddings``). Variants: self,
+         *     (optionally PCA-projected for Q and K, the source's ``project_embeddings``: whitened, onto the
+         *     first ``project`` axes of the exact PCA of the embedding matrix, equal to scikit-learn's
+         *     ``svd_solver='full'`` to rounding, where the source's ``'randomized'`` approximates it; one
+         *     fit per model, cached, computed with torch ops that never hold the event loop). Variants: self,
          *     causal (tril mask), cross (queries from ``query_text`` or seeded random), multi-head split
          *     (``n_heads``). Returns ``weights`` and ``scores`` ``[head, query_pos, key_pos]`` and
          *     ``output`` ``[query_pos, d_v]``. The matrices source needs no model.
@@ -4996,7 +4999,7 @@ export interface components {
             n_heads?: number;
             /**
              * Project
-             * @description 'text' source: project Q and K (not V) onto this many PCA components fitted on the whole embedding matrix (whiten=True, svd_solver='randomized', random_state=seed), as the source's project_embeddings; null = no projection. At most d_model.
+             * @description 'text' source: project Q and K (not V) onto this many PCA components fitted on the whole embedding matrix (whiten=True; the exact PCA, equal to scikit-learn's svd_solver='full' with its signs, of which the source's project_embeddings' svd_solver='randomized' is an approximation; deterministic, seed-independent); null = no projection. At most min(vocab, d_model).
              */
             project?: number | null;
             /**
@@ -5027,7 +5030,7 @@ export interface components {
             scale?: boolean;
             /**
              * Seed
-             * @description Seed of the random queries (cross without query_text) and random_state of the PCA.
+             * @description Seed of the random queries (cross without query_text). The PCA of 'project' is exact and uses no seed.
              * @default 0
              */
             seed?: number;

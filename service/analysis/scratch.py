@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -156,24 +157,75 @@ _PCA_CACHE_SIZE = 8
 _PCA_LOCK = threading.Lock()
 
 
-def fit_embedding_pca(emb: torch.Tensor, n_components: int, random_state: int = 0):
-    """The fitted scikit-learn PCA of the source's ``project_embeddings`` (fit once, transform
-    many): ``PCA(n_components, whiten=True, svd_solver="randomized")`` fitted on ``emb``, with a
-    fixed ``random_state`` so the answer is reproducible (whitened: unit variance per component
-    over the vocabulary).
+@dataclass(frozen=True)
+class EmbeddingPCA:
+    """The exact PCA of an embedding matrix ``[vocab, d_model]``, every component kept
+    (``r = min(vocab, d_model)``), float64 on the CPU:
+
+    * ``mean`` ``[d_model]``: the column means (what scikit-learn's ``mean_`` holds);
+    * ``components`` ``[r, d_model]``: unit principal axes, largest variance first, each signed
+      so that its entry of largest magnitude is positive (scikit-learn's ``svd_flip`` with
+      ``u_based_decision=False``, as its 'full' and 'covariance_eigh' solvers sign them);
+    * ``explained_variance`` ``[r]``: the variance along each axis, ``S**2 / (vocab - 1)``
+      (``explained_variance_``).
+    """
+
+    mean: torch.Tensor
+    components: torch.Tensor
+    explained_variance: torch.Tensor
+
+    def transform(self, x: torch.Tensor, n_components: int) -> torch.Tensor:
+        """Whitened projection onto the first ``n_components`` axes, as scikit-learn's
+        ``PCA(n_components, whiten=True).transform``: ``(x - mean) @ components[:n].T /
+        sqrt(explained_variance[:n])``; ``x`` ``[pos, d_model]`` -> ``[pos, n_components]``,
+        float64 (unit variance per component over the vocabulary)."""
+        n = int(n_components)
+        x = x.to("cpu", torch.float64) - self.mean
+        return (x @ self.components[:n].T) / self.explained_variance[:n].sqrt()
+
+
+def _exact_pca(X: torch.Tensor) -> EmbeddingPCA:
+    """:class:`EmbeddingPCA` of ``X`` ``[n, d]`` (a float64 copy: centred in place). Torch ops
+    only, each of which gives the GIL back while it computes (scikit-learn's randomized
+    solver normalises its power iterations with ``scipy.linalg.lu``, which holds the GIL: on a
+    [50257, 768] embedding ~1.2 s of event-loop lag). For ``n >= d`` the eigendecomposition
+    of the ``[d, d]`` covariance ``Xc^T Xc / (n - 1)`` (``torch.linalg.eigh``; scikit-learn's
+    'covariance_eigh' solver); otherwise the thin SVD of ``Xc`` (its 'full' solver). Both are
+    exact: the axes are those of the 'full' solver's SVD up to rounding (eigenvalue gaps
+    permitting)."""
+    mean = X.mean(0)
+    X -= mean
+    n, d = X.shape
+    if n >= d:
+        evals, evecs = torch.linalg.eigh((X.T @ X) / (n - 1))  # ascending
+        components = evecs.flip(-1).T.contiguous()  # [d, d], largest variance first
+        var = evals.flip(-1).clamp(min=0.0)  # rounding can leave -1e-17 for a null axis
+    else:
+        _, S, Vt = torch.linalg.svd(X, full_matrices=False)
+        components, var = Vt, S * S / max(n - 1, 1)
+    # svd_flip(u_based_decision=False): each axis's largest-magnitude entry positive
+    pick = components.abs().argmax(-1, keepdim=True)
+    components = components * torch.sign(components.gather(-1, pick))
+    return EmbeddingPCA(mean, components, var)
+
+
+def embedding_pca(emb: torch.Tensor, n_components: int) -> EmbeddingPCA:
+    """The exact PCA of the embedding matrix ``emb`` ``[vocab, d_model]`` for the source's
+    ``project_embeddings`` (fit once, transform many): :class:`EmbeddingPCA`, from which
+    ``transform(x, n_components)`` equals scikit-learn's ``PCA(n_components, whiten=True,
+    svd_solver='full').fit(emb).transform(x)`` to rounding (the source's own
+    ``svd_solver='randomized'`` approximates the same axes; its power iterations held the
+    GIL). Deterministic: no seed.
 
     Pass the model's own matrix (its storage is part of the key; the fit runs in float64 as
-    the source does). A fit of a large embedding matrix takes seconds (MiniLM's [30522, 384] with 384 components:
-    ~5-20 s on 2 cores), so fits are cached (the last 8, keyed by the matrix's storage, shape,
-    a checksum, ``n_components`` and ``random_state``) and run one at a time, so concurrent
-    requests never fan out into many simultaneous fits. The fitted object is shared: callers
-    only ``transform``.
+    the source does). One decomposition serves every ``n_components``, so it is cached (the
+    last 8 matrices, keyed by the matrix's storage, shape, dtype and a checksum; ~5 MB for
+    d_model 768) and fits run one at a time, so concurrent requests never fan out into many
+    simultaneous fits. The cached object is shared: callers only ``transform``.
 
     Raises:
-        InvalidRequest: ``n_components`` above min(vocab, d_model) (param ``project``).
+        InvalidRequest: ``n_components`` outside 1..min(vocab, d_model) (param ``project``).
     """
-    from sklearn.decomposition import PCA
-
     limit = min(emb.shape)
     if not 1 <= n_components <= limit:
         raise InvalidRequest(
@@ -182,19 +234,23 @@ def fit_embedding_pca(emb: torch.Tensor, n_components: int, random_state: int = 
         )
     emb = emb.detach()
     key = (emb.data_ptr(), tuple(emb.shape), str(emb.dtype),
-           float(emb[:: max(1, emb.shape[0] // 64)].double().sum()), n_components, random_state)
+           float(emb[:: max(1, emb.shape[0] // 64)].double().sum()))
     with _PCA_LOCK:
         pca = _PCA_CACHE.get(key)
         if pca is not None:
             _PCA_CACHE.move_to_end(key)
             return pca
-        pca = PCA(n_components=n_components, whiten=True, svd_solver="randomized",
-                  random_state=random_state)
-        pca.fit(emb.to("cpu", torch.float64).numpy())  # float64, as the source fits it
+        pca = _exact_pca(emb.to("cpu", torch.float64, copy=True))  # float64, as the source
         _PCA_CACHE[key] = pca
         while len(_PCA_CACHE) > _PCA_CACHE_SIZE:
             _PCA_CACHE.popitem(last=False)
         return pca
+
+
+def clear_pca_cache() -> None:
+    """Forget every cached :func:`embedding_pca` (benchmarks time a fresh fit)."""
+    with _PCA_LOCK:
+        _PCA_CACHE.clear()
 
 
 def embedding_qkv(
@@ -211,8 +267,8 @@ def embedding_qkv(
     seq_emb``, ``Q = emb[query_ids]``, or, without ``query_ids``, uniform random numbers in
     [0, 1) shaped like K drawn from a ``torch.Generator`` seeded with ``seed`` (the source's
     ``torch.rand_like``). With ``project``: Q and K (never V) are replaced by their
-    PCA projection (:func:`fit_embedding_pca`, fitted on ``emb``; random queries are drawn
-    in the projected width). Returns ``(Q [query_pos, d_k], K [key_pos, d_k], V [key_pos, d_model])``.
+    whitened projection onto the first ``project`` axes of the exact PCA of ``emb``
+    (:func:`embedding_pca`; random queries are drawn in the projected width). Returns ``(Q [query_pos, d_k], K [key_pos, d_k], V [key_pos, d_model])``.
     """
     emb = emb.detach()  # the model's own matrix: only the rows used are copied to float64
 
@@ -226,10 +282,10 @@ def embedding_qkv(
     V = seq_emb
     K = seq_emb
     if project is not None:
-        pca = fit_embedding_pca(emb, project, random_state=seed)
-        K = torch.tensor(pca.transform(seq_emb.numpy()), dtype=torch.float64)
+        pca = embedding_pca(emb, project)
+        K = pca.transform(seq_emb, project)
         if q_emb is not None:
-            q_emb = torch.tensor(pca.transform(q_emb.numpy()), dtype=torch.float64)
+            q_emb = pca.transform(q_emb, project)
     if variant == "cross":
         if q_emb is None:
             g = torch.Generator().manual_seed(int(seed))

@@ -64,7 +64,9 @@ def _build(req: LinksRequest, forwards, rt=None) -> list[dict]:
                 raise NonFiniteValues(f"layer {req.layer}'s value vectors hold NaN/inf; "
                                       "refusing to rank by norm")
         found = strongest_links(rank, req.top_k, req.exclude_self, req.ignore, req.direction)
-        w = weights.tolist() if req.by == "norm" else None  # the weights of norm-ranked links
+        # the weights of norm-ranked links (float64 holds every float32/16 value exactly;
+        # rows become lists one at a time: no GIL-holding tolist() of the whole matrix)
+        w = weights.detach().to("cpu", torch.float64).numpy() if req.by == "norm" else None
         labels = [t.label for t in fw.tokens.tokens]
         # float32 weights as their shortest round-tripping decimal (as orjson writes float32)
         rnd = ((lambda w: round(w, req.round)) if req.round is not None
@@ -72,20 +74,23 @@ def _build(req: LinksRequest, forwards, rt=None) -> list[dict]:
         out.append({
             "tokens": [t.as_dict() for t in fw.tokens.tokens],
             "links": [{"query_pos": ql.query_pos, "query": labels[ql.query_pos],
-                       "links": [_target(ql.query_pos, k, labels, rnd, w) for k in ql.links]}
-                      for ql in found],
+                       "links": _targets(ql, labels, rnd, w)} for ql in found],
             "skipped": skipped_queries(fw.n_tokens, found),
         })
     return out
 
 
-def _target(q: int, link, labels, rnd, weights) -> dict:
-    """One link. Ranked by weight (``weights`` None): ``link.weight`` is the attention weight;
-    ranked by norm: ``link.weight`` is the norm and ``weights[q][key]`` the attention weight."""
-    k = link.key_pos
+def _targets(ql, labels, rnd, weights) -> list[dict]:
+    """One query's links. Ranked by weight (``weights`` None): ``ql.weights`` are the
+    attention weights; ranked by norm: ``ql.weights`` are the norms and ``weights[q][key]``
+    the attention weights. Dicts of ints, strings and floats only, which the cyclic garbage
+    collector does not track (no full collections set off by a million-link body)."""
     if weights is None:
-        return {"key_pos": k, "key": labels[k], "weight": rnd(link.weight)}
-    return {"key_pos": k, "key": labels[k], "weight": rnd(weights[q][k]), "norm": rnd(link.weight)}
+        return [{"key_pos": k, "key": labels[k], "weight": rnd(v)}
+                for k, v in zip(ql.keys, ql.weights)]
+    row = weights[ql.query_pos].tolist()
+    return [{"key_pos": k, "key": labels[k], "weight": rnd(row[k]), "norm": rnd(v)}
+            for k, v in zip(ql.keys, ql.weights)]
 
 
 def _norms(rt, fw, layer: int, head: int | None) -> torch.Tensor:

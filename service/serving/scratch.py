@@ -117,7 +117,10 @@ ENDPOINTS = [
 unscaled toy example of 001_92e9928af52718c3.txt.
 
 Q, K, V are the given ``q``, ``k``, ``v``, or the static token embeddings of ``text``
-(optionally PCA-projected for Q and K, the source's ``project_embeddings``). Variants: self,
+(optionally PCA-projected for Q and K, the source's ``project_embeddings``: whitened, onto the
+first ``project`` axes of the exact PCA of the embedding matrix, equal to scikit-learn's
+``svd_solver='full'`` to rounding, where the source's ``'randomized'`` approximates it; one
+fit per model, cached, computed with torch ops that never hold the event loop). Variants: self,
 causal (tril mask), cross (queries from ``query_text`` or seeded random), multi-head split
 (``n_heads``). Returns ``weights`` and ``scores`` ``[head, query_pos, key_pos]`` and
 ``output`` ``[query_pos, d_v]``. The matrices source needs no model.""",
