@@ -184,6 +184,13 @@ def test_a_planted_wrong_cell_fails_the_grid_check(live_server, page):
     run_path_patch(page, "grid")
     msg = fails(check_grid, page, "#pathpatch", ref)
     assert "'input': 'k'" in msg, msg
+    # the hover text names the raw value as the normalised one
+    page.unroute("**/static/web/views.js")
+    plant(page, url, "`; normalised ${c ? fmtNum(c.normalized, 4) : \"n/a\"}`",
+          "`; normalised ${c ? fmtNum(c.raw, 4) : \"n/a\"}`")
+    open_explorer(page, url)
+    run_path_patch(page, "grid")
+    assert "normalised" in fails(check_grid, page, "#pathpatch", ref)
 
 
 def test_explorer_pairs_and_together_modes(live_server, page):
@@ -388,3 +395,30 @@ def test_three_layer_gqa_grid_in_the_notebook_and_the_figure(llama3, page):
     check_path_patch_figure(fig, res, kv=kv)
     with pytest.raises(AssertionError):  # the same figure read as a model without GQA
         check_path_patch_figure(fig, res, kv=None)
+
+
+def test_notebook_heads_kv_headers_and_a_dataset_grid(llama_server, page):  # noqa: F811
+    """The heads notebook view names kv groups per column given the model; a grid over two pairs
+    says the pair count and each cell's sample std over the pairs (on hover)."""
+    from attnscope.client import Client, notebook
+
+    page.set_viewport_size({"width": 1400, "height": 900})
+    with Client(llama_server) as c:
+        info = c.model()
+        heads = c.heads(CLEAN)
+        res = c.path_patch([(CLEAN, CORRUPTED), ("the cat sat on the mat and the dog sat", CORRUPTED)],
+                           grid=True, metric=METRIC)
+    kv = info.attention.kv_head_of_query_head
+    nb_show(page, notebook.to_html(heads, kv_heads=info))
+    assert page.locator(".nb-grid th.headcol").all_inner_texts() == [head_name(h, kv) for h in range(4)]
+    nb_show(page, heads._repr_html_())  # no model info: plain head numbers
+    assert page.locator(".nb-grid th.headcol").all_inner_texts() == ["0", "1", "2", "3"]
+    ref = res.model_dump(mode="json")
+    nb_show(page, notebook.to_html(res, kv_heads=info))
+    check_grid(page, ".attnscope-nb", ref, kv)
+    assert "over 2 pairs" in page.inner_text(".pp-head-note") and "2 prompt pairs" in page.inner_text(".attnscope-nb")
+    g = ref["grid"]
+    cell = page.locator(".attnscope-nb td.effcell[data-sender='0.1'][data-receiver='1.1'][data-input='k']")
+    k = g["inputs"].index("k")
+    assert f"\u00b1 {fmt_num(g['std'][0][1][1][1][k], 2)}" in cell.get_attribute("title")
+    assert f"\u00b1 {fmt_num(ref['base']['std'], 2)}" in page.inner_text(".pp-head-note")
