@@ -180,6 +180,11 @@ def requests(ids: list[int], n_layers: int, full_grid: bool) -> dict[str, tuple[
                           {"kind": "mlp", "layer": n_layers - 1}], "metric": loss}),
         "predictions": ("/v1/predictions", {"tokens": ids, "top_k": 5}),
         "logit_lens": ("/v1/logit-lens", {"token_lists": [ids], "top_k": 3}),
+        "norms": ("/v1/attention-norms", {"tokens": ids, "encoding": "base64"}),
+        "links": ("/v1/links", {"tokens": ids, "layer": 0}),
+        "rollout": ("/v1/rollout", {"tokens": ids, "encoding": "base64"}),
+        "trajectories": ("/v1/trajectories", {"tokens": ids, "include_final": True}),
+        "ablate": ("/v1/ablate", {"tokens": ids, "heads": [[0, 1]]}),
     }
     if full_grid:
         out["path_patch_grid"] = ("/v1/path-patch", {"pairs": pair, "grid": True,

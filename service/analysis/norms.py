@@ -171,16 +171,17 @@ def value_norms(
         u = u - b_v.double().reshape(H, 1, dh)
     elif value_bias != "include":
         raise ValueError(f"value_bias must be 'include' or 'exclude'; got {value_bias!r}")
-    M = value_gram(W_o, H) if gram is None else gram.double()  # [head, d_head, d_head]
+    # the weights may live on the model's device, the recorded v on the CPU: work on v's
+    M = (value_gram(W_o, H) if gram is None else gram.double()).to(u.device)  # [head, dh, dh]
     idx = None if heads is None else torch.tensor(list(heads), dtype=torch.long)
     if idx is not None:
         u, M = u.index_select(0, idx), M.index_select(0, idx)
     sq = (torch.bmm(u, M) * u).sum(-1)  # [head, key_pos]
     if extra is not None:
-        W = W_o.double().reshape(H, dh, -1)
+        W = W_o.double().to(u.device).reshape(H, dh, -1)
         if idx is not None:
             W = W.index_select(0, idx)
-        e = extra.double()
+        e = extra.double().to(u.device)
         sq = sq + 2.0 * torch.einsum("hkd,hd->hk", u, W @ e) + e.dot(e)
     return sq.clamp_(min=0).sqrt_().float()
 
