@@ -129,10 +129,10 @@ def transformed_values(
     if value_bias == "exclude":
         if b_v is None:
             raise ValueError("value_bias 'exclude' needs b_v")
-        v = v - b_v.float().reshape(H, 1, dh)
+        v = v - b_v.float().to(v.device).reshape(H, 1, dh)
     elif value_bias != "include":
         raise ValueError(f"value_bias must be 'include' or 'exclude'; got {value_bias!r}")
-    W = W_o.float().reshape(H, dh, -1)
+    W = W_o.float().to(v.device).reshape(H, dh, -1)  # the weights may be on the model's device
     if heads is not None:
         idx = torch.tensor(list(heads), dtype=torch.long)
         v, W = v.index_select(0, idx), W.index_select(0, idx)
@@ -168,7 +168,7 @@ def value_norms(
     if value_bias == "exclude":
         if b_v is None:
             raise ValueError("value_bias 'exclude' needs b_v")
-        u = u - b_v.double().reshape(H, 1, dh)
+        u = u - b_v.double().to(u.device).reshape(H, 1, dh)
     elif value_bias != "include":
         raise ValueError(f"value_bias must be 'include' or 'exclude'; got {value_bias!r}")
     # the weights may live on the model's device, the recorded v on the CPU: work on v's
@@ -283,6 +283,8 @@ def layer_norms(
     a = pattern.float()
     if heads is not None:
         a = a.index_select(0, torch.tensor(list(heads), dtype=torch.long))
+    if b_o is not None:  # the weights may be on the model's device, the recording on the CPU
+        b_o = b_o.to(v.device)
     share = None if output_bias == "exclude" else b_o.float() / H_all  # each head's b_O part
     if not summed:  # norms only: never build f (value_norms' quadratic form)
         value = value_norms(v, W_o, b_v, value_bias, heads)
