@@ -81,7 +81,10 @@ def build(rt, req, forwards, encoding: str) -> dict:
         per_head, summed, value = [], [], []
         for lyr in layers:
             p = params[lyr]
-            res = N.layer_norms(fw.pattern[lyr], fw.tensors.v[lyr], p.W_o, p.b_v, p.b_o,
+            dev = fw.tensors.v.device  # recorded on the CPU; the weights on the model's device
+            res = N.layer_norms(fw.pattern[lyr], fw.tensors.v[lyr], p.W_o.to(dev),
+                                None if p.b_v is None else p.b_v.to(dev),
+                                None if p.b_o is None else p.b_o.to(dev),
                                 req.value_bias, req.output_bias, sel, req.per_head, req.summed)
             if not torch.isfinite(res.value).all():
                 raise NonFiniteValues(f"layer {lyr}'s value vectors hold NaN/inf; refusing "
