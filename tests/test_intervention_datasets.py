@@ -284,3 +284,28 @@ def test_ablate_dataset_mean_over_given_references(client, texts):
     assert d["dataset"]["stats"]["mean_kl"]["values"] == [b["mean_kl"] for b in singles]
     pooled = _ablate_singles(client, texts, heads=kw["heads"], method="mean")
     assert d["dataset"]["stats"]["mean_kl"]["values"] != [b["mean_kl"] for b in pooled]
+
+
+@pytest.mark.parametrize("extra", [{"components": [{"kind": "mlp", "layer": 0}]},
+                                   {"heads": [[0, 1]]}])
+def test_a_mean_ablation_dataset_tokenizes_its_references_once(client, monkeypatch, extra):
+    """Method 'mean' over a dataset takes every text as a reference text: planning it used to
+    tokenize all n references again for each of the n texts (n^2 token lists: 4,000 texts of
+    ~80 tokens OOM-killed the server before any forward). Counted here: the references are
+    tokenized once for the whole dataset (a planted per-text tokenization fails the count)."""
+    from attnscope.service.serving import interventions as SI
+
+    calls = []
+    real = SI.tokenized_list
+
+    def counting(rt, req, field):
+        out = real(rt, req, field)
+        if field == "reference_texts" and out:
+            calls.append(len(out))
+        return out
+
+    monkeypatch.setattr(SI, "tokenized_list", counting)
+    texts = [[100 + i, 200 + i, 300 + i, 400 + i, 500 + i] for i in range(40)]
+    r = client.post("/v1/ablate", json={"token_lists": texts, "method": "mean", **extra})
+    assert r.status_code == 200, r.text
+    assert calls == [40], calls

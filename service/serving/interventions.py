@@ -281,16 +281,19 @@ def ablate_check(rt, req: AblateRequest) -> None:
                             f"the limit is {rt.settings.max_batch} (max_batch)", field)
 
 
-def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False) -> Plan:
+def ablate_plan(rt, req: AblateRequest, items, *, binary: bool = False,
+                refs: list | None = None) -> Plan:
     """Tokenize the texts, check positions / target tokens / the resample text's length, and
-    estimate the ablated forwards (a scan: one batch of n_heads variants per layer)."""
+    estimate the ablated forwards (a scan: one batch of n_heads variants per layer). ``refs``:
+    the reference texts already tokenized (a dataset's texts, tokenized once for all of them)."""
     if req.texts is not None or req.token_lists is not None:
         return _dataset_ablate_plan(rt, req, binary=binary)
     a = rt.adapter
     main = tokenized(rt, req, "text")
     where = "text" if req.text is not None else "tokens"
     items = [main]
-    refs = tokenized_list(rt, req, "reference_texts") or []
+    if refs is None:
+        refs = tokenized_list(rt, req, "reference_texts") or []
     items += refs
     resample = None
     T = len(main)
@@ -1097,13 +1100,16 @@ def _dataset_ablate_plan(rt, req: AblateRequest, *, binary: bool = False) -> Pla
     pooled = req.method == "mean" and refs is None
     ref_ids = [list(t.input_ids) for t in (data if pooled else refs or [])]
     subs = []
+    shared_refs = None  # the dataset's reference texts tokenized once, not once per text (n^2)
     for i, t in enumerate(data):
         sub = req.model_copy(update=dict(
             texts=None, token_lists=None, per_text=False, text=None, tokens=list(t.input_ids),
             reference_texts=None,
             reference_token_lists=ref_ids if req.method == "mean" else None))
         try:
-            sp = ablate_plan(rt, sub, [], binary=binary)
+            if shared_refs is None:
+                shared_refs = tokenized_list(rt, sub, "reference_texts") or []
+            sp = ablate_plan(rt, sub, [], binary=binary, refs=shared_refs)
         except InvalidRequest as e:
             if (e.param or "") in ("tokens", "text"):
                 e.param = f"{field}.{i}"
