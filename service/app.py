@@ -253,6 +253,12 @@ def _user_loc(loc, body, etype: str) -> list:
     cur, known = body, body is not None
     for i, x in enumerate(parts):
         last = i == len(parts) - 1
+        nxt = None if last else parts[i + 1]
+        if (isinstance(cur, dict) and isinstance(x, str) and x in cur and not last
+                and not isinstance(cur[x], (dict, list)) and isinstance(nxt, str)
+                and (nxt in cur or (i + 1 == len(parts) - 1 and etype == "missing"))):
+            continue  # a discriminated union's tag that is also a key ({"kind": "head",
+            # "head": 0}: loc senders.0.head.layer is the sender's own layer)
         if isinstance(cur, dict) and isinstance(x, str) and x in cur:
             out.append(x)
             cur = cur[x]
