@@ -200,11 +200,24 @@ def attention_flow(
             )
         return G, build_residual_network(G, "capacity")
 
+    G = R = None
+
+    def drop() -> None:
+        # networkx graphs sit in reference cycles (their views): cleared here, their edges
+        # are freed now, not at the next full collection (16 texts x 12 layers piled up
+        # ~10 MB of dead graphs; service/serving/rollout.py's estimate counts one graph)
+        for g in (G, R):
+            if g is not None:
+                g.clear()
+
     for i, top in enumerate(layers):
         src0 = (top + 1) * T
-        G, R = (None, None) if lower else graph(top, T)
+        if not lower:
+            drop()
+            G, R = graph(top, T)
         for q in range(T):
             if lower:
+                drop()
                 G, R = graph(top, q + 1)
             row = [nx.maximum_flow_value(G, src0 + q, k, capacity="capacity",
                                          flow_func=preflow_push, residual=R)
@@ -212,4 +225,5 @@ def attention_flow(
             out[i, q] = torch.tensor(row, dtype=torch.float64)
         sums = out[i].sum(-1, keepdim=True)
         out[i] = out[i] / torch.where(sums > 0, sums, torch.ones_like(sums))
+    drop()
     return out

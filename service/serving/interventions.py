@@ -31,7 +31,7 @@ from .core.table import Endpoint
 from attnscope.schemas import AblateResponse, PatchResponse, PredictionsResponse
 from .core.cancel import progress
 from .core.checks import check_distinct, check_index
-from .core.estimates import forward_flops
+from .core.estimates import forward_flops, predictions_bytes
 from .common import text_or_results
 from .core.inputs import list_length, tokenized, tokenized_list
 
@@ -158,6 +158,7 @@ def predictions_plan(rt, req: PredictionsRequest, items) -> Plan:
     V = _vocab(rt)
     longest = max(len(it) for it in items)
     est = I.variant_batch_bytes(rt, 1, longest, longest) + 4 * V * longest  # + top-k gather
+    est += predictions_bytes([len(it) for it in items], sum(len(p) for p in chosen), req.top_k)
 
     def job(forwards) -> dict:
         out = []
@@ -229,6 +230,11 @@ def _components(rt, req: AblateRequest) -> list:
                                      "(blocks.{l}.<hook>), not a pattern or a model-level hook",
                                      f"{f}.hook")
             hp = hps[0]
+            if hp.site not in hooked.LAYER_SITES:  # e.g. blocks.{l}.attn.hook_cos / hook_sin
+                raise InvalidRequest(f"{f}.hook: {hp.name} is not an activation of the forward "
+                                     "(a rotary table); a direction is projected out of "
+                                     "activations: resid, attn/mlp outputs, q/k/v, z, "
+                                     "mlp.hook_pre/post", f"{f}.hook")
             d = hp.sizes[-1]
             if d is None:
                 raise InvalidRequest(f"{f}.hook: {hp.name}'s last axis ({hp.axes[-1]}) is a "

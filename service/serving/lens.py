@@ -31,7 +31,7 @@ RMS_WEIGHTS_DOC = (
 )
 
 #: one top-k or target entry of a response (dict + JSON: id, label, bytes, partial, numbers)
-ENTRY_BYTES = 400
+ENTRY_BYTES = 650
 
 
 
@@ -106,9 +106,12 @@ def _prompt_body(it) -> dict:
 
 
 def _forward_bytes(p: H.GPT2Parts, T: int) -> int:
-    """The hooked forward's live tensors for one prompt (as /v1/run estimates them)."""
+    """The hooked forward's live tensors for one prompt: one layer's scores, pattern and
+    copy ``3 H T^2`` and per token ``20 d_model + 6 d_mlp`` (the residual stream, block
+    intermediates, the MLP's gelu temporaries: measured by the VmHWM of the forward alone,
+    1.9-2.4x the ``8 d_model + 2 d_mlp`` counted before at T = 64-256)."""
     es = p.wte.element_size()
-    return es * (3 * p.n_heads * T * T + T * (8 * p.d_model + 2 * p.d_mlp) + 2 * p.d_vocab)
+    return es * (3 * p.n_heads * T * T + T * (20 * p.d_model + 6 * p.d_mlp) + 2 * p.d_vocab)
 
 
 # ------------------------------------------------------------------------------ logit lens
@@ -136,7 +139,9 @@ def lens_plan(rt, req: LogitLensRequest, items) -> Plan:
         per_prompt.append(pos)
         flops += forward_flops(T, L, D, p.d_mlp, logit_positions=1, d_vocab=V) + \
             lens_flops(T, n_states, len(pos), D, V)
-        job = _forward_bytes(p, T) + p.wte.element_size() * n_states * T * D + 4 * 4 * T * V
+        # + the lens logits of one state and their statistics: ~6.3 [T, vocab] float32
+        # arrays measured at T = 1,000 (GPT-2 small: 1.52 GB peak), 7 counted
+        job = _forward_bytes(p, T) + p.wte.element_size() * n_states * T * D + 4 * 7 * T * V
         est_job = max(est_job, job)
         est_body += tokens_bytes(T) + n_states * (200 + len(pos) * (req.top_k + 1)
                                                   * ENTRY_BYTES)
@@ -257,7 +262,8 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
         P = len(pos)
         flops += forward_flops(T, L, D, p.d_mlp, logit_positions=P, d_vocab=V) + \
             2.0 * n_comp * P * D * 2
-        job = _forward_bytes(p, T) + es * T * Hn * D + es * P * n_comp * D + 8 * 3 * n_comp * P * D
+        job = _forward_bytes(p, T) + es * T * Hn * D + es * P * n_comp * D + 8 * 3 * n_comp * P * D \
+            + 12 * P * V  # the forward's logits at the positions, and their float64 copy
         est_job = max(est_job, job)
         est_body += tokens_bytes(T) + P * (400 + 30 * n_comp)
     comps = {"hook_embed": None, "ln_final.hook_scale": None,

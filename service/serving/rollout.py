@@ -57,19 +57,36 @@ def selection(rt, req) -> tuple[list[int], list[int] | None]:
 def estimate(rt, req, lengths: list[int], encoding: str) -> int:
     """Bytes the job allocates beyond the recorded forwards, for texts of ``lengths`` tokens:
     float64 F, Â and R (3 * 8 * L*T^2) plus one layer's float64 pattern copy (8*H*T^2), the
-    float32 results and their encoded forms (rollout over the selected layers, flow)."""
+    float32 results and their encoded forms (rollout over the selected layers, flow), and
+    with flow the largest text's max-flow graphs (:func:`flow_graph_bytes`)."""
     a = rt.adapter
     L, H = a.n_layers, a.n_heads
     n_sel = len(req.layers) if req.layers is not None else L
     n_flow = (len(req.flow_layers) if req.flow_layers is not None else 1) if req.flow else 0
-    total = 0
+    _, flow_layers = selection(rt, req)
+    depth = max(flow_layers) + 1 if flow_layers else 0
+    total, graphs = 0, 0
     for T in lengths:
         total += 4 * 8 * L * T * T + 8 * H * T * T
         for n in (n_sel, n_flow):
             if n:
                 total += 4 * n * T * T + estimate_encoded_bytes(
                     n * T * T, encoding, req.dtype, req.round, req.layout, req.sparse, T)
-    return total
+        if depth:  # one text's graphs at a time (analysis.rollout.attention_flow)
+            graphs = max(graphs, flow_graph_bytes(L, T, depth))
+    return total + graphs
+
+
+#: attention flow's networkx graph and residual network, per edge of the deepest flow layer's
+#: full graph (``depth * T^2`` edges): measured at most ~900 bytes (VmHWM of one flow, 2-12
+#: layers x 16 tokens, tests/estimate_peak.py); 2 KiB leaves room for the allocator
+FLOW_EDGE_BYTES = 2048
+
+
+def flow_graph_bytes(n_layers: int, T: int, depth: int) -> int:
+    """One text's attention-flow work: the graphs (:data:`FLOW_EDGE_BYTES` per edge of
+    ``depth * T^2``) and the capacities as Python floats (``n_layers * T^2``, 32 bytes each)."""
+    return FLOW_EDGE_BYTES * depth * T * T + 32 * n_layers * T * T
 
 
 def plan(rt, req, items, *, binary: bool = False) -> Plan:

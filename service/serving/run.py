@@ -300,7 +300,8 @@ def plan(rt, req: RunRequest, items, *, binary: bool = False) -> Plan:
     encoding = "binary" if binary else req.encoding
     L, Hh, D, M, V = p.n_layers, p.n_heads, p.d_model, p.d_mlp, p.d_vocab
     es = p.wte.element_size()
-    layer_live = B * (3 * Hh * T * T + T * (8 * D + 2 * M))
+    # the forward's live tensors as lens._forward_bytes measured them (20 d_model + 6 d_mlp per token)
+    layer_live = B * (3 * Hh * T * T + T * (20 * D + 6 * M))
     n_cache, n_biggest = _cached_elements(p, req, B, T)
     full_logits = req.loss or (req.logits is not None and req.logits.positions is None)
     n_pos = T if full_logits else (len(req.logits.positions) if req.logits and

@@ -28,6 +28,20 @@ def tokens_bytes(n_tokens: int) -> int:
     return TOKEN_BYTES * int(n_tokens)
 
 
+#: one reported position of /v1/predictions (its row dict, next-token ref, numbers, JSON)
+POSITION_BYTES = 1200
+#: one top-k entry of /v1/predictions (a token ref dict: id, label, bytes, partial, prob,
+#: logit; measured ~500 bytes with its JSON: 8 x 238 positions x top_k 100 peaked 105 MB)
+TOP_TOKEN_BYTES = 600
+
+
+def predictions_bytes(lengths: list[int], n_positions: int, top_k: int) -> int:
+    """/v1/predictions' response objects: ``n_positions`` reported positions in all, each
+    with ``top_k`` token entries, and every text's tokens (all alive until the body is sent)."""
+    return (int(n_positions) * (POSITION_BYTES + TOP_TOKEN_BYTES * int(top_k))
+            + sum(tokens_bytes(T) for T in lengths))
+
+
 def trajectories_bytes(lengths: list[int], n_states: int, d_model: int, n_components: int,
                        encoding: str, dtype: str, round_: int | None) -> int:
     """/v1/trajectories per text of T tokens: the states x tokens matrix in float64 and the
