@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import InvalidRequest
 from . import hooked
@@ -454,7 +455,7 @@ def hook_patch_grid(rt, clean_ids: Sequence[int], corrupted_ids: Sequence[int], 
                     by_position: bool, metric, positions: Sequence[int],
                     layers: Sequence[int] | None = None, heads: Sequence[int] | None = None,
                     patch_positions: Sequence[int] | None = None, max_rows: int = 1 << 30,
-                    progress=None) -> torch.Tensor:
+                    progress=None, continuation: bool = True) -> torch.Tensor:
     """Activation patching clean -> corrupted at any hook of :data:`PATCH_HOOKS`, equal to
     TransformerLens 4.3's ``get_act_patch_*`` of the same name (:data:`TL_FUNCTIONS`).
 
@@ -468,6 +469,15 @@ def hook_patch_grid(rt, clean_ids: Sequence[int], corrupted_ids: Sequence[int], 
     grid; all positions: the positions patched together; null = all); the rest stay NaN.
     ``progress(done, total)`` is called after each forward.
 
+    GPT-2 (``continuation``, default): a KV-cache continuation instead (:func:`_window_forward`).
+    A cell whose patched entries first differ from the corrupted run's at position s leaves
+    every activation before s unchanged (causal), so its row runs blocks l .. n_layers - 1 over
+    positions s .. max(positions) only, attending to the corrupted run's cached ``hook_k`` /
+    ``hook_v`` of positions < s, the metric's positions before s read from the corrupted run's
+    logits; the rows of one (layer, s) are one batched forward. Per cell that is
+    ``max(positions) - s + 1`` positions instead of T (a head x position grid: about half the
+    work). Other families, or ``continuation=False``: rows of the whole length from layer l.
+
     Cells that cannot change the metric are not run and get the corrupted run's value: those
     whose clean activation equals the corrupted one at every patched entry (bit for bit: e.g.
     positions before the first token where the prompts differ, in a causal model), and those
@@ -480,9 +490,12 @@ def hook_patch_grid(rt, clean_ids: Sequence[int], corrupted_ids: Sequence[int], 
     suffix, kind = PATCH_HOOKS[hook]
     lyrs = list(range(L)) if layers is None else list(layers)
     names = [f"blocks.{lyr}.{suffix}" for lyr in lyrs]
+    kv = continuation and kv_continuation_supported(rt) and bool(lyrs)
     clean = hook_runs(rt, clean_ids, names)
-    corr = hook_runs(rt, corrupted_ids, names + [f"blocks.{lyr}.hook_resid_pre" for lyr in lyrs],
-                     positions)
+    extra = [f"blocks.{lyr}.hook_resid_pre" for lyr in lyrs]
+    if kv:  # every block's keys and values from the lowest patched layer up
+        extra += [f"blocks.{j}.attn.hook_{kv_}" for j in range(min(lyrs), L) for kv_ in "kv"]
+    corr = hook_runs(rt, corrupted_ids, list(dict.fromkeys(names + extra)), positions)
     k_val = metric(corr.logits).float().cpu()[0]
     idx, mask = _cells(kind, by_position, T, Hn, heads, patch_positions)
     dev = lm_parts(rt).device
@@ -494,32 +507,158 @@ def hook_patch_grid(rt, clean_ids: Sequence[int], corrupted_ids: Sequence[int], 
     late = (torch.arange(T, device=dev) > max(positions)).view(shape)
     out = torch.full(patch_grid_shape(rt, hook, by_position, T), float("nan"))
     index = torch.tensor(idx, dtype=torch.long)  # [n, k] grid indices within a layer
-    todo = {}
+    todo, first = {}, {}
     for layer, name in zip(lyrs, names):
         c, k = clean.cache[name][0], corr.cache[name][0]
         n_lead = mask.dim() - 1
         differ = (c != k).flatten(n_lead).any(-1) & ~late  # [*lead]
-        todo[layer] = (mask & differ).flatten(1).any(1).nonzero()[:, 0].cpu()
-    total = sum((len(t) + max_rows - 1) // max_rows for t in todo.values())
+        live = mask & differ  # [n, *lead]: the entries a cell changes
+        todo[layer] = live.flatten(1).any(1).nonzero()[:, 0].cpu()
+        # each cell's first changed position: every activation before it is the corrupted
+        # run's own (causal), so its variant runs from there on (KV-cache continuation)
+        by_pos = (live.any(1) if kind == "pattern" else live if kind == "pos"
+                  else live.flatten(2).any(2))  # [n, T]
+        first[layer] = by_pos.int().argmax(1).cpu()
+    groups = {}  # layer -> [(window start, rows of one forward)]
+    for layer in lyrs:
+        rows = todo[layer]
+        if not kv:
+            groups[layer] = [(0, rows[s:s + max_rows]) for s in range(0, len(rows), max_rows)]
+            continue
+        st = first[layer][rows]
+        groups[layer] = [(int(s0), grp[i:i + max_rows])
+                         for s0 in torch.unique(st).tolist() for grp in [rows[st == s0]]
+                         for i in range(0, len(grp), max_rows)]
+    total = sum(len(g) for g in groups.values())
     done, skipped = 0, 0
+    e = max(positions)
+    p_ = lm_parts(rt)
+    site = suffix
     for layer, name in zip(lyrs, names):
         value = clean.cache[name][0]
         resid = corr.cache[f"blocks.{layer}.hook_resid_pre"]
-        rows = todo[layer]
         v = torch.full((len(idx),), float(k_val))  # cells that change nothing: the corrupted run
-        skipped += len(idx) - len(rows)
-        for s in range(0, len(rows), max_rows):
-            sel = rows[s:s + max_rows]
+        skipped += len(idx) - len(todo[layer])
+        for s, sel in groups[layer]:
             m = mask[sel.to(dev)]
-            edit = hooked.Set(hook=name, value=value, mask=m)
-            run = run_variants(rt, corrupted_ids, resid.expand(m.shape[0], -1, -1), layer,
-                               [edit], positions)
-            v[sel] = metric(run.logits).float().cpu()
+            if kv:
+                win = slice(s, e + 1)
+                if kind == "pattern":
+                    val, mw = value[:, win, :e + 1], m[:, :, win]
+                else:
+                    val, mw = value[win], m[:, win]
+                past = [tuple(corr.cache[f"blocks.{j}.attn.hook_{x}"][:, :s].transpose(1, 2)
+                              for x in "kv") for j in range(layer, L)]
+                with torch.inference_mode():
+                    xo = _window_forward(p_, layer, s, resid[:, win], past, site, val, mw)
+                    logits = _window_logits(p_, xo, s, list(positions), corr.logits)
+                v[sel] = metric(logits).float().cpu()
+            else:
+                edit = hooked.Set(hook=name, value=value, mask=m)
+                run = run_variants(rt, corrupted_ids, resid.expand(m.shape[0], -1, -1), layer,
+                                   [edit], positions)
+                v[sel] = metric(run.logits).float().cpu()
             done += 1
             if progress is not None:
                 progress(done, total)
         out[(torch.full((len(idx),), layer),) + tuple(index.T)] = v
     return out, skipped
+
+
+# ------------------------------------------------------------------ KV-cache continuation
+#: sites the window forward (:func:`_window_forward`) can edit at its first layer, the
+#: /v1/patch hooks' sites (``PATCH_HOOKS``), in forward order
+_WINDOW_SITES = ("hook_resid_pre", "attn.hook_q", "attn.hook_k", "attn.hook_v",
+                 "attn.hook_pattern", "attn.hook_z", "hook_attn_out", "hook_resid_mid",
+                 "hook_mlp_out", "hook_resid_post")
+
+
+def _addmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """transformers' ``Conv1D``: ``addmm(b, x.view(-1, nx), w)`` (the hooked forward's kernel)."""
+    return torch.addmm(b, x.reshape(-1, x.size(-1)), w).view(x.size()[:-1] + (w.shape[1],))
+
+
+def kv_continuation_supported(rt) -> bool:
+    """Whether :func:`_window_forward` runs this model (GPT-2 parts; the rotary families and
+    GPT-NeoX keep the full-length variant forwards)."""
+    return isinstance(lm_parts(rt), hooked.GPT2Parts)
+
+
+def _window_forward(p, layer: int, s: int, x: torch.Tensor, past_kv: Sequence,
+                    site: str, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A KV-cache continuation of GPT-2 blocks ``layer .. n_layers - 1`` over the window of
+    positions ``s .. s + W - 1`` only, for ``B`` variant rows; returns the last block's output
+    ``[B, W, d_model]`` (before ln_f).
+
+    ``x`` ``[B | 1, W, d_model]``: the residual stream entering block ``layer`` at the window's
+    positions; ``past_kv[j - layer]``: block j's keys and values of positions ``0 .. s - 1``
+    ``([1, head, s, d_head], [1, head, s, d_head])`` (``hook_k`` / ``hook_v`` of the run the
+    variants edit, transposed). In a causal model an edit at positions ``>= s`` leaves every
+    activation at positions ``< s`` unchanged, so those keys and values are the run's own and
+    the window's queries attend over ``past + window`` keys (``key <= query``, the additive
+    ``finfo.min`` mask). At block ``layer`` the hook ``site`` (a suffix of
+    :data:`_WINDOW_SITES`) is set to ``value`` (one prompt's hook value cut to the window:
+    ``[W, d]``, ``[W, head, d_head]``, ``[head, W, s + W]``) where ``mask`` (the hook's leading
+    axes with batch, ``[B, W]``, ``[B, W, head]``, ``[B, head, W]``) is True: the same
+    ``Set`` the hooked forward applies. Hugging Face's eager GPT-2 operations in its order
+    (Conv1D addmm, F.layer_norm, ``q.k^T * scaling + mask``, softmax in the dtype,
+    ``pattern @ v``), so each cell equals the full-length forward up to float32 rounding of
+    the shorter matrix products."""
+    B, W = mask.shape[0], x.shape[1]
+    H, dh, D = p.n_heads, p.d_head, p.d_model
+    dt, dev = x.dtype, x.device
+    x = x.expand(B, W, D)
+    qa = torch.arange(s, s + W, device=dev)[:, None]
+    add = torch.zeros(W, s + W, dtype=dt, device=dev).masked_fill(
+        torch.arange(s + W, device=dev)[None] > qa, torch.finfo(dt).min)
+    m = mask.unsqueeze(-1)
+    val = value.to(dtype=dt, device=dev)
+
+    def at(j: int, name: str, t: torch.Tensor) -> torch.Tensor:
+        return torch.where(m, val, t) if j == layer and name == site else t
+
+    for j in range(layer, p.n_layers):
+        blk = p.blocks[j]
+        x = at(j, "hook_resid_pre", x)
+        h = F.layer_norm(x, (D,), blk.ln1_w, blk.ln1_b, p.eps)
+        qkv = _addmm(h, blk.attn_w, blk.attn_b)
+        q, k, v = (t.reshape(B, W, H, dh) for t in qkv.split(D, dim=2))
+        q, k, v = at(j, "attn.hook_q", q), at(j, "attn.hook_k", k), at(j, "attn.hook_v", v)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, head, W, d_head]
+        pk, pv = past_kv[j - layer]
+        if s:
+            k = torch.cat([pk.expand(B, -1, -1, -1), k], dim=2)
+            v = torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * blk.scaling
+        scores = scores + add
+        pattern = torch.softmax(scores, dim=-1).type(v.dtype)
+        pattern = at(j, "attn.hook_pattern", pattern)
+        z = at(j, "attn.hook_z", torch.matmul(pattern, v).transpose(1, 2))
+        attn = at(j, "hook_attn_out", _addmm(z.reshape(B, W, D).contiguous(), blk.proj_w,
+                                             blk.proj_b))
+        x = at(j, "hook_resid_mid", attn + x)
+        h = F.layer_norm(x, (D,), blk.ln2_w, blk.ln2_b, p.eps)
+        mlp = _addmm(p.act(_addmm(h, blk.fc_w, blk.fc_b)), blk.out_w, blk.out_b)
+        x = at(j, "hook_resid_post", x + at(j, "hook_mlp_out", mlp))
+    return x
+
+
+def _window_logits(p, x: torch.Tensor, s: int, positions: Sequence[int],
+                   before: torch.Tensor) -> torch.Tensor:
+    """Logits ``[B, len(positions), vocab]`` of window outputs ``x`` ``[B, W, d_model]``
+    (positions ``s ..``): ln_f and the LM head at the positions ``>= s``; the positions before
+    the window take ``before`` ``[1, len(positions), vocab]`` (the edited run's own logits,
+    unchanged there in a causal model)."""
+    B = x.shape[0]
+    inside = [i for i, q in enumerate(positions) if q >= s]
+    rel = torch.tensor([positions[i] - s for i in inside], device=x.device)
+    h = F.layer_norm(x[:, rel], (p.d_model,), p.lnf_w, p.lnf_b, p.eps)
+    lg = F.linear(h, p.unembed)
+    if len(inside) == len(positions):
+        return lg
+    out = before.to(lg.dtype).expand(B, -1, -1).clone()
+    out[:, inside] = lg
+    return out
 
 
 def hook_attribution(rt, clean_ids: Sequence[int], corrupted_ids: Sequence[int], hook: str,
