@@ -431,8 +431,9 @@ def test_memory_limit_chunks_the_grid_and_refuses_what_cannot_fit(gpt2_runtime, 
     full = client.post("/v1/patch", json=body).json()["grid"]
     # the runtime sizes the batches from its settings (the app's and the runtime's are one
     # Settings in a served process): both small here
-    rt = Runtime.load(Settings(model="bundled", max_request_bytes=3 << 20))
-    small = make_client(rt, max_request_bytes=3 << 20)
+    # 1 MiB: below one (layer, window start) group of the KV continuation (3 MiB was not)
+    rt = Runtime.load(Settings(model="bundled", max_request_bytes=1 << 20))
+    small = make_client(rt, max_request_bytes=1 << 20)
     r = small.post("/v1/patch", json=body)
     assert r.status_code == 200, r.text
     g = r.json()["grid"]

@@ -152,6 +152,38 @@ def test_head_mean_and_pickers_update_url(live_server, page, patterns):
     assert hover_cell(page, 9, 4)[0] == value
 
 
+def test_a_late_reply_for_an_earlier_pick_is_not_shown(live_server, page, patterns):
+    """Pick layer 1 (head mean), then head 2 before layer 1's head-mean pattern arrives: that
+    late reply (held back here until head 2 is on screen) must not replace head 2's heat map
+    (the race behind a CI timeout: the mean's title and numbers overwrote the later pick)."""
+    open_explorer(page, live_server.url, path="/", layer=0, head="mean")
+    held = []
+
+    def hold_layer1_mean(route):
+        body = json.loads(route.request.post_data or "{}")
+        if body.get("head_mean") and body.get("layers") == [1] and not held:
+            held.append(route)  # answered below, after head 2 is shown
+        else:
+            route.continue_()
+
+    page.route("**/v1/attention", hold_layer1_mean)
+    page.select_option("#layer", "1")
+    for _ in range(1200):  # the route handler runs while playwright waits
+        if held:
+            break
+        page.wait_for_timeout(50)
+    assert len(held) == 1
+    page.select_option("#head", "2")
+    page.wait_for_function("document.querySelector('#panel-attention').dataset.ready === '1' && "
+                           "document.querySelector('#heatmap .view-title').textContent.includes('head 2')")
+    late = held[0].fetch()
+    with page.expect_response("**/v1/attention"):
+        held[0].fulfill(response=late)
+    page.evaluate("() => new Promise((r) => setTimeout(r, 200))")  # its handlers have run
+    assert "head 2" in page.inner_text("#heatmap .view-title")
+    assert hover_cell(page, 9, 4)[0] == shown(patterns["f16"][1, 2, 9, 4])
+
+
 def test_head_grid_scores_and_click_opens_the_head(live_server, page, patterns):
     # the page sends one add_bos for every panel (its checkbox: the model's convention, BOS
     # first for GPT-2, as every endpoint's default)

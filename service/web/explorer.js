@@ -25,6 +25,10 @@ let tokens = [];
 let cache = new Map();  // `${layer}|${mean}` -> Tensor [1, H, T, T] or [1, T, T]
 let heads = null;
 let runId = 0;
+// the latest call of each layer-aware render: an earlier call's reply is dropped (a slow reply
+// for layer 1 / head mean must not overwrite the layer 1 / head 2 picked after it)
+const latestCall = {};
+function callTicket(name) { return (latestCall[name] = (latestCall[name] || 0) + 1); }
 
 /** Register an extra panel (see the header). Panels registered after an analysis render at once. */
 export function registerPanel(p) {
@@ -249,7 +253,7 @@ async function viewMatrix(view, layer, head) {
 }
 
 async function renderAttention() {
-  const my = runId;
+  const my = runId, call = callTicket("attention");
   ready("attention", false);
   const mean = state.head === "mean";
   const labels = tokens.map((x) => x.label);
@@ -257,12 +261,12 @@ async function renderAttention() {
   let m, vmax = 1, what = "attention weight (post-softmax)", where;
   if (state.view === "weight") {
     const t = await layerPattern(state.layer, mean);
-    if (my !== runId) return;
+    if (my !== runId || call !== latestCall.attention) return;
     m = mean ? t.at(0) : t.at(0).at(state.head);
     where = `layer ${state.layer}, ${mean ? "head mean" : headName(state.head)}`;
   } else {
     m = await viewMatrix(state.view, state.layer, state.head);
-    if (my !== runId) return;
+    if (my !== runId || call !== latestCall.attention) return;
     if (state.view === "norm") {
       vmax = 0;
       for (let q = 0; q < n; q++) for (let k = 0; k < n; k++) vmax = Math.max(vmax, m.get(q, k));
@@ -291,10 +295,10 @@ async function renderAttention() {
 }
 
 async function renderLines() {
-  const my = runId;
+  const my = runId, call = callTicket("lines");
   ready("lines", false);
   const t = await layerPattern(state.layer, false);
-  if (my !== runId) return;
+  if (my !== runId || call !== latestCall.lines) return;
   const labels = tokens.map((x) => x.label);
   const nH = t.shape[1];
   const box = $("#line-heads");
@@ -352,9 +356,9 @@ async function renderLinks() {
   ready("links", false);
   const body = { text: state.text, add_bos: state.addBos, layer: state.layer, top_k: 3 };
   if (state.head !== "mean") body.head = state.head;
-  const my = runId;
+  const my = runId, call = callTicket("links");
   const r = await client.links(body);
-  if (my !== runId) return;
+  if (my !== runId || call !== latestCall.links) return;
   const tb = document.createElement("table");
   tb.className = "links";
   tb.innerHTML = "<tr><th>query</th><th>strongest earlier keys (weight)</th></tr>";
