@@ -212,7 +212,19 @@ class BaseClient:
         headers = self._headers()
         if binary:
             headers["accept"] = f"{wire.SAFETENSORS}, application/json;q=0.5"
-        return http.build_request(method, url, json=body, headers=headers, timeout=self.timeout)
+        return http.build_request(method, url, json=body, headers=headers,
+                                  timeout=self._timeout_arg())
+
+    def _timeout_arg(self) -> Any:
+        """``self.timeout`` in a form every httpx-compatible client takes: a number or None as
+        given, an ``httpx.Timeout`` as its (connect, read, write, pool) tuple (httpx2, which
+        starlette's TestClient uses, refuses another library's Timeout object)."""
+        t = self.timeout
+        if isinstance(t, (int, float)) or t is None:
+            return t
+        if all(hasattr(t, n) for n in ("connect", "read", "write", "pool")):
+            return (t.connect, t.read, t.write, t.pool)
+        return t
 
     # -- retry policy -----------------------------------------------------------------------
     @staticmethod
