@@ -45,23 +45,40 @@ def _report(rows: list[dict]) -> str:
                      for r in rows)
 
 
+@functools.lru_cache(maxsize=None)
+def _rows(model: str, names: tuple[str, ...]) -> dict[str, dict]:
+    """Every case of ``names`` measured in one fresh interpreter (one model load; each case
+    warmed, its heap trimmed and its peak mark reset before it: :func:`estimate_peak.measure`),
+    by case name."""
+    return {r["case"]: r for r in EP.run_fresh(model, list(names))}
+
+
+BUNDLED = tuple(n for n, (_, m, _) in EP.case_table().items() if m == "bundled")
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("path", sorted(EP.cases()))
 def test_peak_is_within_the_estimate(path):
-    rows = EP.run_fresh("bundled", _names(path, "bundled"))
-    assert len(rows) == len(_names(path, "bundled")), rows
+    measured = _rows("bundled", BUNDLED)
+    rows = [measured[n] for n in _names(path, "bundled") if n in measured]
+    assert len(rows) == len(_names(path, "bundled")), (path, sorted(measured))
     bad = [r for r in rows if not EP.within(r)]
     assert not bad, _report(bad)
 
 
-SMALL = [n for n, (_, m, _) in EP.case_table().items() if m == "small"]
+#: GPT-2-small cases too slow for the suite (5.6 min and 48 s of a 2-core CI machine): run by
+#: hand, ``python tests/estimate_peak.py small small:patch-per-position-residual``
+SMALL_BY_HAND = ("small:patch-per-position-residual", "small:logit-lens")
+SMALL = tuple(n for n, (_, m, _) in EP.case_table().items()
+              if m == "small" and n not in SMALL_BY_HAND)
 
 
 @pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SMALL)
 def test_peak_is_within_the_estimate_on_gpt2_small(name):
-    rows = EP.run_fresh("small", [name])
+    rows = EP.run_fresh("small", [name])  # each alone: a GPT-2-small case after another
+    # measured 1.14x where alone it is within (the earlier cases' heap left fragmented)
     assert len(rows) == 1 and EP.within(rows[0]), _report(rows)
 
 
