@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from .common import (
     MAX_INDICES, LenientModel, ModelRef, StrictModel, TensorField, TensorOptions, TextOrTexts,
-    Token,
+    Token, index_list, present,
 )
 from .common import add_bos_echo
 
@@ -22,6 +22,8 @@ class SparseOptions(StrictModel):
     (the kept values and mass are the same either way). The response's ``row_mass`` says how
     much of each row's mass was kept.
     """
+
+    json_rules = ({"anyOf": [present("top_k"), present("threshold")]},)
 
     top_k: int | None = Field(
         None, ge=1, le=65536, description="Keep at most this many keys per query row."
@@ -45,12 +47,12 @@ class AttentionRequest(TextOrTexts, TensorOptions):
     """Attention of the resident model for one text or a batch of texts."""
 
     layers: list[int] | None = Field(
-        None, max_length=MAX_INDICES, fail_fast=True,
+        None, max_length=MAX_INDICES, fail_fast=True, json_schema_extra=index_list("layer"),
         description="Layer indices to return (0-based, each < n_layers), in the order "
         f"given, each at most once (at most {MAX_INDICES}); null = all layers."
     )
     heads: list[int] | None = Field(
-        None, max_length=MAX_INDICES, fail_fast=True,
+        None, max_length=MAX_INDICES, fail_fast=True, json_schema_extra=index_list("head"),
         description="Head indices to return (0-based, each < n_heads, each at most once; at "
         f"most {MAX_INDICES}); null = all heads."
     )

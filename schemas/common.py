@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+import sys
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import annotated_types
 from pydantic import (
@@ -10,6 +11,7 @@ from pydantic import (
     field_validator, model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import core_schema as _cs
 
 from .errors import ERROR_TYPES
 
@@ -32,11 +34,170 @@ heads (GPT-3 175B: 96 x 96 = 9,216); each pair is distinct and in the model, whi
 checks."""
 
 
+def _integral(v: Any) -> Any:
+    """A JSON number with a zero fractional part (``10.0``, ``1e2``) as the int it is; anything
+    else unchanged (for the strict int validator to judge)."""
+    return int(v) if type(v) is float and v.is_integer() else v
+
+
+def _json_integers(node: Any) -> Any:
+    """``node`` (a pydantic core schema) with every int validator preceded by
+    :func:`_integral`: JSON Schema's ``integer`` is any number with a zero fractional part, so
+    an integer field takes ``10.0`` as 10 (``10.5``, ``true``, ``"10"`` stay refused). The JSON
+    schema is the int's own (``type: integer`` with its bounds)."""
+    if isinstance(node, dict):
+        if node.get("type") == "int":
+            return _cs.no_info_before_validator_function(_integral, node)
+        if node.get("type") == "function-before" and \
+                (node.get("function") or {}).get("function") is _integral:
+            return node  # a nested model's, already wrapped
+        return {k: v if k in ("metadata", "serialization", "ref") else _json_integers(v)
+                for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_json_integers(x) for x in node)
+    return node
+
+
+# --- rules between fields, stated in the JSON schema (StrictModel.json_rules) -------------------
+# Each helper returns a JSON Schema object; a model's ``json_rules`` are ``allOf``'d onto its
+# schema. A field is "unset" when absent or null (what the validators' ``is None`` sees).
+
+def present(*fields: str) -> dict:
+    """Every one of ``fields`` is given and not null."""
+    return {"required": list(fields),
+            "properties": {f: {"not": {"type": "null"}} for f in fields}}
+
+
+def unset(*fields: str) -> dict:
+    """None of ``fields`` is given (absent or null)."""
+    return {"properties": {f: {"type": "null"} for f in fields}}
+
+
+def equals(field: str, value: Any, default: Any) -> dict:
+    """``field`` is ``value`` (absent counts as its ``default``)."""
+    js = {"properties": {field: {"const": value}}}
+    return js if value == default else {"required": [field], **js}
+
+
+def one_of(*alternatives: tuple[str, ...] | str) -> dict:
+    """Exactly one of the ``alternatives`` (a field, or fields given together) is given, every
+    other field named is unset; ``()`` as an alternative: none given."""
+    alts = [(a,) if isinstance(a, str) else tuple(a) for a in alternatives]
+    names = [f for a in alts for f in a]
+    branches = []
+    for a in alts:
+        rest = [f for f in dict.fromkeys(names) if f not in a]
+        js = present(*a) if a else {"properties": {}}
+        js["properties"].update(unset(*rest)["properties"])
+        branches.append(js)
+    return {"anyOf": branches}
+
+
+def _not(js: dict) -> dict:
+    """``{"not": js}``, without a double negation."""
+    return js["not"] if set(js) == {"not"} else {"not": js}
+
+
+def negate(condition: dict) -> dict:
+    """The complement of a condition made by :func:`present`, :func:`unset`, :func:`equals`
+    (and ``anyOf`` / ``allOf`` of them), spelled as branches on single fields: a generator
+    (schemathesis' canonical form) intersects those by field, where ``if`` / ``not`` of a whole
+    object multiply its cases."""
+    if set(condition) == {"anyOf"}:
+        return {"allOf": [negate(c) for c in condition["anyOf"]]}
+    if set(condition) == {"allOf"}:
+        return {"anyOf": [negate(c) for c in condition["allOf"]]}
+    if set(condition) <= {"properties", "required"}:
+        props, req = condition.get("properties", {}), condition.get("required", [])
+        branches = [{"properties": {f: False}} for f in req]  # a required field absent
+        branches += [{"required": [f], "properties": {f: _not(js)}} for f, js in props.items()]
+        return branches[0] if len(branches) == 1 else {"anyOf": branches}
+    return _not(condition)
+
+
+def cases(*branches: list[dict]) -> dict:
+    """One of ``branches`` holds, each a list of conditions that hold together. Exclusive
+    cases, each spelling what it allows of every field involved, cost a generator fewer
+    intersections than one rule per check (schemathesis gives up on a schema whose rules
+    multiply past its bound)."""
+    return {"anyOf": [{"allOf": list(b)} if len(b) > 1 else b[0] for b in branches]}
+
+
+def when(condition: dict, then: dict) -> dict:
+    """``then`` holds wherever ``condition`` does (``if``/``then``, spelled as ``anyOf``
+    [not condition, condition and then])."""
+    return {"anyOf": [negate(condition), {"allOf": [condition, then]}]}
+
+
+# Python's whitespace (str.isspace, what str.strip removes), spelled out: ECMA-262's and
+# Python's ``\s`` differ (U+001C..U+001F, U+0085, U+FEFF), this class means the same in both.
+_SPACE = "".join(c if c not in "\\]^-" else "\\" + c for c in map(chr, range(sys.maxunicode + 1))
+                 if c.isspace())
+NON_BLANK_PATTERN = "[^" + _SPACE.encode("unicode_escape").decode("ascii") + "]"
+"""JSON Schema ``pattern`` of a text with a non-whitespace character (the service strips
+Python's whitespace, ``str.isspace``)."""
+
+
+def _schema_extra(kind: str, **keywords: Any):
+    """A ``Field(json_schema_extra=...)`` adding ``keywords`` to the field's ``kind`` branch
+    (``"string"``, ``"array"``): inside ``anyOf`` for an optional field."""
+    def extra(js: dict) -> None:
+        for branch in js.get("anyOf", [js]):
+            if branch.get("type") == kind:
+                branch.update(keywords)
+    return extra
+
+
+INDEX_MARK = "x-attnscope-index"
+"""Marks an index field's JSON schema with what it indexes (``"layer"``, ``"head"``,
+``"token"``: a vocabulary id): the served OpenAPI (service/ops/openapi.py) bounds it by the
+resident model's count (``maximum``, and ``maxItems`` of a list of distinct indices)."""
+
+
+AT_MOST_MARK = "x-attnscope-at-most"
+"""Marks a count field bounded by a size of the resident model (``"d_model"``): the served
+OpenAPI gives it that ``maximum``."""
+
+
+def index_list(what: str | None = None) -> Any:
+    """``json_schema_extra`` of a list of distinct indices that the service refuses empty
+    (``check_indices``): ``minItems`` 1, ``uniqueItems``; ``what``: see :data:`INDEX_MARK`."""
+    return _schema_extra("array", minItems=1, uniqueItems=True,
+                         **({INDEX_MARK: what} if what else {}))
+
+
+def index_of(what: str) -> Any:
+    """``json_schema_extra`` of one index field (an integer, or a list of token ids)."""
+    return _schema_extra("integer", **{INDEX_MARK: what}) if what != "token" else \
+        _schema_extra("array", **{INDEX_MARK: what})
+
+
+NON_BLANK = _schema_extra("string", pattern=NON_BLANK_PATTERN)
+"""``json_schema_extra`` of a text field whose validator refuses a blank text."""
+NON_EMPTY = _schema_extra("array", minItems=1)
+"""``json_schema_extra`` of a list field whose validator refuses an empty list."""
+
+
+def ids_as_given(*id_fields: str) -> dict:
+    """Token ids are used as given: with any of ``id_fields`` given, ``add_bos`` is not true
+    (resolve in service/serving/core/inputs.py)."""
+    return when({"anyOf": [present(f) for f in id_fields]},
+                {"properties": {"add_bos": {"not": {"const": True}}}})
+
+
+TOKEN_IDS_AS_GIVEN = ids_as_given("tokens", "token_lists")
+
+
 class StrictModel(BaseModel):
     """Base for requests: unknown fields are rejected (422), never silently ignored, and values
     are never coerced across JSON types (pydantic strict mode): ``"yes"`` or ``1`` is not a
-    boolean, ``true``, ``1.0`` or ``"1"`` is not an index, ``true`` is not a number (an integer
-    is still accepted where a float is expected).
+    boolean, ``true``, ``1.5`` or ``"1"`` is not an index, ``true`` is not a number (an integer
+    is still accepted where a float is expected). A number with a zero fractional part is an
+    integer (``1.0`` is the index 1), as JSON Schema's ``integer`` says.
+
+    The OpenAPI states what the validators check between fields: each class's ``json_rules``
+    (JSON Schema objects made by :func:`one_of`, :func:`present`, :func:`when` ...; a subclass
+    adds to its bases') are the ``allOf`` of its schema.
 
     The cost of refusing a body is bounded, before anything in it is validated: an object with
     more keys than the model has fields gets one error (``too_many_fields``, at its first
@@ -45,6 +206,19 @@ class StrictModel(BaseModel):
     invalid element when the field is ``fail_fast``)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    json_rules: ClassVar[tuple[dict, ...]] = ()
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        return _json_integers(handler(source))
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> Any:
+        js = handler(core_schema)
+        rules = [r for c in reversed(cls.__mro__) for r in c.__dict__.get("json_rules", ())]
+        if rules:
+            handler.resolve_ref_schema(js).setdefault("allOf", []).extend(rules)
+        return js
 
     @model_validator(mode="before")
     @classmethod
@@ -401,7 +575,8 @@ def _not_blank(v: str) -> str:
     return v
 
 
-NonBlankText = Annotated[str, AfterValidator(_not_blank)]
+NonBlankText = Annotated[str, AfterValidator(_not_blank),
+                         Field(json_schema_extra={"pattern": NON_BLANK_PATTERN})]
 
 
 #: the text of the request examples in the OpenAPI document (/docs "Try it out" sends them)
@@ -444,7 +619,8 @@ TOKEN_LISTS_DOC = (
     "independently; results in order. At most max_batch sequences."
 )
 
-TokenIds = Annotated[list[int], Field(min_length=1, max_length=MAX_POSITIONS, fail_fast=True)]
+TokenIds = Annotated[list[int], Field(min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
+                                      json_schema_extra={INDEX_MARK: "token"})]
 """One sequence of token ids (non-empty; each id checked against the model's vocabulary). A
 field of one sequence spells these constraints in its own Field (so the length is checked
 first, StrictModel)."""
@@ -485,21 +661,22 @@ class TextOrTexts(StrictModel):
     (token ids, used as given)."""
 
     model_config = example(text=EXAMPLE_TEXT)
+    json_rules = (one_of("text", "texts", "tokens", "token_lists"), TOKEN_IDS_AS_GIVEN)
 
     text: str | None = Field(
-        None, description="One text. Always treated as text: strings that spell special tokens "
+        None, json_schema_extra=NON_BLANK, description="One text. Always treated as text: strings that spell special tokens "
         "are tokenized as plain text."
     )
     texts: list[NonBlankText] | None = Field(
-        None, max_length=MAX_TEXTS, fail_fast=True,
+        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=NON_EMPTY,
         description="Several texts (a batch), analysed independently; results in order. At "
         f"most max_batch (a setting, default 32; never more than {MAX_TEXTS}).",
     )
     tokens: list[int] | None = Field(
         None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
-        description=TOKENS_DOC.format(text="text"))
+        json_schema_extra=index_of("token"), description=TOKENS_DOC.format(text="text"))
     token_lists: list[TokenIds] | None = Field(
-        None, max_length=MAX_TEXTS, fail_fast=True,
+        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=NON_EMPTY,
         description=TOKEN_LISTS_DOC.format(texts="texts"))
     add_bos: bool | None = add_bos_field()
 

@@ -21,6 +21,15 @@ from .common import (
     TOKEN_LISTS_DOC, TOKENS_DOC, TokenIds, add_bos_echo, add_bos_field, one_input,
 )
 from .common import BYTES_DOC, LABEL_DOC, PARTIAL_DOC, NestedNumbers, field_error
+from .common import (
+    INDEX_MARK, NON_EMPTY, cases, equals, ids_as_given, index_list, index_of, one_of, present, unset, when,
+)
+
+_RESAMPLE = ("resample_text", "resample_tokens")
+_REFERENCE = ("reference_texts", "reference_token_lists")
+NOT_ADD_BOS = {"properties": {"add_bos": {"not": {"const": True}}}}
+"""Token ids are used as given: add_bos is not true (resolve in service/serving/core/inputs.py)."""
+NOT_RESAMPLE = {"properties": {"method": {"not": {"const": "resample"}}}}
 
 #: most components ablated together in one /v1/ablate request
 MAX_COMPONENTS = 4096
@@ -31,7 +40,12 @@ MAX_PATCH_PAIRS = 4096
 MAX_VECTOR = 1 << 16
 
 Index = Annotated[int, Field(ge=0)]
-HeadRef = Annotated[list[Index], Field(min_length=2, max_length=2)]
+Layer = Annotated[int, Field(ge=0, json_schema_extra={INDEX_MARK: "layer"})]
+HeadIndex = Annotated[int, Field(ge=0, json_schema_extra={INDEX_MARK: "head"})]
+HeadRef = Annotated[list[Index], Field(min_length=2, max_length=2, json_schema_extra={
+    "prefixItems": [{"type": "integer", "minimum": 0, INDEX_MARK: "layer"},
+                    {"type": "integer", "minimum": 0, INDEX_MARK: "head"}]})]
+"""A [layer, head] pair."""
 
 
 class TokenRef(LenientModel):
@@ -60,7 +74,7 @@ class PredictionsRequest(TextOrTexts):
 
     top_k: int = Field(5, ge=1, le=100, description="Most probable next tokens per position.")
     positions: list[Index] | None = Field(
-        None, max_length=MAX_POSITIONS, fail_fast=True,
+        None, max_length=MAX_POSITIONS, fail_fast=True, json_schema_extra=index_list(),
         description="Positions to report (each < the text's token count, each once; at most "
         f"{MAX_POSITIONS}); null = all. Position p predicts token p + 1."
     )
@@ -116,15 +130,15 @@ class HeadComponent(StrictModel):
     """An attention head: its output z (``blocks.{layer}.attn.hook_z[:, :, head]``)."""
 
     kind: Literal["head"] = Field(description="'head'.")
-    layer: Index = Field(..., description="The head's layer (0-based).")
-    head: Index = Field(..., description="The head (0-based).")
+    layer: Layer = Field(..., description="The head's layer (0-based).")
+    head: HeadIndex = Field(..., description="The head (0-based).")
 
 
 class MLPComponent(StrictModel):
     """A whole MLP layer: its output ``blocks.{layer}.hook_mlp_out`` ``[pos, d_model]``."""
 
     kind: Literal["mlp"] = Field(description="'mlp'.")
-    layer: Index = Field(..., description="The MLP's layer (0-based).")
+    layer: Layer = Field(..., description="The MLP's layer (0-based).")
 
 
 class AttnComponent(StrictModel):
@@ -132,7 +146,7 @@ class AttnComponent(StrictModel):
     (every head and b_O)."""
 
     kind: Literal["attn"] = Field(description="'attn'.")
-    layer: Index = Field(..., description="The attention layer (0-based).")
+    layer: Layer = Field(..., description="The attention layer (0-based).")
 
 
 class NeuronComponent(StrictModel):
@@ -140,7 +154,7 @@ class NeuronComponent(StrictModel):
     function), each set to 0, to its mean or to the resample text's value."""
 
     kind: Literal["neuron"] = Field(description="'neuron'.")
-    layer: Index = Field(..., description="The MLP's layer (0-based).")
+    layer: Layer = Field(..., description="The MLP's layer (0-based).")
     neurons: Annotated[list[Index], Field(min_length=1, max_length=MAX_VECTOR)] = Field(
         ..., description="Neuron indices (each < d_mlp, each once).")
 
@@ -160,7 +174,7 @@ class DirectionComponent(StrictModel):
         ..., description="The direction: as many entries as the hook's last axis (d_model, "
         "d_mlp, d_head); normalised to unit length (a zero vector is 422).")
     positions: list[Index] | None = Field(
-        None, max_length=MAX_POSITIONS, fail_fast=True,
+        None, max_length=MAX_POSITIONS, fail_fast=True, json_schema_extra=index_list(),
         description="Positions where the direction is ablated (each once); null = all.")
 
 
@@ -183,14 +197,46 @@ class AblateRequest(TensorOptions):
     one text and report what changes in the next-token predictions."""
 
     model_config = example(text=EXAMPLE_TEXT, heads=[[0, 0]])
+    # three groups of exclusive cases (fewer cases for a generator to intersect than one rule
+    # per check): the input, the method's own inputs, the scan
+    json_rules = (
+        cases(  # one text, or a dataset (not resampled, no patterns); token ids as given
+            [present("text"), unset("tokens", "texts", "token_lists"),
+             equals("per_text", False, False)],
+            [present("tokens"), unset("text", "texts", "token_lists"),
+             equals("per_text", False, False), NOT_ADD_BOS],
+            [present("texts"), unset("text", "tokens", "token_lists"), NOT_RESAMPLE,
+             equals("include_patterns", False, False)],
+            [present("token_lists"), unset("text", "tokens", "texts"), NOT_RESAMPLE,
+             equals("include_patterns", False, False), NOT_ADD_BOS]),
+        cases(  # resample_text / _tokens for 'resample' only, reference_* for 'mean' only
+            [equals("method", "zero", "zero"), unset(*_RESAMPLE, *_REFERENCE)],
+            # (not both reference_texts and reference_token_lists: unstated, one more case
+            # than schemathesis' canonical form takes)
+            [equals("method", "mean", "zero"), unset(*_RESAMPLE)],
+            [equals("method", "resample", "zero"), unset(*_REFERENCE), one_of(*_RESAMPLE)]),
+        cases(  # a scan (no heads, no components, no patterns) or heads / components
+            [equals("scan", True, False), unset("heads", "components"),
+             equals("include_patterns", False, False),
+             {"properties": {"scan_metric": {"enum": ["loss", "kl"]}}}],
+            [equals("scan", True, False), unset("heads", "components"),
+             equals("include_patterns", False, False), equals("scan_metric", "metric", "loss"),
+             present("metric")],
+            [equals("scan", True, False), unset("heads", "components"),
+             equals("include_patterns", False, False),
+             equals("scan_metric", "logit_diff", "loss"), present("logit_diff")],
+            [equals("scan", False, False), present("heads")],
+            [equals("scan", False, False), unset("heads"), present("components")]),
+    )
 
     text: NonBlankText | None = Field(None, description="The text to run (or tokens).")
     tokens: list[int] | None = Field(
         None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
+        json_schema_extra=index_of("token"),
         description=TOKENS_DOC.format(text="text"))
     add_bos: bool | None = add_bos_field()
     heads: list[HeadRef] | None = Field(
-        None, max_length=MAX_HEAD_PAIRS, fail_fast=True,
+        None, max_length=MAX_HEAD_PAIRS, fail_fast=True, json_schema_extra=NON_EMPTY,
         description="Heads to ablate together, as [layer, head] pairs (0-based, each "
         f"once; at most {MAX_HEAD_PAIRS}); required unless scan or components."
     )
@@ -210,13 +256,13 @@ class AblateRequest(TensorOptions):
         "taken from resample_text (same token count) at each position."
     )
     reference_texts: list[NonBlankText] | None = Field(
-        None, max_length=MAX_TEXTS, fail_fast=True,
+        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=NON_EMPTY,
         description="method 'mean': texts whose z, pooled over all their positions, give "
         "the mean (default: the text itself). At most max_batch (a setting, default 32; never "
         f"more than {MAX_TEXTS})."
     )
     reference_token_lists: list[TokenIds] | None = Field(
-        None, max_length=MAX_TEXTS, fail_fast=True,
+        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=NON_EMPTY,
         description=TOKEN_LISTS_DOC.format(texts="reference_texts"))
     resample_text: NonBlankText | None = Field(
         None, description="method 'resample': the text whose z replaces the ablated heads' (same "
@@ -224,9 +270,10 @@ class AblateRequest(TensorOptions):
     )
     resample_tokens: list[int] | None = Field(
         None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
+        json_schema_extra=index_of("token"),
         description=TOKENS_DOC.format(text="resample_text"))
     positions: list[Index] | None = Field(
-        None, max_length=MAX_POSITIONS, fail_fast=True,
+        None, max_length=MAX_POSITIONS, fail_fast=True, json_schema_extra=index_list(),
         description=f"Positions to report / score (each < token count, once; at most "
         f"{MAX_POSITIONS}); null = all."
     )
@@ -410,6 +457,9 @@ class PatchPair(StrictModel):
     ``add_bos``). Both sides have the same token count; pairs may differ from each other
     (grids without a position axis only)."""
 
+    json_rules = (one_of("clean_tokens", "clean_text"),
+                  one_of("corrupted_tokens", "corrupted_text"))
+
     clean_tokens: Annotated[list[Index], Field(min_length=1, max_length=MAX_POSITIONS)] | None \
         = Field(None, description="The clean prompt as token ids.")
     clean_text: NonBlankText | None = Field(None, description="The clean prompt as a text.")
@@ -437,16 +487,43 @@ class PatchRequest(StrictModel):
         clean_text="When Mary and John went to the store, she gave a drink to",
         corrupted_text="When Mary and John went to the store, he gave a drink to",
         logit_diff={"target": " him", "distractor": " her"})
+    json_rules = (
+        {"anyOf": [  # a dataset of pairs, or one clean and one corrupted prompt
+            {"allOf": [present("pairs"),
+                       unset("clean_text", "clean_tokens", "corrupted_text", "corrupted_tokens"),
+                       equals("per_position", False, False), equals("residual", False, False)]},
+            {"allOf": [unset("pairs"), one_of("clean_text", "clean_tokens"),
+                       one_of("corrupted_text", "corrupted_tokens"),
+                       equals("per_pair", False, False)]}]},
+        ids_as_given("clean_tokens", "corrupted_tokens"),
+        when({"allOf": [present("pairs"), {"properties": {"pairs": {
+            "contains": present("metric")}}}]},
+            {"required": ["metric"], "properties": {"metric": {"type": "object"}}}),
+        cases(  # logit_diff for 'logit_diff' (the default), positions for 'loss' only
+            [equals("metric", "logit_diff", "logit_diff"), present("logit_diff"),
+             unset("positions")],
+            [equals("metric", "loss", "logit_diff")],
+            [{"required": ["metric"], "properties": {"metric": {"type": "object"}}},
+             unset("logit_diff", "positions")]),
+        cases(  # a hook's grid, or the head grid (per_position, residual)
+            [present("hook"), equals("per_position", False, False),
+             equals("residual", False, False)],
+            [unset("hook", "patch_layers", "patch_heads", "patch_positions"),
+             equals("by_position", False, False)]),
+        when(equals("residual", True, False), equals("method", "exact", "exact")),
+    )
 
     clean_text: NonBlankText | None = Field(
         None, description="The clean prompt (the behaviour to restore); or clean_tokens.")
     clean_tokens: list[int] | None = Field(
         None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
+        json_schema_extra=index_of("token"),
         description=TOKENS_DOC.format(text="clean_text"))
     corrupted_text: NonBlankText | None = Field(
         None, description="The corrupted prompt, same token count; or corrupted_tokens.")
     corrupted_tokens: list[int] | None = Field(
         None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
+        json_schema_extra=index_of("token"),
         description=TOKENS_DOC.format(text="corrupted_text"))
     add_bos: bool | None = add_bos_field()
     metric: Union[Literal["logit_diff", "loss"], Metric] = Field(
@@ -457,7 +534,7 @@ class PatchRequest(StrictModel):
     )
     logit_diff: LogitDiffOptions | None = Field(None, description="Metric 'logit_diff': the tokens.")
     positions: list[Index] | None = Field(
-        None, max_length=MAX_POSITIONS, fail_fast=True,
+        None, max_length=MAX_POSITIONS, fail_fast=True, json_schema_extra=index_list(),
         description=f"Metric 'loss': the positions scored (each once; at most {MAX_POSITIONS}); "
         "null = all with a next token."
     )
@@ -479,14 +556,14 @@ class PatchRequest(StrictModel):
         False, description="hook 'z'/'q'/'k'/'v'/'pattern': one (position, head) cell at a time "
         "(TL ``..._by_pos``). Position hooks are always by position.")
     patch_layers: list[Index] | None = Field(
-        None, max_length=MAX_POSITIONS, fail_fast=True,
+        None, max_length=MAX_POSITIONS, fail_fast=True, json_schema_extra=index_list("layer"),
         description="hook: the layers computed (each once); the others' cells are null. Null = "
         "all.")
     patch_heads: list[Index] | None = Field(
-        None, max_length=MAX_POSITIONS, fail_fast=True,
+        None, max_length=MAX_POSITIONS, fail_fast=True, json_schema_extra=index_list("head"),
         description="hook with a head axis: the heads computed; the others' cells are null.")
     patch_positions: list[Index] | None = Field(
-        None, max_length=MAX_POSITIONS, fail_fast=True,
+        None, max_length=MAX_POSITIONS, fail_fast=True, json_schema_extra=index_list(),
         description="hook: by position (and position hooks), the positions computed (others "
         "null); for a head's all-position patch, the positions patched together. Null = all.")
     pairs: list[PatchPair] | None = Field(

@@ -16,12 +16,13 @@ from typing import Annotated, Literal, Union
 from pydantic import Field
 
 from .interventions import TopToken
+from .common import INDEX_MARK
 from .common import (
     BYTES_DOC, LABEL_DOC, PARTIAL_DOC, EXAMPLE_TEXT, MAX_TEXTS, LenientModel, ModelRef, TextOrTexts, Token, add_bos_echo, example,
 )
 
 MAX_INDEX = 1 << 20
-TokenId = Annotated[int, Field(ge=0, le=1 << 31)]
+TokenId = Annotated[int, Field(ge=0, le=1 << 31, json_schema_extra={INDEX_MARK: "token"})]
 TokenRef = Union[TokenId, Annotated[str, Field(min_length=1, max_length=200)]]
 Position = Annotated[int, Field(ge=-MAX_INDEX, le=MAX_INDEX)]
 Positions = Annotated[list[Position], Field(min_length=1, max_length=4096)]

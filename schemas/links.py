@@ -8,7 +8,7 @@ from pydantic import Field
 
 from .common import (
     EXAMPLE_TEXT, MAX_POSITIONS, LenientModel, ModelRef, TextOrTexts, Token, example)
-from .common import add_bos_echo
+from .common import add_bos_echo, index_of
 
 
 class LinksRequest(TextOrTexts):
@@ -17,9 +17,11 @@ class LinksRequest(TextOrTexts):
 
     model_config = example(text=EXAMPLE_TEXT, layer=0)
 
-    layer: int = Field(ge=0, description="Layer index (0-based, < n_layers).")
+    layer: int = Field(ge=0, json_schema_extra=index_of("layer"),
+                       description="Layer index (0-based, < n_layers).")
     head: int | None = Field(
-        None, ge=0, description="Head index (< n_heads); null = the mean over the layer's heads."
+        None, ge=0, json_schema_extra=index_of("head"),
+        description="Head index (< n_heads); null = the mean over the layer's heads."
     )
     top_k: int = Field(1, ge=1, le=4096, description="Links per query, strongest first (default 1).")
     exclude_self: bool = Field(True, description="Never link a token to itself (default true).")

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from .attention import SparseOptions
 from .common import (
     MAX_INDICES, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
+    equals, index_list,
 )
 from .common import add_bos_echo
 
@@ -17,13 +18,16 @@ class NormsRequest(TextOrTexts, TensorOptions):
     """Contribution norms ``||alpha^h_ij f_h(x_j)||`` of the resident model for one text or a
     batch, with ``f_h(x) = (x W_V^h + b_V^h) W_O^h`` (Kobayashi et al. 2020, eq. 5-7)."""
 
+    json_rules = ({"anyOf": [equals(f, True, True)
+                             for f in ("per_head", "summed", "value_norms")]},)
+
     layers: list[int] | None = Field(
-        None, max_length=MAX_INDICES, fail_fast=True,
+        None, max_length=MAX_INDICES, fail_fast=True, json_schema_extra=index_list("layer"),
         description="Layer indices to return (0-based, each < n_layers), in the order "
         f"given, each at most once (at most {MAX_INDICES}); null = all layers."
     )
     heads: list[int] | None = Field(
-        None, max_length=MAX_INDICES, fail_fast=True,
+        None, max_length=MAX_INDICES, fail_fast=True, json_schema_extra=index_list("head"),
         description="Head indices (0-based, each < n_heads, each at most once; at most "
         f"{MAX_INDICES}); null = all heads. 'summed' is the sum over these heads."
     )

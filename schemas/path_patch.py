@@ -14,14 +14,17 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from .common import LenientModel, ModelRef, StrictModel, Token, example
+from .common import (
+    INDEX_MARK, LenientModel, ModelRef, StrictModel, Token, equals, example, one_of, present,
+    unset, when,
+)
 from .run import Indices, Metric, TokenId
 
 #: most (clean, corrupted) pairs in one request (the memory estimate usually binds first)
 MAX_PAIRS = 4096
 MAX_COMPONENTS = 1024
-Layer = Annotated[int, Field(ge=0, le=1 << 16)]
-HeadIndex = Annotated[int, Field(ge=0, le=1 << 16)]
+Layer = Annotated[int, Field(ge=0, le=1 << 16, json_schema_extra={INDEX_MARK: "layer"})]
+HeadIndex = Annotated[int, Field(ge=0, le=1 << 16, json_schema_extra={INDEX_MARK: "head"})]
 SplitInput = Literal["q", "k", "v"]
 
 
@@ -105,6 +108,9 @@ class PromptPair(StrictModel):
         None, description="This pair's own metric (e.g. its own target and distractor tokens), "
         "of the same kind and reduce as the request's ``metric``; null = the request's.")
 
+    json_rules = (one_of("clean_tokens", "clean_text"),
+                  one_of("corrupted_tokens", "corrupted_text"))
+
     @model_validator(mode="after")
     def _one_each(self):
         for side in ("clean", "corrupted"):
@@ -122,6 +128,11 @@ class PathPatchRequest(StrictModel):
         senders=[{"kind": "head", "layer": 0, "head": 1}],
         receivers=[{"kind": "head", "layer": 1, "input": "k"}],
         metric={"kind": "loss", "terms": [{"position": 5}, {"position": 6}]},
+    )
+    json_rules = (
+        when(equals("grid", True, False), {"allOf": [unset("senders", "receivers"),
+                                                     equals("per_pair", False, False)]}),
+        when(equals("grid", False, False), present("senders", "receivers")),
     )
 
     pairs: list[PromptPair] = Field(
@@ -152,6 +163,7 @@ class PathPatchRequest(StrictModel):
         "then null.")
     grid_inputs: list[SplitInput] = Field(
         default_factory=lambda: ["q", "k", "v"], min_length=1, max_length=3,
+        json_schema_extra={"uniqueItems": True},
         description="The receiver inputs of the grid, in this order (its last axis).")
     sender_positions: Indices | None = Field(
         None, description="Positions where the senders' outputs are taken from the other run "

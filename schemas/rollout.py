@@ -9,6 +9,7 @@ from pydantic import Field
 from .attention import SparseOptions
 from .common import (
     MAX_INDICES, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
+    index_list,
 )
 from .common import add_bos_echo
 
@@ -35,7 +36,7 @@ class RolloutRequest(TextOrTexts, TensorOptions):
         "'drop' its weight from every query after it before the residual is added."
     )
     layers: list[int] | None = Field(
-        None, max_length=MAX_INDICES, fail_fast=True,
+        None, max_length=MAX_INDICES, fail_fast=True, json_schema_extra=index_list("layer"),
         description="Layers l whose rollout R_l to return (0-based: R at layer l's "
         f"output), each at most once (at most {MAX_INDICES}); null = all. R_l always "
         "multiplies every layer <= l."
@@ -45,7 +46,7 @@ class RolloutRequest(TextOrTexts, TensorOptions):
         "most 16 tokens (the response's flow_max_tokens); longer inputs get a 422."
     )
     flow_layers: list[int] | None = Field(
-        None, max_length=MAX_INDICES, fail_fast=True,
+        None, max_length=MAX_INDICES, fail_fast=True, json_schema_extra=index_list("layer"),
         description="Layers whose flow to compute (0-based, each at most once; at most "
         f"{MAX_INDICES}); null = the last layer. The cost grows with each layer's depth."
     )

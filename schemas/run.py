@@ -14,6 +14,7 @@ from .common import (
     MAX_TEXTS, LenientModel, ModelRef, StrictModel, TensorField, Token,
     TensorOptions, example, field_error,
 )
+from .common import INDEX_MARK, NON_BLANK_PATTERN, ids_as_given, index_of, one_of
 
 #: at most this many prompts in one run (max_batch, a setting, may be lower)
 MAX_PROMPTS = MAX_TEXTS
@@ -23,7 +24,7 @@ MAX_INDEX = 1 << 20
 
 Index = Annotated[int, Field(ge=-MAX_INDEX, le=MAX_INDEX)]
 Indices = Annotated[list[Index], Field(min_length=1, max_length=4096)]
-TokenId = Annotated[int, Field(ge=0, le=1 << 31)]
+TokenId = Annotated[int, Field(ge=0, le=1 << 31, json_schema_extra={INDEX_MARK: "token"})]
 #: a tensor given in a request: nested JSON lists of numbers, or the base64 form
 #: ``{"encoding": "base64", "dtype": "float32"|"float16", "shape", "data"}``
 _F = Annotated[float, Field(allow_inf_nan=False)]
@@ -124,6 +125,8 @@ class MeanIntervention(_Intervention):
         None, min_length=1, max_length=MAX_PROMPTS,
         description="Reference prompts as texts (tokenized as ``texts`` are).")
 
+    json_rules = (one_of((), "reference", "reference_texts"),)
+
     @model_validator(mode="after")
     def _one_reference(self):
         if self.reference is not None and self.reference_texts is not None:
@@ -143,6 +146,8 @@ class SetIntervention(_Intervention):
         None, description="The prompt (batch row) whose value at this hook is copied; it must "
         "have the same length (every prompt of a run does).")
     value: InputTensor | None = Field(None, description="The replacement tensor.")
+
+    json_rules = (one_of("source_prompt", "value"),)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -275,12 +280,17 @@ class RunRequest(TensorOptions):
         logits={"positions": [-1], "top_k": 3},
     )
 
-    token_lists: list[Annotated[list[TokenId], Field(max_length=1 << 16)]] | None = Field(
+    json_rules = (one_of("token_lists", "texts"), ids_as_given("token_lists"))
+
+    token_lists: list[Annotated[list[TokenId], Field(
+        min_length=1, max_length=1 << 16, json_schema_extra={"x-attnscope-index": "token"})]] \
+            | None = Field(
         None, min_length=1, max_length=MAX_PROMPTS,
         description="The prompts as token ids, one list per prompt (``[batch, pos]``, as "
         "TransformerLens' ``run_with_cache(tokens)``), used exactly as given (no BOS added). All "
         "prompts of a run have the same number of tokens.")
-    texts: list[Annotated[str, Field(min_length=1)]] | None = Field(
+    texts: list[Annotated[str, Field(min_length=1, json_schema_extra={
+            "pattern": NON_BLANK_PATTERN})]] | None = Field(
         None, min_length=1, max_length=MAX_PROMPTS,
         description="The prompts as texts (tokenized as plain text; BOS per ``add_bos``).")
     add_bos: bool | None = Field(

@@ -15,6 +15,8 @@ from pydantic import Field, field_validator, model_validator
 from .common import (
     LenientModel, ModelRef, TensorField, TensorOptions, Token, example)
 from .common import ADD_BOS_DOC, add_bos_echo, one_input
+from .common import AT_MOST_MARK, _schema_extra
+from .common import NON_BLANK, equals, index_of, one_of, present, unset, when
 
 MAX_POS = 512
 """Most rows (positions) a q/k/v matrix may have."""
@@ -54,7 +56,9 @@ def _check_matrix(v: list[list[float]] | None, name: str) -> list[list[float]] |
     return v
 
 
-Matrix = list[Annotated[list[float], Field(max_length=MAX_DIM, fail_fast=True)]]
+Matrix = Annotated[list[Annotated[list[float], Field(max_length=MAX_DIM, fail_fast=True,
+                                                    json_schema_extra={"minItems": 1})]],
+                   Field(json_schema_extra={"minItems": 1})]
 """A q/k/v matrix ``[pos, d]``: at most MAX_DIM numbers a row, validation stopping at the first
 invalid number (a row of a million strings costs one error)."""
 
@@ -64,6 +68,16 @@ class ScratchAttentionRequest(TensorOptions):
     embeddings. Give either all of ``q``, ``k``, ``v`` or ``text``."""
 
     model_config = example(text="The cat sat on the mat")
+    json_rules = (
+        {"anyOf": [  # q, k and v (nothing of the text source), or a text / token ids
+            {"allOf": [present("q", "k", "v"),
+                       unset("text", "tokens", "query_text", "query_tokens", "project"),
+                       {"properties": {"add_bos": {"not": {"const": True}}}}]},
+            {"allOf": [unset("q", "k", "v"), one_of("text", "tokens")]}]},
+        one_of((), "query_text", "query_tokens"),
+        when({"anyOf": [present("query_text"), present("query_tokens")]},
+             equals("variant", "cross", "self")),
+    )
 
     q: Matrix | None = Field(
         None, max_length=MAX_POS, fail_fast=True,
@@ -79,31 +93,33 @@ class ScratchAttentionRequest(TensorOptions):
         description="Values [key_pos, d_v] (same rows as k; the same limits)."
     )
     text: str | None = Field(
-        None,
+        None, json_schema_extra=NON_BLANK,
         description="Instead of q/k/v: the text whose static token embeddings (the model's "
         "input embedding matrix rows, float64, no positions) are Q = K = V (source "
         "000_1c89b6c8c2a32040.txt, 'Implementing attention').",
     )
     query_text: str | None = Field(
-        None,
+        None, json_schema_extra=NON_BLANK,
         description="Variant 'cross' with 'text': the queries are this text's token embeddings; "
         "when absent the queries are seeded uniform random numbers in [0, 1) shaped like the keys "
         "(the source's torch.rand_like).",
     )
     tokens: list[int] | None = Field(
         None, min_length=1, max_length=MAX_POS, fail_fast=True,
+        json_schema_extra=index_of("token"),
         description="Instead of q/k/v or text: token ids whose embeddings are used, exactly as "
         "given (no BOS added; each in 0..vocab_size-1, at most n_ctx)."
     )
     query_tokens: list[int] | None = Field(
         None, min_length=1, max_length=MAX_POS, fail_fast=True,
+        json_schema_extra=index_of("token"),
         description="Instead of query_text: the queries' token ids, exactly as given."
     )
     add_bos: bool | None = Field(
         None, description="'text' source: " + ADD_BOS_DOC
     )
     project: int | None = Field(
-        None, ge=1, le=MAX_DIM,
+        None, ge=1, le=MAX_DIM, json_schema_extra=_schema_extra("integer", **{AT_MOST_MARK: "d_model"}),
         description="'text' source: project Q and K (not V) onto this many PCA components fitted "
         "on the whole embedding matrix (whiten=True; the exact PCA, equal to scikit-learn's "
         "svd_solver='full' with its signs, of which the source's project_embeddings' "

@@ -12,7 +12,7 @@ from pydantic import Field
 from .common import (
     MAX_POSITIONS, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
 )
-from .common import add_bos_echo
+from .common import AT_MOST_MARK, add_bos_echo
 
 
 class TrajectoriesRequest(TextOrTexts, TensorOptions):
@@ -28,7 +28,7 @@ class TrajectoriesRequest(TextOrTexts, TensorOptions):
         "(BERT: its last block's output is already state L).",
     )
     n_components: int = Field(
-        2, ge=1, le=1024,
+        2, ge=1, le=1024, json_schema_extra={AT_MOST_MARK: "d_model"},
         description="PCA components (default 2, as the source). At most min(n_states * n_tokens, "
         "d_model); a request PCA cannot honour gets a 422 saying why.",
     )

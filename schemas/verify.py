@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .common import MAX_INDICES, LenientModel, ModelRef, TextOrTexts, Token
+from .common import MAX_INDICES, LenientModel, ModelRef, TextOrTexts, Token, equals, index_list, when
 from .common import add_bos_echo
 
 VerifyMode = Literal["from_scratch", "recorded_qkv"]
@@ -23,6 +23,9 @@ VerifyMode = Literal["from_scratch", "recorded_qkv"]
 class VerifyRequest(TextOrTexts):
     """Recompute the forward from scratch (float64, from the weights) and compare it, layer by
     layer, with what the service serves for the text."""
+
+    json_rules = (when(equals("projections", True, False),
+                       equals("mode", "recorded_qkv", "from_scratch")),)
 
     mode: VerifyMode = Field(
         "from_scratch",
@@ -41,7 +44,7 @@ class VerifyRequest(TextOrTexts):
     )
 
     layers: list[int] | None = Field(
-        None, max_length=MAX_INDICES, fail_fast=True,
+        None, max_length=MAX_INDICES, fail_fast=True, json_schema_extra=index_list("layer"),
         description="Layer indices to report (0-based, each < n_layers, each at most "
         f"once; at most {MAX_INDICES}); null = all. from_scratch recomputes every layer regardless and always checks "
         "every hidden state (a fault upstream of a reported layer is still named)."

@@ -158,7 +158,7 @@ def test_encoders_keep_their_framing_and_refuse_add_bos(bert_client):
     ({"tokens": [0, 5], "add_bos": True}, "add_bos", "put the BOS id 0 first"),
     ({"tokens": [0, 5], "text": "a"}, None, "give exactly one of"),
     ({"tokens": [True, 5]}, "tokens.0", "integer"),
-    ({"tokens": [1.0, 5]}, "tokens.0", "integer"),
+    ({"tokens": [1.5, 5]}, "tokens.0", "integer"),
 ])
 def test_bad_token_ids_are_a_422_naming_the_position_and_the_limit(client, body, param, words):
     e = assert_error(client.post("/v1/attention", json={**body, "layers": [0]}), 422,

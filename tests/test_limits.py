@@ -25,16 +25,16 @@ def _still_serving(client):
     ("/v1/tokenize", {"text": "hi", "add_bos": "yes"}, "add_bos"),
     ("/v1/attention", {"text": "hi", "add_bos": 1}, "add_bos"),
     ("/v1/attention", {"text": "hi", "layers": [True]}, "layers.0"),
-    ("/v1/attention", {"text": "hi", "layers": [0.0]}, "layers.0"),
+    ("/v1/attention", {"text": "hi", "layers": [0.5]}, "layers.0"),
     ("/v1/attention", {"text": "hi", "heads": ["0"]}, "heads.0"),
     ("/v1/attention", {"text": "hi", "round": True}, "round"),
     ("/v1/attention", {"text": "hi", "sparse": {"top_k": True}}, "sparse.top_k"),
     ("/v1/links", {"text": "hi there", "layer": True}, "layer"),
     ("/v1/links", {"text": "hi there", "layer": "1"}, "layer"),
-    ("/v1/links", {"text": "hi there", "layer": 1.0}, "layer"),
+    ("/v1/links", {"text": "hi there", "layer": 1.5}, "layer"),
     ("/v1/heads", {"text": "hi there", "thresholds": {"sink": "0.5"}}, "thresholds.sink"),
     ("/v1/heads", {"text": "hi there", "probe": {"enabled": "false"}}, "probe.enabled"),
-    ("/v1/trajectories", {"text": "hi there", "n_components": 2.0}, "n_components"),
+    ("/v1/trajectories", {"text": "hi there", "n_components": 2.5}, "n_components"),
     ("/v1/verify", {"text": "hi there", "tolerance": True}, "tolerance"),
     ("/v1/scratch-attention", {"q": [[True, False]], "k": [[1, 0]], "v": [[1, 0]]}, "q.0.0"),
 ])
@@ -42,6 +42,16 @@ def test_no_type_coercion(client, path, body, param):
     e = _err(client.post(path, json=body), param=param)
     assert e["type"] == "validation_error"
     _still_serving(client)
+
+
+def test_integral_numbers_are_integers(client):
+    """JSON Schema's ``integer`` (what the OpenAPI says) is any number with a zero fractional
+    part: ``1.0`` is the index 1, as schemathesis generates it."""
+    r = client.post("/v1/attention", json={"text": "hi", "layers": [1.0], "round": 3.0})
+    assert r.status_code == 200, r.text
+    assert r.json()["attention"]["layers"] == [1]
+    r = client.post("/v1/links", json={"text": "hi there", "layer": 1e0})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.regression

@@ -768,7 +768,10 @@ export interface components {
              * Heads
              * @description Heads to ablate together, as [layer, head] pairs (0-based, each once; at most 16384); required unless scan or components.
              */
-            heads?: number[][] | null;
+            heads?: [
+                number,
+                number
+            ][] | null;
             /**
              * Include Patterns
              * @description Return the attention patterns after the ablation [layer, head, query_pos, key_pos] (later layers change), in /v1/attention's encodings.

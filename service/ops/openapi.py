@@ -3,12 +3,15 @@
 * :func:`document_errors`: every 4xx/5xx body in ``/openapi.json`` is the envelope
   (``ErrorResponse``), and ``/v1/...`` documents 401 / 504 when keys / a time limit are set;
   the line schema of the streamed (NDJSON) 200s, ``ProgressLine``, is in its components;
+* :func:`model_bounds`: the served document states the resident model's bounds (layer and
+  head indices, token ids, sequence lengths) where the schemas mark an index field;
 * :func:`route_template` / :func:`openapi_templates`: the matched route's path template (a
   bounded metrics label), also for requests answered before routing (401, 413, 504).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 
 from fastapi import FastAPI
@@ -53,6 +56,92 @@ def _component(comps: dict, model) -> None:
     comps[model.__name__] = js
 
 
+def model_bounds(spec: dict, n_layers: int, n_heads: int, n_vocab: int, n_ctx: int,
+                 max_batch: int | None = None, d_model: int | None = None) -> dict:
+    """A copy of ``spec`` bounded by a model: every schema marked with
+    ``schemas.common.INDEX_MARK`` gets the model's limit (an integer: ``maximum`` count - 1; a
+    list of distinct indices: its items' ``maximum`` and at most count items; a list of token
+    ids: ids < ``n_vocab``, at most ``n_ctx`` ids); a bound already tighter is kept. The mark
+    stays (what the field indexes); an index is also ``minimum`` 0. A count marked with
+    ``schemas.common.AT_MOST_MARK`` "d_model" gets ``maximum`` ``d_model`` (where given).
+    ``max_batch``: where given, the lists of texts and of
+    token-id lists (``schemas.common.MAX_TEXTS`` items) hold at most that many."""
+    from attnscope.schemas.common import AT_MOST_MARK, INDEX_MARK, MAX_TEXTS
+
+    counts = {"layer": n_layers, "head": n_heads, "token": n_vocab}
+    sizes = {"d_model": d_model} if d_model is not None else {}
+    out = copy.deepcopy(spec)
+
+    def tighten(node: dict, key: str, value: int) -> None:
+        node[key] = min(node.get(key, value), value)
+
+    def index(node: dict, n: int) -> None:  # an integer index: 0 <= i < n
+        tighten(node, "maximum", n - 1)
+        node["minimum"] = max(node.get("minimum", 0), 0)
+
+    def walk(node) -> None:
+        if isinstance(node, list):
+            for x in node:
+                walk(x)
+            return
+        if not isinstance(node, dict):
+            return
+        what = node.get(INDEX_MARK)
+        if what in counts:
+            n = counts[what]
+            if node.get("type") == "integer":
+                index(node, n)
+            elif node.get("type") == "array":
+                items = node.setdefault("items", {})
+                if isinstance(items, dict) and items.get("type") == "integer":
+                    index(items, n)
+                if what == "token":
+                    tighten(node, "maxItems", n_ctx)
+                elif node.get("uniqueItems"):
+                    tighten(node, "maxItems", n)
+        if node.get(AT_MOST_MARK) in sizes and node.get("type") == "integer":
+            tighten(node, "maximum", sizes[node[AT_MOST_MARK]])
+        if max_batch is not None and node.get("type") == "array" \
+                and node.get("maxItems") == MAX_TEXTS:
+            node["maxItems"] = max_batch
+        for v in node.values():
+            walk(v)
+
+    walk(out)
+    return out
+
+
+def _resident_bounds(app: FastAPI, spec: dict) -> dict:
+    """``spec`` bounded by the resident model (:func:`model_bounds`), or ``spec`` itself while
+    none is loaded."""
+    rt = getattr(app.state, "runtime", None)
+    if rt is None or spec is None:
+        return spec
+    settings = getattr(app.state, "settings", None)
+    n_vocab = min(len(rt.tokenizer), int(rt.model.config.vocab_size))
+    return model_bounds(spec, rt.adapter.n_layers, rt.adapter.n_heads, n_vocab,
+                        rt.adapter.n_ctx, getattr(settings, "max_batch", None),
+                        rt.adapter.d_model)
+
+
+def _served_bounds(app: FastAPI) -> None:
+    """``app.openapi`` (the outermost wrapper) wrapped: once the model is resident, the
+    document bounded by it (made once per runtime); before, the model-free document."""
+    inner = app.openapi
+    made: dict = {}
+
+    def openapi() -> dict:
+        spec = inner()
+        rt = getattr(app.state, "runtime", None)
+        if rt is None:
+            return spec
+        if made.get("runtime") is not rt:
+            made.update(runtime=rt, spec=_resident_bounds(app, spec))
+        return made["spec"]
+
+    app.openapi = openapi
+
+
 def document_errors(app: FastAPI, keys: bool, timeout_s: float) -> None:
     """Make OpenAPI tell the truth about errors: every 4xx/5xx body is the envelope
     (``ErrorResponse``), not FastAPI's ``HTTPValidationError``; ``/v1/...`` documents 401 when
@@ -89,7 +178,11 @@ def document_errors(app: FastAPI, keys: bool, timeout_s: float) -> None:
                 if path.startswith("/v1/"):
                     for code, desc in extra.items():
                         responses.setdefault(code, {"description": desc, "content": ref})
+        # the model's bounds: now if it is resident, and on top of the outermost app.openapi
+        # (later wrappers included) for a model loaded after this first build
+        spec = _resident_bounds(app, spec)
         app.openapi_schema = spec
+        _served_bounds(app)
         return spec
 
     app.openapi = openapi
