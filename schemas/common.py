@@ -35,9 +35,11 @@ checks."""
 
 
 def _integral(v: Any) -> Any:
-    """A JSON number with a zero fractional part (``10.0``, ``1e2``) as the int it is; anything
-    else unchanged (for the strict int validator to judge)."""
-    return int(v) if type(v) is float and v.is_integer() else v
+    """A JSON number with a zero fractional part (``10.0``, ``1e2``) as the int it is, up to
+    2**53 in magnitude (floats past it are not exact integers: ``1e308`` stays a float, so the
+    strict int validator refuses it, rather than a 309-digit int reaching the messages);
+    anything else unchanged (for the strict int validator to judge)."""
+    return int(v) if type(v) is float and v.is_integer() and abs(v) <= 2.0 ** 53 else v
 
 
 def _json_integers(node: Any) -> Any:
@@ -176,6 +178,14 @@ NON_BLANK = _schema_extra("string", pattern=NON_BLANK_PATTERN)
 """``json_schema_extra`` of a text field whose validator refuses a blank text."""
 NON_EMPTY = _schema_extra("array", minItems=1)
 """``json_schema_extra`` of a list field whose validator refuses an empty list."""
+
+BATCH_MARK = "x-attnscope-batch"
+"""JSON-schema mark of a list of prompts the server caps at ``max_batch`` (texts, token-id
+lists): the served OpenAPI gives it ``maxItems`` = the setting (service/ops/openapi.py
+``model_bounds``); other lists keep their own bounds."""
+
+BATCH = _schema_extra("array", minItems=1, **{BATCH_MARK: True})
+"""``json_schema_extra`` of a non-empty list of prompts capped at ``max_batch``."""
 
 
 def ids_as_given(*id_fields: str) -> dict:
@@ -668,7 +678,7 @@ class TextOrTexts(StrictModel):
         "are tokenized as plain text."
     )
     texts: list[NonBlankText] | None = Field(
-        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=NON_EMPTY,
+        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=BATCH,
         description="Several texts (a batch), analysed independently; results in order. At "
         f"most max_batch (a setting, default 32; never more than {MAX_TEXTS}).",
     )
@@ -676,7 +686,7 @@ class TextOrTexts(StrictModel):
         None, min_length=1, max_length=MAX_POSITIONS, fail_fast=True,
         json_schema_extra=index_of("token"), description=TOKENS_DOC.format(text="text"))
     token_lists: list[TokenIds] | None = Field(
-        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=NON_EMPTY,
+        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=BATCH,
         description=TOKEN_LISTS_DOC.format(texts="texts"))
     add_bos: bool | None = add_bos_field()
 

@@ -20,7 +20,7 @@ from .common import (
 from .common import (
     TOKEN_LISTS_DOC, TOKENS_DOC, TokenIds, add_bos_echo, add_bos_field, one_input,
 )
-from .common import BYTES_DOC, LABEL_DOC, PARTIAL_DOC, NestedNumbers, field_error
+from .common import BATCH, BYTES_DOC, LABEL_DOC, PARTIAL_DOC, NestedNumbers, field_error
 from .common import (
     INDEX_MARK, NON_EMPTY, cases, equals, ids_as_given, index_list, index_of, one_of, present, unset, when,
 )
@@ -256,13 +256,13 @@ class AblateRequest(TensorOptions):
         "taken from resample_text (same token count) at each position."
     )
     reference_texts: list[NonBlankText] | None = Field(
-        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=NON_EMPTY,
+        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=BATCH,
         description="method 'mean': texts whose z, pooled over all their positions, give "
         "the mean (default: the text itself). At most max_batch (a setting, default 32; never "
         f"more than {MAX_TEXTS})."
     )
     reference_token_lists: list[TokenIds] | None = Field(
-        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=NON_EMPTY,
+        None, max_length=MAX_TEXTS, fail_fast=True, json_schema_extra=BATCH,
         description=TOKEN_LISTS_DOC.format(texts="reference_texts"))
     resample_text: NonBlankText | None = Field(
         None, description="method 'resample': the text whose z replaces the ablated heads' (same "

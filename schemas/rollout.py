@@ -11,13 +11,15 @@ from .common import (
     MAX_INDICES, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
     index_list,
 )
-from .common import add_bos_echo
+from .common import add_bos_echo, equals, present, when
 
 
 class RolloutRequest(TextOrTexts, TensorOptions):
     """Rollout ``R_l = Â_l ... Â_1`` with ``Â_l = rownorm((1 - residual) F_l + residual I)``,
     ``F_l`` the fused heads of layer l (after the sink and discard steps), and optionally the
     attention flow (max-flow over the layered graph with capacities Â)."""
+
+    json_rules = (when(present("flow_layers"), equals("flow", True, False)),)
 
     fusion: Literal["mean", "max", "min"] = Field(
         "mean", description="Head fusion per layer: 'mean' (the paper), or the elementwise "

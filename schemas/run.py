@@ -14,7 +14,7 @@ from .common import (
     MAX_TEXTS, LenientModel, ModelRef, StrictModel, TensorField, Token,
     TensorOptions, example, field_error,
 )
-from .common import INDEX_MARK, NON_BLANK_PATTERN, ids_as_given, index_of, one_of
+from .common import BATCH, INDEX_MARK, NON_BLANK_PATTERN, ids_as_given, index_of, one_of
 
 #: at most this many prompts in one run (max_batch, a setting, may be lower)
 MAX_PROMPTS = MAX_TEXTS
@@ -285,13 +285,13 @@ class RunRequest(TensorOptions):
     token_lists: list[Annotated[list[TokenId], Field(
         min_length=1, max_length=1 << 16, json_schema_extra={"x-attnscope-index": "token"})]] \
             | None = Field(
-        None, min_length=1, max_length=MAX_PROMPTS,
+        None, min_length=1, max_length=MAX_PROMPTS, json_schema_extra=BATCH,
         description="The prompts as token ids, one list per prompt (``[batch, pos]``, as "
         "TransformerLens' ``run_with_cache(tokens)``), used exactly as given (no BOS added). All "
         "prompts of a run have the same number of tokens.")
     texts: list[Annotated[str, Field(min_length=1, json_schema_extra={
             "pattern": NON_BLANK_PATTERN})]] | None = Field(
-        None, min_length=1, max_length=MAX_PROMPTS,
+        None, min_length=1, max_length=MAX_PROMPTS, json_schema_extra=BATCH,
         description="The prompts as texts (tokenized as plain text; BOS per ``add_bos``).")
     add_bos: bool | None = Field(
         None, description="Texts: prepend BOS. Null = the model's convention (true for GPT-2, "

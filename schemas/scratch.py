@@ -16,7 +16,7 @@ from .common import (
     LenientModel, ModelRef, TensorField, TensorOptions, Token, example)
 from .common import ADD_BOS_DOC, add_bos_echo, one_input
 from .common import AT_MOST_MARK, _schema_extra
-from .common import NON_BLANK, equals, index_of, one_of, present, unset, when
+from .common import NON_BLANK, equals, ids_as_given, index_of, one_of, present, unset, when
 
 MAX_POS = 512
 """Most rows (positions) a q/k/v matrix may have."""
@@ -74,6 +74,7 @@ class ScratchAttentionRequest(TensorOptions):
                        unset("text", "tokens", "query_text", "query_tokens", "project"),
                        {"properties": {"add_bos": {"not": {"const": True}}}}]},
             {"allOf": [unset("q", "k", "v"), one_of("text", "tokens")]}]},
+        ids_as_given("tokens"),
         one_of((), "query_text", "query_tokens"),
         when({"anyOf": [present("query_text"), present("query_tokens")]},
              equals("variant", "cross", "self")),

@@ -126,3 +126,28 @@ def test_committed_document_is_the_served_one(spec, client):
     committed = json.loads((ROOT / "clients" / "typescript" / "openapi.json").read_text())
     assert _resident_bounds(client.app, committed) == json.loads(json.dumps(spec)), \
         "the API changed: run scripts/gen-typescript and commit clients/typescript/"
+
+
+def _max_items(spec: dict, schema: str, field: str) -> set:
+    node = spec["components"]["schemas"][schema]["properties"][field]
+    return {b.get("maxItems") for b in node.get("anyOf", [node]) if b.get("type") == "array"}
+
+
+def test_max_batch_bounds_only_the_lists_of_prompts(spec, client):
+    """The served document caps the lists of prompts at the max_batch setting (what the server
+    refuses past it) and no other list: /v1/logit-lens positions, /v1/run cache positions and
+    /v1/path-patch sender positions take more than max_batch items (a breaker found 59 such
+    lists capped at 32 while the server took 40)."""
+    n = client.app.state.settings.max_batch
+    for schema, field in [("AttentionRequest", "texts"), ("AttentionRequest", "token_lists"),
+                          ("RunRequest", "token_lists"), ("RunRequest", "texts"),
+                          ("AblateRequest", "reference_texts")]:
+        assert _max_items(spec, schema, field) == {n}, (schema, field)
+    for schema, field in [("LogitLensRequest", "positions"), ("CacheItem", "positions"),
+                          ("PathPatchRequest", "sender_positions")]:
+        caps = _max_items(spec, schema, field)
+        assert caps and all(c is None or c > n for c in caps), (schema, field, caps)
+    ids = list(range(1, 41))
+    r = client.post("/v1/logit-lens", json={"tokens": ids, "positions": list(range(40)),
+                                            "top_k": 1})
+    assert r.status_code == 200, r.text

@@ -64,9 +64,9 @@ def model_bounds(spec: dict, n_layers: int, n_heads: int, n_vocab: int, n_ctx: i
     ids: ids < ``n_vocab``, at most ``n_ctx`` ids); a bound already tighter is kept. The mark
     stays (what the field indexes); an index is also ``minimum`` 0. A count marked with
     ``schemas.common.AT_MOST_MARK`` "d_model" gets ``maximum`` ``d_model`` (where given).
-    ``max_batch``: where given, the lists of texts and of
-    token-id lists (``schemas.common.MAX_TEXTS`` items) hold at most that many."""
-    from attnscope.schemas.common import AT_MOST_MARK, INDEX_MARK, MAX_TEXTS
+    ``max_batch``: where given, the lists of prompts marked ``schemas.common.BATCH_MARK``
+    (texts, token-id lists, reference prompts, /v1/run's prompts) hold at most that many."""
+    from attnscope.schemas.common import AT_MOST_MARK, BATCH_MARK, INDEX_MARK
 
     counts = {"layer": n_layers, "head": n_heads, "token": n_vocab}
     sizes = {"d_model": d_model} if d_model is not None else {}
@@ -101,9 +101,8 @@ def model_bounds(spec: dict, n_layers: int, n_heads: int, n_vocab: int, n_ctx: i
                     tighten(node, "maxItems", n)
         if node.get(AT_MOST_MARK) in sizes and node.get("type") == "integer":
             tighten(node, "maximum", sizes[node[AT_MOST_MARK]])
-        if max_batch is not None and node.get("type") == "array" \
-                and node.get("maxItems") == MAX_TEXTS:
-            node["maxItems"] = max_batch
+        if max_batch is not None and node.get("type") == "array" and node.get(BATCH_MARK):
+            tighten(node, "maxItems", max_batch)
         for v in node.values():
             walk(v)
 

@@ -249,6 +249,9 @@ def _components(rt, req: AblateRequest) -> list:
                 raise InvalidRequest(f"{f}.vector: a finite, non-zero vector is needed (norm "
                                      f"{norm})", f"{f}.vector")
             if c.positions is not None:
+                if not c.positions:  # an empty list would ablate nothing, silently
+                    raise InvalidRequest(f"{f}.positions must hold at least one position (or "
+                                         "be null for all)", f"{f}.positions")
                 check_distinct(c.positions, f"{f}.positions")
             key = ("direction", hp.name, tuple(c.vector), tuple(c.positions or ()))
             comp = I.Component("direction", hp.layer, hook=hp.name, norm=norm,
