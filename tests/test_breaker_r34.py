@@ -61,3 +61,25 @@ def test_the_schema_refuses_what_the_server_refuses(client, path, body):
     ok = dict(body)
     ok.pop("add_bos", None) if "add_bos" in ok else ok.update(flow=True)
     jsonschema.validate(ok, schema, cls=jsonschema.Draft202012Validator)
+
+
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/patch", {"metric": "loss"}),
+    ("/v1/path-patch", {"senders": [{"kind": "head", "layer": 0, "head": 0}],
+                        "receivers": [{"kind": "logits"}],
+                        "metric": {"kind": "loss", "terms": [{"position": 5}]}}),
+])
+def test_add_bos_true_with_token_id_pairs_is_a_422(client, path, extra):
+    """Pairs of token ids only with add_bos true answered 200 echoing add_bos true while no BOS
+    was added; it is the 422 that top-level token ids get (param add_bos). Pairs with a text
+    take it."""
+    ids = [0, 211, 1030, 77, 1499, 603, 1877, 342, 958]
+    other = [0, 1210, 45, 1600, 388, 1777, 90, 1402, 958]
+    pair = {"clean_tokens": ids, "corrupted_tokens": other}
+    r = client.post(path, json={"pairs": [pair], "add_bos": True, **extra})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"] == "add_bos"
+    assert client.post(path, json={"pairs": [pair], **extra}).status_code == 200
+    texts = {"clean_text": "the cat sat on the mat", "corrupted_text": "the dog sat on the mat"}
+    r = client.post(path, json={"pairs": [texts], "add_bos": True, **extra})
+    assert r.status_code == 200 and r.json()["add_bos"] is True, r.text

@@ -34,9 +34,13 @@ def text_fields(req) -> list[str]:
 
 
 def _ids_given(req) -> bool:
+    """Token ids among the request's inputs, its own fields or its ``pairs``' items."""
     fields = type(req).model_fields
-    return any(tokens_field(n) in fields and getattr(req, tokens_field(n)) is not None
-               for n in text_fields(req))
+    if any(tokens_field(n) in fields and getattr(req, tokens_field(n)) is not None
+           for n in text_fields(req)):
+        return True
+    return any(_ids_given(it) for it in (getattr(req, "pairs", None) or ())
+               if hasattr(type(it), "model_fields"))
 
 
 def _nested_text(req) -> bool:
