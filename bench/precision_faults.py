@@ -10,10 +10,13 @@ test suite's all-MiniLM-L6-v2, an encoder: no logits) and each dtype
 tolerance 1 so nothing fails) of:
 
 * ``honest``: the served forward as it is: the noise (served dtype vs float64);
-* ``attn x1.10 (HF)``: the attention function the recorded forward calls through transformers'
-  ``AttentionInterface`` with its scores scaled by 1.10 (``scaling * 1.1``);
+* ``attn x1.10 (HF)``: the attention function of Hugging Face's modules (transformers'
+  ``AttentionInterface``) with its scores scaled by 1.10 (``scaling * 1.1``), the runtime made
+  to record through those modules (as it does for encoders and for the configurations the
+  hooked forward does not implement; a causal LM otherwise records through the hooked forward,
+  issue 25 item 4);
 * ``attn x1.10 (hooked)``: the same fault in the hooked forward (its parts' per-block
-  ``scaling``), which the served logits come from;
+  ``scaling``), which a causal LM's recorded forward and the served logits both come from;
 * ``logits x1.05``: the hooked forward's unembedding scaled by 1.05 (a copy in its parts: the
   model's weights, which verify reads, unchanged).
 
@@ -70,6 +73,8 @@ def measure(rt, ids, fault: str | None) -> tuple[float, float, float]:
         return (float("nan"),) * 3  # an encoder: no hooked forward, no logits
     try:
         if fault == "attn_hf":
+            if rt.adapter.causal:  # record through Hugging Face's modules, not the hooked forward
+                rt.memo["hooked_unsupported"] = "bench: Hugging Face's modules"
             def faulty(module, q, k, v, mask, scaling=None, **kw):
                 return orig(module, q, k, v, mask, scaling=scaling * 1.1, **kw)
             AttentionInterface._global_mapping[name] = faulty
@@ -94,6 +99,7 @@ def measure(rt, ids, fault: str | None) -> tuple[float, float, float]:
             AttentionInterface._global_mapping[name] = orig
         if parts is not None:
             rt.memo["hooked_parts"] = parts
+        rt.memo.pop("hooked_unsupported", None)
         rt.cache.clear()
 
 

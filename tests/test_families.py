@@ -89,7 +89,9 @@ def test_patterns_hidden_states_and_logits_equal_hugging_face_bit_for_bit(
         family, runtime_of, family_root):
     rt = runtime_of(family)
     assert rt.inplace_attention
-    # the in-place path (the pattern written into the recording buffer) must be the one taken
+    # the hooked forward records (service/runtime/hooked_families.py, the path every causal
+    # endpoint runs): Hugging Face's attention function is not called
+    assert rt.hooked_parts() is not None
     calls = []
     mods = [h.attn for h in rt._handles]
     saved = [m._attnscope_eager for m in mods]
@@ -101,7 +103,7 @@ def test_patterns_hidden_states_and_logits_equal_hugging_face_bit_for_bit(
     finally:
         for m, fn in zip(mods, saved):
             m._attnscope_eager = fn
-    assert not calls, "the family's eager function ran: the in-place path was not taken"
+    assert not calls, "the family's eager function ran: the hooked forward did not record"
     out = hf_forward(hf_model(family, family_root), torch.tensor([tt.input_ids]))
     L = rt.adapter.n_layers
     assert torch.equal(fw.pattern, torch.stack(out.attentions)[:, 0])
@@ -124,8 +126,9 @@ def test_patterns_hidden_states_and_logits_equal_hugging_face_bit_for_bit(
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_low_precision_rotary_model_equals_hugging_face_bit_for_bit(family, family_root):
-    """bfloat16: the rotary families' eager softmax is in float32, so the in-place path steps
-    aside and the family's own function runs: still Hugging Face's numbers exactly."""
+    """bfloat16: the rotary families' eager softmax is in float32 (the hooked forward's too,
+    so its pattern is cast, not written by the softmax): still Hugging Face's numbers
+    exactly."""
     path = family_checkpoint(family, family_root)
     rt = Runtime.load(Settings(model=str(path), dtype="bfloat16"))
     (fw,) = rt.forward_many([rt.tokenize(TEXT, add_bos=True)])
@@ -151,20 +154,18 @@ def test_a_rotary_family_without_the_attention_function_is_a_startup_error(famil
                 {"id": "x", "revision": "x"}, Settings(model=str(path)))
 
 
-def test_a_dropped_soft_cap_in_the_in_place_path_is_caught(runtime_of, family_root):
-    """Planted fault: the in-place attention without Gemma 2's soft-cap differs from HF."""
+def test_a_dropped_soft_cap_in_the_recorded_forward_is_caught(runtime_of, family_root,
+                                                             monkeypatch):
+    """Planted fault: the recorded forward (the hooked one) without Gemma 2's soft-cap
+    differs from HF; restored, it equals HF again."""
+    import dataclasses
+
     rt = runtime_of("gemma2")
-    real = inplace_attention.attention_into_buffer
-
-    def uncapped(module, q, k, v, mask, **kw):
-        return real(module, q, k, v, mask, **{**kw, "softcap": None})
-
-    AttentionInterface.register(inplace_attention.NAME, uncapped)
-    try:
+    with monkeypatch.context() as mp:
+        mp.setitem(rt.memo, "hooked_parts",
+                   dataclasses.replace(rt.hooked_parts(), attn_softcap=None))
         tt = rt.tokenize(f"{uuid.uuid4().hex[:6]} {TEXT}", add_bos=True)
         (fw,) = rt.forward_many([tt])
-    finally:
-        AttentionInterface.register(inplace_attention.NAME, real)
     out = hf_forward(hf_model("gemma2", family_root), torch.tensor([tt.input_ids]))
     assert not torch.equal(fw.pattern, torch.stack(out.attentions)[:, 0])
     (again,) = rt.forward_many([rt.tokenize(f"{uuid.uuid4().hex[:6]} {TEXT}", add_bos=True)])
@@ -174,42 +175,44 @@ def test_a_dropped_soft_cap_in_the_in_place_path_is_caught(runtime_of, family_ro
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_padded_batch_equals_hugging_face_batch_bit_for_bit_and_alone(
+def test_a_batch_is_forwarded_per_length_and_equals_hugging_face_bit_for_bit(
         family, side, runtime_of, family_root):
-    rb = runtime_of(family, forward_batch_size=3, padding_side=side)
+    """A batch of texts of different lengths: the recorded forward runs each length apart,
+    unpadded (texts of one length together), so whatever the padding side each text equals
+    Hugging Face's own forward bit for bit (alone, or with the texts of its length as its
+    batch) and the runtime's forward of it alone."""
+    rb = runtime_of(family, forward_batch_size=4, padding_side=side)
     alone = runtime_of(family)
     tag = f"{family} {side}"  # texts of their own (deterministic: the figures reproduce)
     texts = [f"{tag} the cat", f"{tag} {TEXT}", f"{tag} the dog barked at the cat again."]
     items = [rb.tokenize(t, add_bos=True) for t in texts]
+    twin = list(items[1].input_ids)  # another text of text 1's length: batched with it
+    twin[2] = (twin[2] + 1) % min(len(rb.tokenizer), rb.info["vocab_size"])
+    items.append(rb.tokenized_from_ids(twin))
+    n0 = rb.forward_count
     got = rb.forward_many(items)
-    # HF on the same padded batch, its own masks and positions from the mask
-    T = max(len(it) for it in items)
-    ids = torch.zeros(len(items), T, dtype=torch.long)
-    mask = torch.zeros(len(items), T, dtype=torch.long)
-    for b, it in enumerate(items):
-        sl = slice(0, len(it)) if side == "right" else slice(T - len(it), T)
-        ids[b, sl] = torch.tensor(it.input_ids)
-        mask[b, sl] = 1
-    out = hf_forward(hf_model(family, family_root), ids, attention_mask=mask,
-                     position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    assert rb.forward_count == n0 + 3  # three lengths
     L = rb.adapter.n_layers
+    model = hf_model(family, family_root)
+    pair = hf_forward(model, torch.tensor([items[1].input_ids, items[3].input_ids]))
     for b, (it, fw) in enumerate(zip(items, got)):
-        idx = mask[b].bool().nonzero().squeeze(-1)
-        pat = torch.stack(out.attentions)[:, b][..., idx, :][..., idx]
-        assert torch.equal(fw.pattern, pat), (family, side, b)
-        hs = torch.stack(out.hidden_states)[:, b][:, idx]
+        if b in (1, 3):  # HF's batch of the two (equal lengths, no padding)
+            out, row = pair, (0 if b == 1 else 1)
+        else:
+            out, row = hf_forward(model, torch.tensor([it.input_ids])), 0
+        assert torch.equal(fw.pattern, torch.stack(out.attentions)[:, row]), (family, side, b)
+        hs = torch.stack(out.hidden_states)[:, row]
         assert torch.equal(fw.hidden_states[:L], hs[:L])
         assert torch.equal(fw.tensors.final_state, hs[L])
-        # (logits: the LM head of these equal states; a [n, d] matmul blocks differently from
-        # HF's [B, T, d] one, so they are compared alone, in the test above)
-        ref = alone.forward_many([alone.tokenize(texts[b], add_bos=True)])[0].tensors
-        # alone: another matmul blocking, so float32 rounding, which grows with the sums'
-        # magnitude: within 2e-5 of the tensor's scale max(1, max |x|) (1.2e-6 the most seen)
+        ref = alone.forward_many([alone.tokenized_from_ids(list(it.input_ids))])[0].tensors
         for name in ("pattern", "hidden_states", "q", "k", "v", "attn_input", "attn_output"):
             a, r = getattr(fw.tensors, name), getattr(ref, name)
             assert a.shape == r.shape, name
-            scale = max(1.0, float(r.abs().max()))
-            assert float((a - r).abs().max()) <= 2e-5 * scale, (name, (a - r).abs().max(), scale)
+            if b in (0, 2):  # alone in its group: the same forward
+                assert torch.equal(a, r), name
+            else:  # a batch of two: another matmul blocking may round apart
+                scale = max(1.0, float(r.abs().max()))
+                assert float((a - r).abs().max()) <= 2e-5 * scale, (name, scale)
 
 
 def _hf_rotated_qkv(family, root, ids):

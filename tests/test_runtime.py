@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -395,21 +396,26 @@ def _fresh_hf(rt, path):
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 def test_patterns_written_in_place_equal_hugging_face_bit_for_bit(
         family, gpt2_runtime, bert_runtime, bundled_dir, minilm_path, monkeypatch):
-    """A text forwarded alone gets its patterns written by the attention itself into its
-    ``[layer, head, query_pos, key_pos]`` buffer and its q/k/v, attention inputs and outputs
-    copied into theirs during the forward (the runtime's fill finds every part already in
-    place: only the hidden states are stacked afterwards), and every recorded tensor equals
-    Hugging Face's separately loaded eager model bit for bit; a padded batch takes the
-    copying path and still equals it per text."""
-    from attnscope.service.runtime import inplace_attention
+    """A text forwarded alone gets its patterns written straight into its ``[layer, head,
+    query_pos, key_pos]`` buffer (GPT-2: by the hooked forward's softmax, service/runtime/
+    hooked.py ``record``, the path every causal endpoint runs; BERT: by the in-place eager
+    attention) and its other tensors copied into theirs during the forward (BERT: the
+    runtime's fill finds every part already in place: only the hidden states are stacked
+    afterwards), and every recorded tensor equals Hugging Face's separately loaded eager
+    model bit for bit; a batch (GPT-2: each length forwarded alone, unpadded; BERT: padded,
+    the copying path) still equals it per text."""
+    from attnscope.service.runtime import hooked, inplace_attention
 
     rt, path = (gpt2_runtime, bundled_dir) if family == "gpt2" else (bert_runtime, minilm_path)
     assert rt.inplace_attention and rt.model.config._attn_implementation == inplace_attention.NAME
     assert rt.info["attn_implementation"] == "eager"
+    assert (rt.hooked_parts() is not None) == (family == "gpt2")
     ref = _fresh_hf(rt, path)
     base = getattr(ref, "transformer", None) or getattr(ref, "bert", None) or ref
     filled = []  # per fill: (the buffer's first dimension, every part already in place)
     orig = rt._fill
+    put = []  # GPT-2: the data pointer of every target the hooked forward copied into
+    real_put = hooked._put
 
     def spy(buf, parts):
         parts = list(parts)
@@ -417,14 +423,25 @@ def test_patterns_written_in_place_equal_hugging_face_bit_for_bit(
                                           for i, t in enumerate(parts))))
         return orig(buf, parts)
 
+    def put_spy(target, x):
+        put.append(target.data_ptr())
+        return real_put(target, x)
+
     monkeypatch.setattr(rt, "_fill", spy)
+    monkeypatch.setattr(hooked, "_put", put_spy)
     texts = [SENTENCE + uuid.uuid4().hex[:6], "Short " + uuid.uuid4().hex[:6]]
     items = [rt.tokenize(t) for t in texts]
     alone = [rt._forward_batch([it.input_ids])[0] for it in items]
     L = rt.adapter.n_layers
     n_qkv = len(rt._handles[0].qkv)  # GPT-2: one fused module, BERT: three
-    # per text: the pattern, q/k/v, attention input and output in place; hidden states copied
-    assert sorted(filled) == sorted(([(L, True)] * (3 + n_qkv) + [(L + 1, False)]) * 2)
+    if family == "gpt2":  # per text: L + 1 states, L x (attn input, qkv, attn output), ln_f
+        assert not filled and len(put) == 2 * (L + 1 + 3 * L + 1)
+        for fw in alone:  # the softmax wrote the patterns: nothing was copied there
+            lo = fw.pattern.data_ptr()
+            hi = lo + fw.pattern.numel() * fw.pattern.element_size()
+            assert not any(lo <= ptr < hi for ptr in put)
+    else:  # the pattern, q/k/v, attention input and output in place; hidden states copied
+        assert sorted(filled) == sorted(([(L, True)] * (3 + n_qkv) + [(L + 1, False)]) * 2)
     for it, fw in zip(items, alone):
         kw = dict(input_ids=torch.tensor([it.input_ids]), output_attentions=True,
                   output_hidden_states=True)
@@ -462,55 +479,109 @@ def test_patterns_written_in_place_equal_hugging_face_bit_for_bit(
     old = rt.settings.forward_batch_size
     rt.settings.forward_batch_size = 2
     try:
-        batch = rt._forward_batch([it.input_ids for it in items])  # padded: copied
+        batch = rt._forward_batch([it.input_ids for it in items])  # BERT padded: copied
     finally:
         rt.settings.forward_batch_size = old
+    if family == "gpt2":  # two lengths: two unpadded forwards, each the text's own
+        for a, b in zip(alone, batch):
+            assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in NAMES)
+        return
     assert filled and not any(in_place for _, in_place in filled)
     for a, b in zip(alone, batch):
         assert ((a.pattern - b.pattern).abs() <= 1e-5).all()  # as test_batch_equals_alone
 
 
-def test_a_wrong_pattern_written_in_place_is_caught(gpt2_runtime, bundled_dir):
-    """The planted fault: the in-place attention drops the causal mask (only where it writes
-    into a buffer); the comparison with Hugging Face above fails on every layer, and the
-    fault is gone once the real function is registered again."""
+@pytest.mark.parametrize("path", ["hooked", "hf"])
+def test_a_wrong_pattern_written_in_place_is_caught(path, gpt2_runtime, bundled_dir,
+                                                    monkeypatch):
+    """The planted fault, in the forward that records: the causal mask dropped where the
+    pattern is written into a buffer. ``hooked``: GPT-2's recorded forward, the hooked one
+    (its shared scores buffer gets no mask); ``hf``: the same runtime made to record through
+    Hugging Face's modules (the path of encoders and of configurations the hooked forward
+    does not implement), the in-place eager attention unmasked. The comparison with Hugging
+    Face above fails on every layer, and the fault is gone once the real code is back."""
     from transformers import AttentionInterface
 
+    from attnscope.service.runtime import hooked
     from attnscope.service.runtime import inplace_attention as ia
 
     rt = gpt2_runtime
-
-    def unmasked(module, query, key, value, attention_mask, **kw):
-        if getattr(ia._local, "targets", None):
-            attention_mask = None
-        return ia.attention_into_buffer(module, query, key, value, attention_mask, **kw)
-
     it = rt.tokenize(SENTENCE + uuid.uuid4().hex[:6])
     with torch.inference_mode():
         out = _fresh_hf(rt, bundled_dir).transformer(input_ids=torch.tensor([it.input_ids]),
                                                      output_attentions=True)
     ref = torch.stack([a[0] for a in out.attentions])
-    AttentionInterface.register(ia.NAME, unmasked)
-    try:
-        bad = rt._forward_batch([it.input_ids])[0]
-    finally:
-        AttentionInterface.register(ia.NAME, ia.attention_into_buffer)
+    if path == "hooked":
+        real = hooked._Run.scores
+
+        def unmasked(self, site, q, k, scaling, mask, softcap=None):
+            return real(self, site, q, k, scaling, torch.zeros_like(mask), softcap)
+
+        with monkeypatch.context() as mp:
+            mp.setattr(hooked._Run, "scores", unmasked)
+            bad = rt._forward_batch([it.input_ids])[0]
+    else:
+        def unmasked(module, query, key, value, attention_mask, **kw):
+            if getattr(ia._local, "targets", None):
+                attention_mask = None
+            return ia.attention_into_buffer(module, query, key, value, attention_mask, **kw)
+
+        monkeypatch.setitem(rt.memo, "hooked_unsupported", "test: Hugging Face's modules")
+        assert rt.hooked_parts() is None
+        AttentionInterface.register(ia.NAME, unmasked)
+        try:
+            bad = rt._forward_batch([it.input_ids])[0]
+        finally:
+            AttentionInterface.register(ia.NAME, ia.attention_into_buffer)
     assert all(not torch.equal(bad.pattern[i], ref[i]) for i in range(rt.adapter.n_layers))
     assert torch.equal(rt._forward_batch([it.input_ids])[0].pattern, ref)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt2_hf", "bert"])
 def test_one_scores_buffer_serves_every_layer_and_goes_with_the_forward(
         family, gpt2_runtime, bert_runtime, monkeypatch):
-    """The in-place attention computes every layer's pre-softmax scores in ONE scratch buffer
-    (no fresh [head, query_pos, key_pos] tensors per layer: at T = 1024 on GPT-2-small shapes
-    they were 1.8 GB of page faults per forward), and the buffer is gone when the forward
-    ends; a fresh buffer per layer (the planted fault) fails here. The numbers are the
+    """The recorded forward computes every layer's pre-softmax scores in ONE buffer (no fresh
+    [head, query_pos, key_pos] tensors per layer: at T = 1024 on GPT-2-small shapes they were
+    1.8 GB of page faults per forward), and the buffer is gone when the forward ends; a fresh
+    buffer per layer (the planted fault) fails here. ``gpt2``: the hooked forward's
+    (``hooked._Run.scores``); ``gpt2_hf`` (GPT-2 made to record through Hugging Face's
+    modules) and ``bert``: the in-place eager attention's scratch. The numbers are the
     bit-for-bit test's above."""
+    from attnscope.service.runtime import hooked
     from attnscope.service.runtime import inplace_attention as ia
 
-    rt = gpt2_runtime if family == "gpt2" else bert_runtime
+    rt = bert_runtime if family == "bert" else gpt2_runtime
+    it = rt.tokenize(SENTENCE + uuid.uuid4().hex[:6])
     seen = []
+    if family == "gpt2":
+        real_scores = hooked._Run.scores
+        runs = []
+
+        def spy_scores(self, *a, **k):
+            buf = real_scores(self, *a, **k)
+            seen.append(buf.data_ptr())
+            runs.append(weakref.ref(self))
+            return buf
+
+        monkeypatch.setattr(hooked._Run, "scores", spy_scores)
+        rt._forward_batch([it.input_ids])
+        assert len(seen) == rt.adapter.n_layers and len(set(seen)) == 1
+        assert all(r() is None for r in runs)  # the forward's state, its buffer, freed
+        runs.clear()
+        seen.clear()
+        kept = []
+
+        def fresh(self, *a, **k):  # the planted fault: a new buffer per layer (kept alive)
+            kept.append(self._scores)
+            self._scores = None
+            return spy_scores(self, *a, **k)
+
+        monkeypatch.setattr(hooked._Run, "scores", fresh)
+        rt._forward_batch([it.input_ids])
+        assert len(set(seen)) > 1  # the planted fault is visible to the first assertion
+        return
+    if family == "gpt2_hf":
+        monkeypatch.setitem(rt.memo, "hooked_unsupported", "test: Hugging Face's modules")
     real = ia._scratch
 
     def spy(like):
@@ -519,7 +590,6 @@ def test_one_scores_buffer_serves_every_layer_and_goes_with_the_forward(
         return buf
 
     monkeypatch.setattr(ia, "_scratch", spy)
-    it = rt.tokenize(SENTENCE + uuid.uuid4().hex[:6])
     rt._forward_batch([it.input_ids])
     assert len(seen) == rt.adapter.n_layers and len(set(seen)) == 1
     assert getattr(ia._local, "scratch", None) is None

@@ -225,21 +225,20 @@ def test_perturbed_recorded_q_or_pattern_fails_at_that_layer(gpt2_runtime):
     assert bad == [3] and "layer 0: pattern of head 3" in v["message"]
 
 
-def test_wrong_position_id_in_the_served_forward_fails_at_the_embeddings(make_client):
+def test_wrong_position_id_in_the_served_forward_fails_at_the_embeddings(make_client,
+                                                                        monkeypatch):
+    """Planted in the forward that serves (the hooked one, service/runtime/hooked.py, which
+    records for every causal endpoint): every position reads the next position's embedding,
+    as if each position id were one too high; the model's weights (what verify reads) are
+    untouched."""
+    import dataclasses
+
     rt = Runtime.load(Settings(model="bundled"))  # its forwards are tampered with below
-    base = rt.adapter.base()
-
-    def shift_positions(module, args, kwargs):  # every position id one too high
-        T = kwargs["input_ids"].shape[1]
-        kwargs["position_ids"] = torch.arange(1, T + 1).unsqueeze(0)
-        return args, kwargs
-
-    handle = base.register_forward_pre_hook(shift_positions, with_kwargs=True)
-    try:
-        c = make_client(rt)
-        v = c.post(URL, json={"text": SENTENCE}).json()["verification"]
-    finally:
-        handle.remove()
+    p = rt.hooked_parts()
+    shifted = torch.cat([p.wpe[1:], p.wpe[-1:]])  # row i = wpe[i + 1]
+    monkeypatch.setitem(rt.memo, "hooked_parts", dataclasses.replace(p, wpe=shifted))
+    c = make_client(rt)
+    v = c.post(URL, json={"text": SENTENCE}).json()["verification"]
     assert not v["passed"] and v["failing_layer"] == 0 and not v["embeddings"]["passed"]
     assert "embeddings" in v["message"] and v["embeddings"]["max_abs_diff"] > 1e-3
     assert v["failed_layers"] == [0, 1]  # it propagates; the first is named
@@ -671,17 +670,27 @@ def test_bert_has_no_logits_check(bert_client):
     assert v["passed"] and v["logits"] is None
 
 
-def test_attention_fault_in_transformers_fails_and_the_hooked_logits_stay(monkeypatch, make_client):
-    """Planted fault (a), transformers' attention: the recorded forward calls it (patterns,
-    states fail at layer 0), the hooked forward does not (its logits, the interventions'
-    blocks, are unchanged and pass)."""
+@pytest.mark.parametrize("recorded_by", ["hooked", "hf"])
+def test_attention_fault_in_transformers(monkeypatch, make_client, recorded_by):
+    """Planted fault (a), transformers' eager attention function (the model's registered
+    implementation, scores x1.10). ``hooked``: no served path of a causal LM calls it any more
+    (the recorded forward, predictions, ablation, patching and /v1/run all run the hooked
+    forward): verify passes and /v1/run is unchanged; the fault of the path that serves is
+    planted in the hooked forward's attention below. ``hf``: the same model recording through
+    Hugging Face's modules (encoders, configurations the hooked forward does not implement):
+    the recorded patterns and states fail at layer 0, the logits (hooked) pass."""
     rt = Runtime.load(Settings(model="bundled"))
     c = make_client(rt)
     honest = c.post("/v1/run", json={"text": SENTENCE}).json()
+    if recorded_by == "hf":
+        monkeypatch.setitem(rt.memo, "hooked_unsupported", "test: Hugging Face's modules")
     _scaled_attention(monkeypatch, rt)
     rt.cache.clear()
     v = c.post(URL, json={"text": SENTENCE}).json()["verification"]
-    assert not v["passed"] and v["failing_layer"] == 0 and "pattern" in v["message"]
+    if recorded_by == "hooked":
+        assert v["passed"], v["message"]
+    else:
+        assert not v["passed"] and v["failing_layer"] == 0 and "pattern" in v["message"]
     assert v["logits"]["passed"], v["logits"]  # the hooked forward never called it
     assert c.post("/v1/run", json={"text": SENTENCE}).json() == honest
 
@@ -689,8 +698,9 @@ def test_attention_fault_in_transformers_fails_and_the_hooked_logits_stay(monkey
 @pytest.mark.parametrize("fault", [{"attention": 1.10}, {"logits": 1.05}])
 def test_fault_in_the_hooked_forward_fails_at_the_lm_head(monkeypatch, make_client, fault):
     """Planted faults (a) in the hooked forward's attention (scores x1.10) and (b) in its
-    logits (x1.05): the predictions move, every recorded layer still passes, the logits check
-    fails and with it ``passed``."""
+    logits (x1.05): the predictions move and the logits check fails, and with it ``passed``.
+    The hooked forward is also the recorded one: (a) fails at layer 0's pattern already,
+    (b) leaves every recorded layer passing (the LM head is not part of the recording)."""
     rt = Runtime.load(Settings(model="bundled"))
     c = make_client(rt)
     body = {"text": SENTENCE, "top_k": 1}
@@ -702,9 +712,12 @@ def test_fault_in_the_hooked_forward_fails_at_the_lm_head(monkeypatch, make_clie
     assert moved > 0.1
     v = c.post(URL, json={"text": SENTENCE}).json()["verification"]
     assert not v["passed"] and not v["logits"]["passed"]
-    assert all(layer["passed"] for layer in v["layers"]) and v["final"]["passed"]
-    assert v["failing_layer"] is None and v["failed_layers"] == []
-    assert v["message"].startswith("failed: first at LM head: LM head logits differ")
+    if "attention" in fault:  # the recorded forward is the faulty one: its pattern fails
+        assert v["failing_layer"] == 0 and "pattern" in v["message"], v["message"]
+    else:
+        assert all(layer["passed"] for layer in v["layers"]) and v["final"]["passed"]
+        assert v["failing_layer"] is None and v["failed_layers"] == []
+        assert v["message"].startswith("failed: first at LM head: LM head logits differ")
     lg = v["logits"]
     assert lg["max_abs_diff"] / max(1, lg["scale"]) > 3 * lg["tolerance"]
 
@@ -712,8 +725,9 @@ def test_fault_in_the_hooked_forward_fails_at_the_lm_head(monkeypatch, make_clie
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_passes_and_fails_an_attention_fault(monkeypatch, dtype):
     """The half-precision tolerances come from measured drift (bench/precision_faults.py):
-    honest passes; the 1.10x attention-scale fault fails, planted in transformers' attention
-    (the recorded forward) and in the hooked forward (the logits)."""
+    honest passes; the 1.10x attention-scale fault fails, planted in the hooked forward (the
+    recorded forward and the logits' both) and, with the model recording through Hugging
+    Face's modules, in transformers' attention (the recorded forward alone)."""
     from attnscope.service.runtime import interventions as I
 
     rt = Runtime.load(Settings(model="bundled", dtype=dtype))
@@ -727,6 +741,7 @@ def test_half_precision_passes_and_fails_an_attention_fault(monkeypatch, dtype):
     assert v["passed"], v["message"]
     assert v["logits"]["tolerance"] == TOLERANCES[dtype][2]
     with monkeypatch.context() as mp:
+        mp.setitem(rt.memo, "hooked_unsupported", "test: Hugging Face's modules")
         _scaled_attention(mp, rt)
         v = check()
         # float16 sees it in layer 0's pattern already; bfloat16 in layer 1's hidden state
@@ -736,6 +751,7 @@ def test_half_precision_passes_and_fails_an_attention_fault(monkeypatch, dtype):
         _hooked_fault(mp, rt, attention=1.10)
         v = check()
         assert not v["passed"] and not v["logits"]["passed"], v["message"]
+        assert v["failing_layer"] in (0, 1), v["message"]  # the recorded forward's too
 
 
 def test_logits_of_another_shape_or_nan_fail(gpt2_runtime):

@@ -688,31 +688,61 @@ def test_half_precision_families_pass_at_their_tolerance(fam, dtype, ckpt):
         assert not v["passed"] and v["failing_layer"] == 0 and "pattern" in v["message"]
 
 
-def test_served_soft_cap_fault_fails_through_the_runtime(family_runtime, monkeypatch):
-    """Gemma 2's attention modules told to skip the soft-cap (the config keeps it): the
-    recorded patterns lose it, verify fails at layer 0's pattern."""
+def _hf_recording(mp, rt):
+    """Make ``rt`` record through Hugging Face's modules (the path of encoders and of the
+    configurations the hooked forward does not implement, ``Runtime.hooked_parts``)."""
+    mp.setitem(rt.memo, "hooked_unsupported", "test: Hugging Face's modules")
+    assert rt.hooked_parts() is None
+
+
+@pytest.mark.parametrize("recorded_by", ["hooked", "hf"])
+def test_served_soft_cap_fault_fails_through_the_runtime(recorded_by, family_runtime,
+                                                         monkeypatch):
+    """Gemma 2's served forward without the soft-cap (the config keeps it): ``hooked``, the
+    recorded forward of every causal endpoint (service/runtime/hooked_families.py), its parts
+    told the model has none; ``hf``, the same runtime recording through Hugging Face's
+    modules, the attention modules told to skip it. The recorded patterns lose it, verify
+    fails at layer 0's pattern; restored, it passes."""
     rt = family_runtime("gemma2")
     with monkeypatch.context() as mp:
-        for layer in rt.adapter.base().layers:
-            mp.setattr(layer.self_attn, "attn_logit_softcapping", None)
+        if recorded_by == "hooked":
+            mp.setitem(rt.memo, "hooked_parts",
+                       dataclasses.replace(rt.hooked_parts(), attn_softcap=None))
+        else:
+            _hf_recording(mp, rt)
+            for layer in rt.adapter.base().layers:
+                mp.setattr(layer.self_attn, "attn_logit_softcapping", None)
         v = _runtime_verify(rt)
     assert not v["passed"] and v["failing_layer"] == 0 and "pattern" in v["message"]
     assert v["layers"][0]["softcap"] == 50.0
+    assert rt.hooked_parts().attn_softcap == 50.0
     assert _runtime_verify(rt)["passed"]
 
 
+@pytest.mark.parametrize("recorded_by", ["hooked", "hf"])
 @pytest.mark.parametrize("fam", ["mistral", "gemma2"])
-def test_served_window_off_by_one_fails_through_the_runtime(fam, family_runtime, monkeypatch):
-    """The resident model's config says window + 1 while it records a forward (Hugging Face
-    builds the sliding mask from it); verified against the true config: the first windowed
-    layer's pattern fails (layer 0 for both)."""
+def test_served_window_off_by_one_fails_through_the_runtime(fam, recorded_by, family_runtime,
+                                                            monkeypatch):
+    """The served forward's sliding window one too wide while it records (``hooked``: the
+    hooked forward's blocks, the recorded forward of every causal endpoint; ``hf``: the
+    resident model's config, from which Hugging Face builds the sliding mask, with the
+    runtime recording through Hugging Face's modules); verified against the true config: the
+    first windowed layer's pattern fails (layer 0 for both)."""
     rt = family_runtime(fam)
     m = ScratchModel.of(rt.adapter)  # the true config, as plain values
     w = rt.model.config.sliding_window
     rt.cache.clear()
     tt = rt.tokenize(TEXT, add_bos=True)
     with monkeypatch.context() as mp:
-        mp.setattr(rt.model.config, "sliding_window", w + 1)
+        if recorded_by == "hooked":
+            p = rt.hooked_parts()
+            wider = tuple(b if b.window is None else dataclasses.replace(b, window=b.window + 1)
+                          for b in p.blocks)
+            assert wider != p.blocks
+            mp.setitem(rt.memo, "hooked_parts", dataclasses.replace(p, blocks=wider))
+        else:
+            _hf_recording(mp, rt)
+            mp.setattr(rt.model.config, "sliding_window", w + 1)
         fw = rt.forward_many([tt])[0]
     rt.cache.clear()
     v = verify_from_scratch(fw.tensors, m, tt.input_ids, "float32",

@@ -58,7 +58,7 @@ class _StateCollector:
         for name, doc, val in (
             ("attnscope_cache_hits", "Forward-cache lookups that found the text's forward.", cache.hits),
             ("attnscope_cache_misses", "Forward-cache lookups that needed a forward pass.", cache.misses),
-            ("attnscope_forwards", "Padded forward passes run on the device.", rt.forward_count),
+            ("attnscope_forwards", "Recorded forward passes run on the device.", rt.forward_count),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], val)

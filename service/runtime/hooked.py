@@ -906,14 +906,25 @@ class _Run:
         self.grad_inputs: dict[str, torch.Tensor] = {}
         self.grad = grad
         self.keep = keep
-        self.into: Mapping[str, torch.Tensor] = into or {}
+        self.into: Mapping[str, Any] = into or {}
         self._scores: torch.Tensor | None = None  # with ``into``: every layer's scores buffer
+        #: a recorded forward (:func:`record`): kind -> per-layer targets of tensors that are
+        #: no TL hook (the attention's input, q/k/v as recorded, the output projection's)
+        self.rec: Mapping[str, Sequence] | None = None
+        self.layer = 0  # the block running (set by the forward loops)
+
+    def record(self, kind: str, x: torch.Tensor) -> None:
+        """A recorded forward: ``x`` ``[batch, ...]`` copied into this layer's target of
+        ``kind`` (:func:`record`'s ``layers_into``); nothing otherwise."""
+        t = self.rec.get(kind) if self.rec else None
+        if t is not None:
+            _put(t[self.layer], x)
 
     def target(self, site: _Site | None, like: torch.Tensor) -> torch.Tensor | None:
         """``into``'s tensor of ``site`` when the forward may compute the hook's value
         straight into it (unedited, no gradient, ``like``'s shape, dtype and device)."""
         t = None if site is None or site.edits or site.grad else self.into.get(site.hp.name)
-        if t is None or t.shape != like.shape or t.dtype != like.dtype \
+        if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype \
                 or t.device != like.device or not t.is_contiguous():
             return None
         return t
@@ -949,7 +960,7 @@ class _Run:
         t = self.into.get(site.hp.name) if site.cache is not None else None
         if t is not None:
             if t is not x:
-                t.copy_((x if tl_view is None else tl_view(x)).detach())
+                _put(t, (x if tl_view is None else tl_view(x)).detach())
             self.out[site.hp.name] = t
             return x
         if site.cache is not None:
@@ -958,6 +969,16 @@ class _Run:
                 v = self.keep(site.hp.name, v.detach())
             self.out[site.hp.name] = v
         return x
+
+
+def _put(target, x: torch.Tensor) -> None:
+    """Copy ``x`` ``[batch, ...]`` into ``target``: one tensor of its shape, or a list of one
+    tensor per batch row (texts of one length forwarded together, each into its own buffer)."""
+    if isinstance(target, torch.Tensor):
+        target.copy_(x)
+    else:
+        for b, t in enumerate(target):
+            t.copy_(x[b])
 
 
 def _conv1d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -995,8 +1016,12 @@ def _block(p: GPT2Parts, blk: Block, r: _Run, sites: dict, x: torch.Tensor,
     if (s := get("resid_pre")) is not None:
         x = r.at(s, x)
     h = _ln(r, sites, "ln1", x, blk.ln1_w, blk.ln1_b, p.eps)
+    if r.rec:
+        r.record("attn_input", h)
     # 1. q, k, v: one fused Conv1D, split, [batch, pos, head, d_head] views (HF's order)
     qkv = _conv1d(h, blk.attn_w, blk.attn_b)
+    if r.rec:
+        r.record("qkv", qkv)
     qkv4 = [t.view(B, T, H, dh) for t in qkv.split(D, dim=2)]
     for i, name in enumerate(_SPLIT):
         s = get(name)
@@ -1048,6 +1073,8 @@ def _block(p: GPT2Parts, blk: Block, r: _Run, sites: dict, x: torch.Tensor,
             attn = _conv1d(z.reshape(B, T, D).contiguous(), blk.proj_w, blk.proj_b)
     else:
         attn = _conv1d(z.reshape(B, T, D).contiguous(), blk.proj_w, blk.proj_b)
+    if r.rec:
+        r.record("attn_output", attn)
     if (s := get("attn_out")) is not None:
         attn = r.at(s, attn)
     x = attn + x
@@ -1176,6 +1203,40 @@ def run(model, input_ids, *, cache: Mapping[str, CacheSelect | None] | None = No
     return RunResult(r.out, out_logits, positions, results, grads, gval)
 
 
+def record(model, input_ids, into: Mapping[str, Any],
+           layers_into: Mapping[str, Sequence] | None = None, final_into=None) -> None:
+    """The recorded forward (``Runtime._forward_batch`` of a causal LM): one unedited hooked
+    forward of ``input_ids`` ``[batch, pos]`` (equal lengths, no padding: the runtime forwards
+    each length group apart) whose values are written into given buffers as they are
+    computed; nothing is returned, no logits are computed (the LM head does not run).
+
+    ``into``: TL hook name -> target, a tensor of the hook's shape (``[1, ...]`` for one
+    prompt; e.g. ``blocks.{l}.attn.hook_pattern`` ``[1, head, query_pos, key_pos]``, which the
+    softmax then writes straight into, and every layer's pre-softmax scores share one
+    buffer: :class:`_Run`) or a list of one tensor per prompt (copied row by row).
+    ``layers_into``: kind -> per-layer targets (same forms) of values that are no TL hook:
+    ``attn_input`` (what the attention module receives: ln1's output ``[batch, pos,
+    d_model]``), ``attn_output`` (the output projection's, before Gemma 2's post-attention
+    norm), GPT-2 ``qkv`` (``c_attn``'s fused output ``[batch, pos, 3 d_model]``), the rotary
+    families ``q`` ``[batch, head, pos, d_head]`` and ``k``, ``v`` ``[batch, kv_head, pos,
+    d_head]`` (after RoPE, before ``repeat_kv``: as Hugging Face's attention function receives
+    them). ``final_into``: the final norm's output ``[batch, pos, d_model]``. Targets may
+    live on another device (copied there). The same operations as :func:`run`, so the
+    recorded tensors equal Hugging Face's eager forward bit for bit in float32
+    (``tests/test_runtime.py``, ``tests/test_families.py``). Raises :class:`InvalidRequest`
+    as :func:`run` for bad ids or hook names."""
+    p = _as_parts(model)
+    ids = _check_ids(p, input_ids)
+    B, T = ids.shape
+    plan = _plan(p, B, T, {n: None for n in into}, (), None)
+    with torch.inference_mode():
+        r = _Run(plan, False, None, into=into)
+        r.rec = layers_into or None
+        _, h = _forward(p, r, ids, plan)
+        if final_into is not None:
+            _put(final_into, h)
+
+
 def _check_start(p: GPT2Parts, plan: _Plan, B: int, T: int, start, resid_pre):
     """``resid_pre`` on the model's device, ``[batch | 1, pos, d_model]`` expanded to the
     batch; None for a forward from the embeddings."""
@@ -1225,7 +1286,8 @@ def _forward(p: GPT2Parts, r: _Run, ids: torch.Tensor, plan: _Plan, start: int =
     dt = x.dtype
     masked = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)  # key > query
     mask = torch.zeros(T, T, dtype=dt, device=x.device).masked_fill(masked, torch.finfo(dt).min)
-    for blk, sites in zip(p.blocks[start:], plan.layers[start:]):
+    for i, (blk, sites) in enumerate(zip(p.blocks[start:], plan.layers[start:])):
+        r.layer = start + i
         x = _block(p, blk, r, sites, x, mask, masked)
     h = _ln(r, g, "lnf", x, p.lnf_w, p.lnf_b, p.eps)
     return x, h

@@ -487,6 +487,8 @@ def _block(p: FamilyParts, blk: FamilyBlock, r, sites: dict, x: torch.Tensor,
     if (s := get("resid_pre")) is not None:
         x = r.at(s, x)
     h = _norm(p, r, sites, "ln1", x, blk.ln1_w, blk.ln1_b)
+    if r.rec:
+        r.record("attn_input", h)
     # 1. q, k, v [batch, pos, head, d_head] views of the projections (HF's order)
     if blk.qkv_w is not None:
         qkv = F.linear(h, blk.qkv_w, blk.qkv_b).view(B, T, H, 3 * dh)
@@ -528,6 +530,10 @@ def _block(p: FamilyParts, blk: FamilyBlock, r, sites: dict, x: torch.Tensor,
     if (s := get("rot_k")) is not None:
         k = r.at(s, k.transpose(1, 2)).transpose(1, 2)
     # 3. scores = q.k^T * scaling (soft-capped), + mask, [batch, head, query_pos, key_pos]
+    if r.rec:  # as Hugging Face's attention function receives them: after RoPE, kv heads
+        r.record("q", q)
+        r.record("k", k)
+        r.record("v", v)
     k = _repeat_kv(k, p.kv_group)
     v = _repeat_kv(v, p.kv_group)
     scores = r.scores(get("scores"), q, k, blk.scaling, mask, p.attn_softcap)
@@ -561,6 +567,8 @@ def _block(p: FamilyParts, blk: FamilyBlock, r, sites: dict, x: torch.Tensor,
             attn = F.linear(z.reshape(B, T, -1).contiguous(), blk.o_w, blk.o_b)
     else:
         attn = F.linear(z.reshape(B, T, -1).contiguous(), blk.o_w, blk.o_b)
+    if r.rec:  # the output projection's (Gemma 2: before its post-attention norm)
+        r.record("attn_output", attn)
     if blk.lnpa_w is not None:
         attn = _norm(p, r, sites, "lnpa", attn, blk.lnpa_w, None)
     if (s := get("attn_out")) is not None:
@@ -649,7 +657,8 @@ def forward(p: FamilyParts, r, ids: torch.Tensor, plan, start: int = 0,
     qi = torch.arange(T, device=x.device)
     causal = qi[None, :] > qi[:, None]  # key > query
     masks = {}
-    for blk, sites in zip(p.blocks[start:], plan.layers[start:]):
+    for i, (blk, sites) in enumerate(zip(p.blocks[start:], plan.layers[start:])):
+        r.layer = start + i
         if blk.window not in masks:
             m = causal if blk.window is None else causal | (qi[None, :] <= qi[:, None] - blk.window)
             masks[blk.window] = (torch.zeros(T, T, dtype=dt, device=x.device).masked_fill(

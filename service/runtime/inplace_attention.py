@@ -1,5 +1,11 @@
 """Eager attention that writes each layer's pattern straight into the recording buffer.
 
+Used where the runtime records through Hugging Face's modules: encoders (BERT) and the causal
+configurations the hooked forward does not implement (``Runtime.hooked_parts``: GPT-2's
+``reorder_and_upcast_attn``, a GPT-2 without its LM head, dynamic RoPE). Every other causal LM
+records through service/runtime/hooked.py ``record`` (the same in-place scores buffer and
+softmax into the buffer, ``hooked._Run``), the forward its other endpoints run.
+
 Hugging Face's eager attention (``eager_attention_forward`` of GPT-2 and BERT) computes, per
 layer, ``pattern = softmax(q.k^T * scaling + mask)`` (Vaswani et al. 2017, eq. 1; S000) into a
 fresh tensor, which the runtime then copied into the text's ``[layer, head, query_pos,

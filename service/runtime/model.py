@@ -2,14 +2,21 @@
 
 What a forward records (:class:`ForwardTensors`, one per text) is described in
 service/runtime/results.py; loading (hub or local directory, device, revision) lives in
-service/runtime/loading.py. :meth:`Runtime._forward_batch` runs one padded forward in four
-steps: pad the batch (:meth:`Runtime._padded_inputs`), allocate each text's recording buffers
-(:meth:`Runtime._recording_buffers`), install the per-call hooks (:class:`_Recorder`) and run
-the model, then unpad each text into its buffers (:meth:`Runtime._unpad`).
+service/runtime/loading.py.
 
-Batches are padded for the device and unpadded by attention mask before anything else sees
-them; position ids are derived from the mask, so left or right padding give a text's own
-positions and a text's numbers never depend on its batch mates.
+One forward path: for a causal LM (GPT-2, Llama, Mistral, Qwen2, Gemma, Gemma 2, GPT-NeoX)
+:meth:`Runtime._forward_batch` runs the hooked forward (service/runtime/hooked.py ``record``,
+the forward predictions, ablation, patching and ``/v1/run`` run, on the parts in
+``memo["hooked_parts"]``), once per group of texts of one length, unpadded, writing each
+text's tensors into its recording buffers (:meth:`Runtime._recording_buffers`) as they are
+computed. Encoders (BERT) and the configurations the hooked forward does not implement
+(:meth:`Runtime.hooked_parts`) record through Hugging Face's modules (:meth:`Runtime._forward_hf`)
+in four steps: pad the batch (:meth:`Runtime._padded_inputs`), allocate the buffers, install
+the per-call hooks (:class:`_Recorder`, service/runtime/inplace_attention.py) and run the
+model, then unpad each text into its buffers (:meth:`Runtime._unpad`); there batches are
+padded for the device and unpadded by attention mask, position ids derived from the mask, so
+left or right padding give a text's own positions. Either way a text's numbers never depend
+on its batch mates.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Sequence
 import torch
 
 from ..config import BUNDLED_MODEL_ID, Settings
-from ..errors import ContextLengthExceeded, InvalidRequest, scrub_paths
+from ..errors import ContextLengthExceeded, InvalidRequest, UnsupportedModelConfig, scrub_paths
 from .adapters import ADAPTERS, Adapter, LayerHandles
 from . import inplace_attention
 from .cache import ByteLRU
@@ -381,10 +388,89 @@ class Runtime:
                     results[i] = self._result(items[i], t)
         return results  # type: ignore[return-value]
 
+    def hooked_parts(self):
+        """The hooked forward's parts of the model (service/runtime/hooked.py: detached views
+        of its parameters), made once and kept in ``memo["hooked_parts"]``, the entry every
+        causal path reads (predictions, ablation, patching, ``/v1/run`` and the recorded
+        forward: one forward path); None for an encoder (BERT) or a configuration the hooked
+        forward does not implement (GPT-2's ``reorder_and_upcast_attn``, a GPT-2 without its
+        LM head, dynamic RoPE, ...): those record through Hugging Face's modules."""
+        if not self.adapter.causal or self.memo.get("hooked_unsupported"):
+            return None
+        p = self.memo.get("hooked_parts")
+        if p is None:
+            from . import hooked
+
+            try:
+                p = self.memo["hooked_parts"] = hooked.parts(self.model)
+            except (UnsupportedModelConfig, AttributeError) as exc:
+                log.info("recorded forward through Hugging Face's modules: %s", exc)
+                self.memo["hooked_unsupported"] = str(exc)
+                return None
+        return p
+
     def _forward_batch(self, batch: list[tuple[int, ...]]) -> list[ForwardTensors]:
-        """One padded forward of ``batch`` (token ids of B texts) with every tensor recorded;
-        one :class:`ForwardTensors` per text, unpadded, in ``batch`` order (all on CPU).
-        Blocking; the caller holds ``_fwd_lock``."""
+        """The recorded forwards of ``batch`` (token ids of B texts): one
+        :class:`ForwardTensors` per text, in ``batch`` order (all on CPU). Causal LMs: the
+        hooked forward (:meth:`_forward_hooked`), texts of one length together, unpadded;
+        encoders (BERT) and configurations it does not implement: Hugging Face's modules
+        (:meth:`_forward_hf`, one padded batch). Blocking; the caller holds ``_fwd_lock``."""
+        p = self.hooked_parts()
+        if p is not None:
+            return self._forward_hooked(p, batch)
+        return self._forward_hf(batch)
+
+    def _forward_hooked(self, p, batch: list[tuple[int, ...]]) -> list[ForwardTensors]:
+        """The recorded forward of a causal LM: service/runtime/hooked.py's forward (the one
+        predictions, ablation, patching and ``/v1/run`` run), once per group of texts of one
+        length (no padding, no mask: exact, a text's numbers never depend on another length's
+        batch mates), every tensor written into each text's buffers
+        (:meth:`_recording_buffers`) as it is computed (:func:`hooked.record`): a text alone
+        gets its patterns straight from the softmax and every layer's scores in one buffer."""
+        from . import hooked
+
+        bufs = self._recording_buffers([len(x) for x in batch], True)
+        groups: dict[int, list[int]] = {}
+        for b, x in enumerate(batch):
+            groups.setdefault(len(x), []).append(b)
+        L = len(self._handles)
+        names = p.names
+        qkv_kinds = ("q", "k", "v") if self.adapter.qkv_in_attention else ("qkv",)
+        for rows in groups.values():
+            bs = [bufs[b] for b in rows]
+
+            def tgt(get, bs=bs):  # one prompt: its buffer as [1, ...]; else one per row
+                return get(bs[0]).unsqueeze(0) if len(bs) == 1 else [get(x) for x in bs]
+
+            into = {f"blocks.0.{names['resid_pre']}": tgt(lambda x: x["hidden_states"][0])}
+            for i in range(L):
+                into[f"blocks.{i}.{names['pattern']}"] = tgt(lambda x, i=i: x["pattern"][i])
+                into[f"blocks.{i}.{names['resid_post']}"] = tgt(
+                    lambda x, i=i: x["hidden_states"][i + 1])
+            layers_into = {
+                kind: [tgt(lambda x, i=i, kind=kind: x[kind][i]) for i in range(L)]
+                for kind in ("attn_input", "attn_output")}
+            for j, kind in enumerate(qkv_kinds):
+                layers_into[kind] = [tgt(lambda x, i=i, j=j: x["qkv"][j][i]) for i in range(L)]
+            ids = torch.tensor([batch[b] for b in rows], dtype=torch.long, device=self.device)
+            hooked.record(p, ids, into, layers_into, tgt(lambda x: x["final_state"]))
+            self.forward_count += 1
+        out = []
+        for buf in bufs:
+            if self.adapter.qkv_in_attention:
+                q, k, v = buf["qkv"]
+            else:
+                q, k, v = self.adapter.split_qkv(buf["qkv"])  # each [layer, head, pos, d_head]
+            out.append(ForwardTensors(buf["pattern"], buf["hidden_states"], q, k, v,
+                                      buf["attn_input"], buf["attn_output"],
+                                      final_state=buf["final_state"]))
+        return out
+
+    def _forward_hf(self, batch: list[tuple[int, ...]]) -> list[ForwardTensors]:
+        """One padded forward of ``batch`` through Hugging Face's modules with every tensor
+        recorded (:class:`_Recorder`, service/runtime/inplace_attention.py): encoders (BERT)
+        and the configurations :meth:`hooked_parts` names; one :class:`ForwardTensors` per
+        text, unpadded, in ``batch`` order (all on CPU)."""
         ids, mask, kwargs = self._padded_inputs(batch)
         final_norm = self.adapter.final_norm()
         bufs = self._recording_buffers([len(x) for x in batch], final_norm is not None)

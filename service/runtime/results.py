@@ -67,8 +67,11 @@ class TokenizedText:
 @dataclass(eq=False)
 class ForwardTensors:
     """The tensors of one forward (cached, shared read-only between requests). The runtime
-    gives each as one buffer; q, k, v are head-split views of the q/k/v modules' stacked
-    outputs (see ``service/runtime/model.py``, ``Runtime._forward_batch``)."""
+    gives each as one buffer; q, k, v are head-split views of the q/k/v projections'
+    stacked outputs (GPT-2, BERT) or their own buffers (rotary families: after RoPE), see
+    ``service/runtime/model.py``, ``Runtime._forward_batch``: causal LMs record through the
+    hooked forward (``service/runtime/hooked.py`` ``record``), BERT through Hugging Face's
+    modules."""
 
     pattern: torch.Tensor  # [layer, head, query_pos, key_pos]
     hidden_states: torch.Tensor  # [layer+1, pos, d_model]: embeddings, each block's output (pre-ln_f)
