@@ -1,13 +1,14 @@
 """The recorded forward (``Runtime._forward_batch``) of git revision ``--old-rev`` against the
 working tree's, interleaved in one process (issue 25 item 4: one forward path).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/recorded_forward.py [--old-rev HEAD]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/recorded_forward.py --old-rev 312eb41^
         [--model bundled gpt2-small] [--lengths 128 1024] [--runs 5] [--threads 1]
 
 The old ``_forward_batch`` is ``service/runtime/model.py`` at ``--old-rev`` (``git show``,
 executed as a module of ``attnscope.service.runtime`` so its relative imports resolve to the
-working tree's package), bound to the same loaded Runtime; at HEAD before issue 25 item 4 that is
-the forward through Hugging Face's modules with the in-place attention (one padded batch).
+working tree's package), bound to the same loaded Runtime; at ``312eb41^`` (before issue 25 item
+4) that is the forward through Hugging Face's modules with the in-place attention (one padded
+batch).
 The new one is the working tree's (a causal LM: service/runtime/hooked.py ``record``).
 
 Models: ``bundled`` (the bundled GPT-2: 2 layers, d_model 128, n_ctx 256, so its lengths are
@@ -114,7 +115,8 @@ def max_diff(a, b) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--old-rev", default="HEAD")
+    ap.add_argument("--old-rev", required=True,
+                    help="e.g. 312eb41^: the last revision recording through HF's modules")
     ap.add_argument("--model", nargs="+", default=["bundled", "gpt2-small"],
                     choices=["bundled", "bundled-llama", "gpt2-small", *FAMILY_CHOICES])
     ap.add_argument("--lengths", nargs="+", type=int, default=[128, 1024])
