@@ -369,8 +369,11 @@ def _resolve(schema: dict, spec: dict) -> dict:
 
 
 def _properties(schema: dict, spec: dict, seen=None) -> list[tuple[str, dict]]:
-    """(name, schema) of every object schema's properties, recursively."""
+    """(name, schema) of every object schema's properties, recursively (a boolean schema,
+    ``true`` / ``false`` in the rules between fields, has none)."""
     seen = seen if seen is not None else set()
+    if not isinstance(schema, dict):
+        return []
     if "$ref" in schema:
         ref = schema["$ref"]
         if ref in seen:
