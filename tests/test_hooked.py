@@ -232,8 +232,11 @@ def test_intervention_equals_transformerlens_run_with_hooks(bundled, case):
     clean = K.run(bundled.parts, IDS).logits
     ours = K.run(bundled.parts, IDS, interventions=ours_iv).logits
     assert float((ours - clean).abs().max()) > 1e-3  # the edit does change the logits
+    # float32 drift: the two forwards' clean gap, doubled, plus 1e-6 of the logits' scale
+    # (the edited forward sums in its own order; 2x the clean gap alone failed once at 2.0e-5)
     rounding = float((clean_tl - clean).abs().max())
-    assert float((ours - ref).abs().max()) <= max(1e-5, 2 * rounding)
+    bound = max(1e-5, 2 * rounding) + 1e-6 * float(ref.abs().max())
+    assert float((ours - ref).abs().max()) <= bound
 
 
 def test_intervention_cache_shows_the_edited_value_and_the_selection(bundled):
