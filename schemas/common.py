@@ -152,7 +152,7 @@ def _schema_extra(kind: str, **keywords: Any):
 
 INDEX_MARK = "x-attnscope-index"
 """Marks an index field's JSON schema with what it indexes (``"layer"``, ``"head"``,
-``"token"``: a vocabulary id): the served OpenAPI (service/ops/openapi.py) bounds it by the
+``"token"``: a vocabulary id, ``"neuron"``: an MLP neuron): the served OpenAPI (service/ops/openapi.py) bounds it by the
 resident model's count (``maximum``, and ``maxItems`` of a list of distinct indices)."""
 
 
@@ -172,6 +172,20 @@ def index_of(what: str) -> Any:
     """``json_schema_extra`` of one index field (an integer, or a list of token ids)."""
     return _schema_extra("integer", **{INDEX_MARK: what}) if what != "token" else \
         _schema_extra("array", **{INDEX_MARK: what})
+
+
+def distinct_positions(*, minimum: int | None = None) -> Any:
+    """``json_schema_extra`` of a list of positions the service refuses with a repeat
+    (``uniqueItems``), each at least ``minimum`` where given (the bound by the text's own
+    token count is checked by the service: no schema can state it)."""
+    def extra(js: dict) -> None:
+        for branch in js.get("anyOf", [js]):
+            if branch.get("type") == "array":
+                branch["uniqueItems"] = True
+                if minimum is not None and isinstance(branch.get("items"), dict):
+                    branch["items"]["minimum"] = max(branch["items"].get("minimum", minimum),
+                                                     minimum)
+    return extra
 
 
 NON_BLANK = _schema_extra("string", pattern=NON_BLANK_PATTERN)

@@ -7,12 +7,18 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from .common import (
-    MAX_HEAD_PAIRS, LenientModel, ModelRef, StrictModel, TextOrTexts, Token, add_bos_echo,
+    INDEX_MARK, MAX_HEAD_PAIRS, LenientModel, ModelRef, StrictModel, TextOrTexts, Token,
+    _schema_extra, add_bos_echo,
 )
 
 ErrorMeasure = Literal["mul", "abs"]
 #: one head as [layer, head] (0-based), as TransformerLens' detect_head(heads=[(layer, head)])
-HeadPair = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)]
+HeadPair = Annotated[list[Annotated[int, Field(ge=0)]], Field(
+    min_length=2, max_length=2, json_schema_extra={
+        "prefixItems": [{"type": "integer", "minimum": 0, INDEX_MARK: "layer"},
+                        {"type": "integer", "minimum": 0, INDEX_MARK: "head"}]})]
+#: a list of heads, each once (the service refuses a repeat)
+DISTINCT = _schema_extra("array", uniqueItems=True)
 
 HeadLabel = Literal[
     "induction", "previous_token", "duplicate_token", "next_token", "self", "sink", "broad", "none"
@@ -87,7 +93,7 @@ class HeadsRequest(TextOrTexts):
         "with the scores as measured (label_scores). The other scores do not depend on it."
     )
     heads: list[HeadPair] | None = Field(
-        None, min_length=1, max_length=MAX_HEAD_PAIRS, fail_fast=True,
+        None, min_length=1, max_length=MAX_HEAD_PAIRS, fail_fast=True, json_schema_extra=DISTINCT,
         description="Score only these heads, as [layer, head] pairs (0-based, each once; at "
         "most " + f"{MAX_HEAD_PAIRS}" + "), as TransformerLens detect_head's heads=[(layer, "
         "head), ...]; null (default) = every head. TransformerLens gives every other head the "
@@ -95,7 +101,7 @@ class HeadsRequest(TextOrTexts):
         "selected_heads."
     )
     exclude_heads: list[HeadPair] = Field(
-        default_factory=list, max_length=MAX_HEAD_PAIRS, fail_fast=True,
+        default_factory=list, max_length=MAX_HEAD_PAIRS, fail_fast=True, json_schema_extra=DISTINCT,
         description="Heads to leave out, as [layer, head] pairs (0-based, each once), from "
         "'heads' or from every head; at least one head must remain. Echoed."
     )

@@ -22,7 +22,7 @@ from .common import (
 )
 from .common import BATCH, BYTES_DOC, LABEL_DOC, PARTIAL_DOC, NestedNumbers, field_error
 from .common import (
-    INDEX_MARK, NON_EMPTY, cases, equals, ids_as_given, index_list, index_of, one_of, present, unset, when,
+    INDEX_MARK, _schema_extra, cases, equals, ids_as_given, index_list, index_of, one_of, present, unset, when,
 )
 
 _RESAMPLE = ("resample_text", "resample_tokens")
@@ -155,7 +155,8 @@ class NeuronComponent(StrictModel):
 
     kind: Literal["neuron"] = Field(description="'neuron'.")
     layer: Layer = Field(..., description="The MLP's layer (0-based).")
-    neurons: Annotated[list[Index], Field(min_length=1, max_length=MAX_VECTOR)] = Field(
+    neurons: Annotated[list[Index], Field(min_length=1, max_length=MAX_VECTOR,
+                                          json_schema_extra=index_list("neuron"))] = Field(
         ..., description="Neuron indices (each < d_mlp, each once).")
 
 
@@ -236,7 +237,8 @@ class AblateRequest(TensorOptions):
         description=TOKENS_DOC.format(text="text"))
     add_bos: bool | None = add_bos_field()
     heads: list[HeadRef] | None = Field(
-        None, max_length=MAX_HEAD_PAIRS, fail_fast=True, json_schema_extra=NON_EMPTY,
+        None, max_length=MAX_HEAD_PAIRS, fail_fast=True,
+        json_schema_extra=_schema_extra("array", minItems=1, uniqueItems=True),
         description="Heads to ablate together, as [layer, head] pairs (0-based, each "
         f"once; at most {MAX_HEAD_PAIRS}); required unless scan or components."
     )
@@ -460,10 +462,12 @@ class PatchPair(StrictModel):
     json_rules = (one_of("clean_tokens", "clean_text"),
                   one_of("corrupted_tokens", "corrupted_text"))
 
-    clean_tokens: Annotated[list[Index], Field(min_length=1, max_length=MAX_POSITIONS)] | None \
+    clean_tokens: Annotated[list[Index], Field(min_length=1, max_length=MAX_POSITIONS,
+                                               json_schema_extra=index_of("token"))] | None \
         = Field(None, description="The clean prompt as token ids.")
     clean_text: NonBlankText | None = Field(None, description="The clean prompt as a text.")
-    corrupted_tokens: Annotated[list[Index], Field(min_length=1, max_length=MAX_POSITIONS)] \
+    corrupted_tokens: Annotated[list[Index], Field(min_length=1, max_length=MAX_POSITIONS,
+                                                   json_schema_extra=index_of("token"))] \
         | None = Field(None, description="The corrupted prompt as token ids.")
     corrupted_text: NonBlankText | None = Field(None, description="The corrupted prompt as a "
                                                 "text.")

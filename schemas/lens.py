@@ -25,7 +25,8 @@ MAX_INDEX = 1 << 20
 TokenId = Annotated[int, Field(ge=0, le=1 << 31, json_schema_extra={INDEX_MARK: "token"})]
 TokenRef = Union[TokenId, Annotated[str, Field(min_length=1, max_length=200)]]
 Position = Annotated[int, Field(ge=-MAX_INDEX, le=MAX_INDEX)]
-Positions = Annotated[list[Position], Field(min_length=1, max_length=4096)]
+Positions = Annotated[list[Position], Field(min_length=1, max_length=4096,
+                                            json_schema_extra={"uniqueItems": True})]
 
 WEIGHTS_DOC = (
     "The weights used: the checkpoint's own, unprocessed (no LayerNorm folding, no centring "

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from .common import (
     EXAMPLE_TEXT, MAX_POSITIONS, LenientModel, ModelRef, TextOrTexts, Token, example)
-from .common import add_bos_echo, index_of
+from .common import add_bos_echo, distinct_positions, index_of
 
 
 class LinksRequest(TextOrTexts):
@@ -27,6 +27,7 @@ class LinksRequest(TextOrTexts):
     exclude_self: bool = Field(True, description="Never link a token to itself (default true).")
     ignore: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=list, max_length=MAX_POSITIONS, fail_fast=True,
+        json_schema_extra=distinct_positions(),
         description="Key positions never chosen as links, e.g. [0] for the first-token "
         f"sink; each must be < the text's token count, and appear once (at most {MAX_POSITIONS})."
     )

@@ -18,7 +18,7 @@ from .common import (
     INDEX_MARK, LenientModel, ModelRef, StrictModel, Token, equals, example, one_of, present,
     unset, when,
 )
-from .run import Indices, Metric, TokenId
+from .run import Metric, TokenId, UniqueIndices
 
 #: most (clean, corrupted) pairs in one request (the memory estimate usually binds first)
 MAX_PAIRS = 4096
@@ -60,7 +60,8 @@ class HeadReceiver(StrictModel):
 
     kind: Literal["head"] = Field(description="'head'.")
     layer: Layer = Field(..., description="The heads' layer (0-based).")
-    heads: Annotated[list[HeadIndex], Field(min_length=1, max_length=MAX_COMPONENTS)] | None = \
+    heads: Annotated[list[HeadIndex], Field(min_length=1, max_length=MAX_COMPONENTS,
+                                            json_schema_extra={"uniqueItems": True})] | None = \
         Field(None, description="Heads of that layer; null = every head of the layer. Query "
               "heads for 'q'; for 'k' and 'v' under grouped-query attention key/value heads "
               "(0..n_kv_heads-1; the response's ``head_axis`` says 'kv_head').")
@@ -165,11 +166,11 @@ class PathPatchRequest(StrictModel):
         default_factory=lambda: ["q", "k", "v"], min_length=1, max_length=3,
         json_schema_extra={"uniqueItems": True},
         description="The receiver inputs of the grid, in this order (its last axis).")
-    sender_positions: Indices | None = Field(
+    sender_positions: UniqueIndices | None = Field(
         None, description="Positions where the senders' outputs are taken from the other run "
         "(elsewhere they stay the base run's); null = every position. Negative from the end of "
         "each pair.")
-    receiver_positions: Indices | None = Field(
+    receiver_positions: UniqueIndices | None = Field(
         None, description="Positions where the receivers' inputs are patched; null = every "
         "position. Negative from the end of each pair.")
     metric: Metric = Field(

@@ -24,6 +24,9 @@ MAX_INDEX = 1 << 20
 
 Index = Annotated[int, Field(ge=-MAX_INDEX, le=MAX_INDEX)]
 Indices = Annotated[list[Index], Field(min_length=1, max_length=4096)]
+#: a selection the server refuses with a repeat (cache selections, path-patch positions)
+UniqueIndices = Annotated[list[Index], Field(min_length=1, max_length=4096,
+                                             json_schema_extra={"uniqueItems": True})]
 TokenId = Annotated[int, Field(ge=0, le=1 << 31, json_schema_extra={INDEX_MARK: "token"})]
 #: a tensor given in a request: nested JSON lists of numbers, or the base64 form
 #: ``{"encoding": "base64", "dtype": "float32"|"float16", "shape", "data"}``
@@ -54,7 +57,7 @@ class Base64Input(StrictModel):
 
 
 InputTensor = Union[Base64Input, _N1, _N2, _N3, _N4, _N5]
-TokenRef = Union[TokenId, str]
+TokenRef = Union[TokenId, Annotated[str, Field(min_length=1)]]
 HOOK_DESCRIPTION = ("A TransformerLens 4.x hook name ('blocks.0.attn.hook_z', 'hook_embed', "
                     "'ln_final.hook_scale') or an fnmatch pattern over them "
                     "('blocks.*.hook_resid_post'); GET /v1/hooks lists them with shapes.")
@@ -75,7 +78,14 @@ class CacheItem(Selection):
     """One cache entry: a hook name or pattern, with an optional selection."""
 
     hook: str = Field(..., min_length=1, max_length=200, description=HOOK_DESCRIPTION)
-    layers: Indices | None = Field(
+    prompts: UniqueIndices | None = Field(None, description="Batch rows (prompt indices), each "
+                                          "once.")
+    heads: UniqueIndices | None = Field(None, description="Heads (hooks with a head axis), "
+                                        "each once.")
+    positions: UniqueIndices | None = Field(
+        None, description="Positions (the pos axis; query_pos for patterns and scores), each "
+        "once.")
+    layers: UniqueIndices | None = Field(
         None, description="Keep only these layers' hooks of a pattern (model-level hooks such "
         "as hook_embed always pass).")
 

@@ -12,7 +12,7 @@ from pydantic import Field
 from .common import (
     MAX_POSITIONS, LenientModel, ModelRef, TensorField, TensorOptions, TextOrTexts, Token,
 )
-from .common import AT_MOST_MARK, add_bos_echo
+from .common import AT_MOST_MARK, add_bos_echo, distinct_positions
 
 
 class TrajectoriesRequest(TextOrTexts, TensorOptions):
@@ -34,6 +34,7 @@ class TrajectoriesRequest(TextOrTexts, TensorOptions):
     )
     positions: list[int] | None = Field(
         None, max_length=MAX_POSITIONS, fail_fast=True,
+        json_schema_extra=distinct_positions(minimum=0),
         description="Token selection: positions (0-based, each < n_tokens) whose paths and "
         f"distances are returned, in the order given, each at most once (at most "
         f"{MAX_POSITIONS}); null = all tokens; [] = none (empty paths and distances). The PCA is always fitted on every token and state.",

@@ -1443,7 +1443,7 @@ export interface components {
         CacheItem: {
             /**
              * Heads
-             * @description Heads (hooks with a head axis).
+             * @description Heads (hooks with a head axis), each once.
              */
             heads?: number[] | null;
             /**
@@ -1458,12 +1458,12 @@ export interface components {
             layers?: number[] | null;
             /**
              * Positions
-             * @description Positions (the pos axis; query_pos for patterns and scores).
+             * @description Positions (the pos axis; query_pos for patterns and scores), each once.
              */
             positions?: number[] | null;
             /**
              * Prompts
-             * @description Batch rows (prompt indices).
+             * @description Batch rows (prompt indices), each once.
              */
             prompts?: number[] | null;
         };
@@ -2107,12 +2107,18 @@ export interface components {
              * Exclude Heads
              * @description Heads to leave out, as [layer, head] pairs (0-based, each once), from 'heads' or from every head; at least one head must remain. Echoed.
              */
-            exclude_heads?: number[][];
+            exclude_heads?: [
+                number,
+                number
+            ][];
             /**
              * Heads
              * @description Score only these heads, as [layer, head] pairs (0-based, each once; at most 16384), as TransformerLens detect_head's heads=[(layer, head), ...]; null (default) = every head. TransformerLens gives every other head the score -1; here the others are left out of the response's heads. Echoed as selected_heads.
              */
-            heads?: number[][] | null;
+            heads?: [
+                number,
+                number
+            ][] | null;
             /**
              * Norm Scores
              * @description Also report each head's norm-based scores (HeadResult.norm_scores: the 'no-op attention' on the sink, Kobayashi et al. 2020).

@@ -57,18 +57,22 @@ def _component(comps: dict, model) -> None:
 
 
 def model_bounds(spec: dict, n_layers: int, n_heads: int, n_vocab: int, n_ctx: int,
-                 max_batch: int | None = None, d_model: int | None = None) -> dict:
+                 max_batch: int | None = None, d_model: int | None = None,
+                 d_mlp: int | None = None) -> dict:
     """A copy of ``spec`` bounded by a model: every schema marked with
     ``schemas.common.INDEX_MARK`` gets the model's limit (an integer: ``maximum`` count - 1; a
     list of distinct indices: its items' ``maximum`` and at most count items; a list of token
     ids: ids < ``n_vocab``, at most ``n_ctx`` ids); a bound already tighter is kept. The mark
-    stays (what the field indexes); an index is also ``minimum`` 0. A count marked with
+    stays (what the field indexes); an index is also ``minimum`` 0; ``"neuron"`` (an MLP
+    neuron, ``mlp.hook_post``'s last axis) is bounded by ``d_mlp`` where given. A count marked with
     ``schemas.common.AT_MOST_MARK`` "d_model" gets ``maximum`` ``d_model`` (where given).
     ``max_batch``: where given, the lists of prompts marked ``schemas.common.BATCH_MARK``
     (texts, token-id lists, reference prompts, /v1/run's prompts) hold at most that many."""
     from attnscope.schemas.common import AT_MOST_MARK, BATCH_MARK, INDEX_MARK
 
     counts = {"layer": n_layers, "head": n_heads, "token": n_vocab}
+    if d_mlp is not None:
+        counts["neuron"] = d_mlp
     sizes = {"d_model": d_model} if d_model is not None else {}
     out = copy.deepcopy(spec)
 
@@ -120,7 +124,19 @@ def _resident_bounds(app: FastAPI, spec: dict) -> dict:
     n_vocab = min(len(rt.tokenizer), int(rt.model.config.vocab_size))
     return model_bounds(spec, rt.adapter.n_layers, rt.adapter.n_heads, n_vocab,
                         rt.adapter.n_ctx, getattr(settings, "max_batch", None),
-                        rt.adapter.d_model)
+                        rt.adapter.d_model, _d_mlp(rt))
+
+
+def _d_mlp(rt) -> int | None:
+    """The resident causal LM's MLP width (``blocks.0.mlp.hook_post``'s last axis, as
+    /v1/ablate's neuron check reads it), or None (an encoder, no hooked forward)."""
+    try:
+        from attnscope.service.runtime import hooked
+        from attnscope.service.runtime import interventions as I
+
+        return int(hooked.resolve(I.lm_parts(rt), "blocks.0.mlp.hook_post")[0].sizes[-1])
+    except Exception:  # noqa: BLE001 - no neuron bound rather than no document
+        return None
 
 
 def _served_bounds(app: FastAPI) -> None:

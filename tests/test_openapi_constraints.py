@@ -1,0 +1,115 @@
+"""The served OpenAPI states the constraints the server enforces (issue 29 item 9): a body the
+server refuses for a repeated index, an index past the model's size, or an empty token string
+is refused by the document too (JSON Schema 2020-12, the served document with the resident
+model's bounds). Each row also plants the fault: the keyword that states the constraint is
+removed from the document, and the body then validates (the row can fail).
+
+Constraints no JSON Schema can state are the server's alone (a position past the text's own
+token count, a target that is not one token, equal token counts across a batch)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+T = "The cat sat on the mat. The cat sat on the mat."
+PAIR = {"clean_text": T, "corrupted_text": T}
+METRIC = {"kind": "logit_diff", "terms": [{"position": -1, "target": " the", "distractor": " a"}]}
+PP = {"pairs": [PAIR], "senders": [{"kind": "head", "layer": 0, "head": 0}],
+      "receivers": [{"kind": "logits"}], "metric": METRIC}
+
+# (path, body, the refused field's param, the keyword that states it in the document)
+ROWS = [
+    ("/v1/ablate", {"text": T, "heads": [[0, 0], [0, 0]]}, "heads.1", "uniqueItems"),
+    ("/v1/ablate", {"text": T, "components": [{"kind": "neuron", "layer": 0,
+                                               "neurons": [1, 1]}]},
+     "components.0.neurons.1", "uniqueItems"),
+    ("/v1/ablate", {"text": T, "components": [{"kind": "neuron", "layer": 0,
+                                               "neurons": [512]}]},
+     "components.0.neurons.0", "maximum"),
+    ("/v1/heads", {"text": T, "heads": [[0, 1], [0, 1]]}, "heads.1", "uniqueItems"),
+    ("/v1/heads", {"text": T, "heads": [[0, 4]]}, "heads.0", "maximum"),
+    ("/v1/heads", {"text": T, "exclude_heads": [[1, 0], [1, 0]]}, "exclude_heads.1",
+     "uniqueItems"),
+    ("/v1/run", {"texts": [T], "cache": [{"hook": "blocks.0.attn.hook_z", "heads": [1, 1]}]},
+     "cache.0.heads.1", "uniqueItems"),
+    ("/v1/run", {"texts": [T], "cache": [{"hook": "blocks.*.attn.hook_z", "layers": [0, 0]}]},
+     "cache.0.layers.1", "uniqueItems"),
+    ("/v1/run", {"texts": [T], "cache": [{"hook": "blocks.0.attn.hook_z",
+                                          "positions": [2, 2]}]},
+     "cache.0.positions.1", "uniqueItems"),
+    ("/v1/run", {"texts": [T], "cache": [{"hook": "blocks.0.attn.hook_z", "prompts": [0, 0]}]},
+     "cache.0.prompts.1", "uniqueItems"),
+    ("/v1/logit-lens", {"text": T, "positions": [1, 1]}, "positions.1", "uniqueItems"),
+    ("/v1/logit-attribution", {"text": T, "target": " the", "positions": [2, 2]},
+     "positions.1", "uniqueItems"),
+    ("/v1/trajectories", {"text": T, "positions": [1, 1]}, "positions.1", "uniqueItems"),
+    ("/v1/trajectories", {"text": T, "positions": [-1]}, "positions.0", "minimum"),
+    ("/v1/links", {"text": T, "layer": 0, "ignore": [0, 0]}, "ignore.1", "uniqueItems"),
+    ("/v1/path-patch", {**PP, "sender_positions": [1, 1]}, "sender_positions", "uniqueItems"),
+    ("/v1/path-patch", {**PP, "receiver_positions": [2, 2]}, "receiver_positions",
+     "uniqueItems"),
+    ("/v1/path-patch", {**PP, "receivers": [{"kind": "head", "layer": 1, "heads": [1, 1],
+                                             "input": "q"}]}, "receivers.0", "uniqueItems"),
+    ("/v1/path-patch", {**PP, "metric": {"kind": "logit_diff", "terms": [
+        {"position": -1, "target": "", "distractor": " a"}]}}, "metric", "minLength"),
+    ("/v1/patch", {"pairs": [{"clean_tokens": [5, 2048], "corrupted_tokens": [5, 6]}],
+                   "logit_diff": {"target": " the", "distractor": " a"}},
+     "pairs.0.clean_tokens.1", "maximum"),
+]
+
+
+@pytest.fixture(scope="module")
+def spec(client):
+    return client.get("/openapi.json").json()
+
+
+def _validator(spec: dict, path: str):
+    import jsonschema
+
+    body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    return jsonschema.Draft202012Validator({**body, "components": spec["components"]})
+
+
+def _without(x, keyword: str):
+    """``x`` with every ``keyword`` removed (the planted fault)."""
+    if isinstance(x, dict):
+        return {k: _without(v, keyword) for k, v in x.items() if k != keyword}
+    if isinstance(x, list):
+        return [_without(v, keyword) for v in x]
+    return x
+
+
+@pytest.mark.parametrize("path,body,param,keyword", ROWS,
+                         ids=[f"{r[0]}:{r[2]}:{r[3]}" for r in ROWS])
+def test_the_document_refuses_what_the_server_refuses(client, spec, path, body, param,
+                                                       keyword):
+    r = client.post(path, json=body)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["param"].startswith(param), r.text
+    errors = list(_validator(spec, path).iter_errors(body))
+    assert errors, f"the document accepts a body the server refuses ({param})"
+    # the planted fault: without the keyword, the document accepts the body
+    assert not list(_validator(_without(copy.deepcopy(spec), keyword), path).iter_errors(body))
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/ablate", {"text": T, "heads": [[0, 0], [0, 1]]}),
+    ("/v1/ablate", {"text": T, "components": [{"kind": "neuron", "layer": 0,
+                                               "neurons": [1, 511]}]}),
+    ("/v1/heads", {"text": T, "heads": [[0, 1], [1, 3]], "exclude_heads": [[1, 3]]}),
+    ("/v1/run", {"texts": [T], "cache": [{"hook": "blocks.0.attn.hook_z", "heads": [0, 1],
+                                          "positions": [1, 2], "prompts": [0]}]}),
+    ("/v1/trajectories", {"text": T, "positions": [0, 1]}),
+    ("/v1/links", {"text": T, "layer": 0, "ignore": [0, 1]}),
+    ("/v1/path-patch", {**PP, "sender_positions": [1, 2], "receiver_positions": [-1]}),
+    ("/v1/patch", {"pairs": [{"clean_tokens": [5, 2047], "corrupted_tokens": [5, 6]}],
+                   "logit_diff": {"target": " the", "distractor": " a"}}),
+])
+def test_distinct_and_in_range_bodies_pass_both(client, spec, path, body):
+    """The rows' bodies with the repeat or bound fixed: the document and the server accept
+    them (the schema does not simply refuse the endpoint)."""
+    assert not [e.message for e in _validator(spec, path).iter_errors(body)]
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
