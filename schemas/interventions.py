@@ -244,6 +244,7 @@ class AblateRequest(TensorOptions):
     )
     components: list[Component] | None = Field(
         None, min_length=1, max_length=MAX_COMPONENTS,
+        json_schema_extra=_schema_extra("array", uniqueItems=True),
         description="Components ablated together (with ``heads``, if given): heads, whole "
         "MLPs (``hook_mlp_out``), whole attention layers (``hook_attn_out``), MLP neurons "
         "(``mlp.hook_post[..., n]``) and directions at a hook (projection out of a unit "

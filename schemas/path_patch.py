@@ -15,10 +15,24 @@ from typing import Annotated, Literal, Union
 from pydantic import Field, model_validator
 
 from .common import (
-    INDEX_MARK, LenientModel, ModelRef, StrictModel, Token, equals, example, one_of, present,
-    unset, when,
+    INDEX_MARK, LenientModel, ModelRef, StrictModel, Token, _schema_extra, equals, example,
+    one_of, present, unset, when,
 )
 from .run import Metric, TokenId, UniqueIndices
+
+_DISTINCT = _schema_extra("array", uniqueItems=True)
+
+
+def _terms(**fields) -> dict:
+    return {"properties": {"terms": {"items": {"properties": {
+        f: {"enum": values} for f, values in fields.items()}}}}}
+
+
+#: a declared metric read on one run at a time: a term's ``prompt`` is null or 0; a KL term's
+#: ``prompt`` and ``reference_prompt`` are the runs 0 (measured) and 1 (the base run)
+_ONE_RUN_TERMS = {"if": {"required": ["kind"], "properties": {"kind": {"const": "kl"}}},
+                  "then": _terms(prompt=[0, 1], reference_prompt=[0, 1]),
+                  "else": _terms(prompt=[None, 0])}
 
 #: most (clean, corrupted) pairs in one request (the memory estimate usually binds first)
 MAX_PAIRS = 4096
@@ -134,6 +148,15 @@ class PathPatchRequest(StrictModel):
         when(equals("grid", True, False), {"allOf": [unset("senders", "receivers"),
                                                      equals("per_pair", False, False)]}),
         when(equals("grid", False, False), present("senders", "receivers")),
+        # the logits are a receiver alone
+        {"properties": {"receivers": {"anyOf": [
+            {"type": "null"}, {"maxItems": 1},
+            {"not": {"contains": {"type": "object", "required": ["kind"],
+                                  "properties": {"kind": {"const": "logits"}}}}}]}}},
+        # each run is read alone: a term's prompt is null or 0 (the request's and each pair's)
+        {"properties": {
+            "metric": _ONE_RUN_TERMS,
+            "pairs": {"items": {"properties": {"metric": _ONE_RUN_TERMS}}}}},
     )
 
     pairs: list[PromptPair] = Field(
@@ -151,11 +174,11 @@ class PathPatchRequest(StrictModel):
         "base run is the corrupted prompt, the senders' outputs come from the clean one "
         "(denoising).")
     senders: list[Sender] | None = Field(
-        None, min_length=1, max_length=MAX_COMPONENTS,
+        None, min_length=1, max_length=MAX_COMPONENTS, json_schema_extra=_DISTINCT,
         description="The senders, patched together (their changes summed); each must come "
         "before every receiver. Null with ``grid``.")
     receivers: list[Receiver] | None = Field(
-        None, min_length=1, max_length=MAX_COMPONENTS,
+        None, min_length=1, max_length=MAX_COMPONENTS, json_schema_extra=_DISTINCT,
         description="The receivers, patched together in one run; ``logits`` only alone. Null "
         "with ``grid``.")
     grid: bool = Field(

@@ -57,6 +57,23 @@ ROWS = [
     ("/v1/patch", {"pairs": [{"clean_tokens": [5, 2048], "corrupted_tokens": [5, 6]}],
                    "logit_diff": {"target": " the", "distractor": " a"}},
      "pairs.0.clean_tokens.1", "maximum"),
+    ("/v1/ablate", {"text": T, "components": [{"kind": "mlp", "layer": 0},
+                                              {"kind": "mlp", "layer": 0}]},
+     "components.1", "uniqueItems"),
+    ("/v1/path-patch", {**PP, "senders": [{"kind": "mlp", "layer": 0},
+                                          {"kind": "mlp", "layer": 0}]},
+     "senders.1", "uniqueItems"),
+    ("/v1/path-patch", {**PP, "receivers": [{"kind": "mlp", "layer": 1}, {"kind": "logits"}]},
+     "receivers.1", "maxItems"),
+    ("/v1/path-patch", {**PP, "metric": {"kind": "logit_diff", "terms": [
+        {"prompt": 1, "position": -1, "target": " the", "distractor": " a"}]}},
+     "metric.terms.0.prompt", "enum"),
+    ("/v1/path-patch", {**PP, "metric": {"kind": "kl", "terms": [
+        {"prompt": 2, "reference_prompt": 1, "position": -1}]}},
+     "metric.terms.0.prompt", "enum"),
+    ("/v1/path-patch", {**PP, "pairs": [{**PAIR, "metric": {"kind": "logit_diff", "terms": [
+        {"prompt": 1, "position": -1, "target": " the", "distractor": " a"}]}}]},
+     "pairs.0.metric.terms.0.prompt", "enum"),
 ]
 
 
@@ -104,6 +121,10 @@ def test_the_document_refuses_what_the_server_refuses(client, spec, path, body, 
     ("/v1/trajectories", {"text": T, "positions": [0, 1]}),
     ("/v1/links", {"text": T, "layer": 0, "ignore": [0, 1]}),
     ("/v1/path-patch", {**PP, "sender_positions": [1, 2], "receiver_positions": [-1]}),
+    ("/v1/path-patch", {**PP, "metric": {"kind": "kl", "terms": [
+        {"prompt": 0, "reference_prompt": 1, "position": -1}]}}),
+    ("/v1/path-patch", {**PP, "receivers": [{"kind": "mlp", "layer": 1},
+                                            {"kind": "head", "layer": 1, "input": "v"}]}),
     ("/v1/patch", {"pairs": [{"clean_tokens": [5, 2047], "corrupted_tokens": [5, 6]}],
                    "logit_diff": {"target": " the", "distractor": " a"}}),
 ])
