@@ -66,7 +66,7 @@ class TopToken(LenientModel):
 
 # run.py imports TopToken from here: its Metric is imported once TopToken exists (the package's
 # __init__ imports this module first, so the order holds for every import path)
-from .run import Metric  # noqa: E402
+from .run import Metric, pairs_metric_rules  # noqa: E402
 
 # ------------------------------------------------------------------------ predictions
 class PredictionsRequest(TextOrTexts):
@@ -504,6 +504,7 @@ class PatchRequest(StrictModel):
         when({"allOf": [present("pairs"), {"properties": {"pairs": {
             "contains": present("metric")}}}]},
             {"required": ["metric"], "properties": {"metric": {"type": "object"}}}),
+        *pairs_metric_rules(),
         cases(  # logit_diff for 'logit_diff' (the default), positions for 'loss' only
             [equals("metric", "logit_diff", "logit_diff"), present("logit_diff"),
              unset("positions")],

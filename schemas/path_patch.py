@@ -18,7 +18,7 @@ from .common import (
     INDEX_MARK, LenientModel, ModelRef, StrictModel, Token, _schema_extra, equals, example,
     one_of, present, unset, when,
 )
-from .run import Metric, TokenId, UniqueIndices
+from .run import Metric, TokenId, UniqueIndices, pairs_metric_rules
 
 _DISTINCT = _schema_extra("array", uniqueItems=True)
 
@@ -157,6 +157,7 @@ class PathPatchRequest(StrictModel):
         {"properties": {
             "metric": _ONE_RUN_TERMS,
             "pairs": {"items": {"properties": {"metric": _ONE_RUN_TERMS}}}}},
+        *pairs_metric_rules(),
     )
 
     pairs: list[PromptPair] = Field(

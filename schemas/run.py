@@ -254,6 +254,26 @@ Metric = Annotated[
     Union[LogitDiffMetric, ProbMetric, LogProbMetric, LossMetric, KLMetric],
     Field(discriminator="kind"),
 ]
+METRIC_KINDS = ("logit_diff", "prob", "logprob", "loss", "kl")
+
+
+def pairs_metric_rules() -> tuple[dict, ...]:
+    """JSON-Schema rules of a dataset request (``pairs``, each with an optional own
+    ``metric``): a pair's metric has the request's ``metric`` kind and reduce, so that the
+    pairs' values average (the server refuses others)."""
+    def pairs(**props) -> dict:
+        return {"properties": {"pairs": {"items": {"properties": {"metric": props}}}}}
+
+    def request(**props) -> dict:
+        return {"required": ["metric"], "properties": {"metric": {
+            "type": "object", "required": list(props), "properties": props}}}
+
+    rules = [{"if": request(kind={"const": k}),
+              "then": pairs(properties={"kind": {"const": k}})} for k in METRIC_KINDS]
+    rules.append({"if": request(reduce={"const": "sum"}),
+                  "then": pairs(required=["reduce"], properties={"reduce": {"const": "sum"}}),
+                  "else": pairs(properties={"reduce": {"const": "mean"}})})
+    return tuple(rules)
 
 
 class LogitsOptions(StrictModel):

@@ -74,6 +74,14 @@ ROWS = [
     ("/v1/path-patch", {**PP, "pairs": [{**PAIR, "metric": {"kind": "logit_diff", "terms": [
         {"prompt": 1, "position": -1, "target": " the", "distractor": " a"}]}}]},
      "pairs.0.metric.terms.0.prompt", "enum"),
+    ("/v1/path-patch", {**PP, "pairs": [{**PAIR, "metric": {"kind": "loss", "terms": [
+        {"position": 2}]}}]}, "pairs.0.metric", "then"),
+    ("/v1/path-patch", {**PP, "pairs": [{**PAIR, "metric": {**METRIC, "reduce": "sum"}}]},
+     "pairs.0.metric", "const"),
+    ("/v1/patch", {"pairs": [{**PAIR, "metric": {**METRIC, "reduce": "mean"}}],
+                   "metric": {**METRIC, "reduce": "sum"}}, "pairs.0.metric", "const"),
+    ("/v1/patch", {"pairs": [{**PAIR, "metric": {"kind": "prob", "terms": [
+        {"position": -1, "target": " the"}]}}], "metric": METRIC}, "pairs.0.metric", "then"),
 ]
 
 
@@ -121,6 +129,10 @@ def test_the_document_refuses_what_the_server_refuses(client, spec, path, body, 
     ("/v1/trajectories", {"text": T, "positions": [0, 1]}),
     ("/v1/links", {"text": T, "layer": 0, "ignore": [0, 1]}),
     ("/v1/path-patch", {**PP, "sender_positions": [1, 2], "receiver_positions": [-1]}),
+    ("/v1/path-patch", {**PP, "pairs": [{**PAIR, "metric": {**METRIC, "terms": [
+        {"position": -1, "target": " a", "distractor": " the"}]}}]}),
+    ("/v1/patch", {"pairs": [{**PAIR, "metric": {**METRIC, "reduce": "sum"}}],
+                   "metric": {**METRIC, "reduce": "sum"}}),
     ("/v1/path-patch", {**PP, "metric": {"kind": "kl", "terms": [
         {"prompt": 0, "reference_prompt": 1, "position": -1}]}}),
     ("/v1/path-patch", {**PP, "receivers": [{"kind": "mlp", "layer": 1},
