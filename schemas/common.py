@@ -156,6 +156,11 @@ INDEX_MARK = "x-attnscope-index"
 resident model's count (``maximum``, and ``maxItems`` of a list of distinct indices)."""
 
 
+ENCODER_ONLY_MARK = "x-attnscope-encoder-only"
+"""Marks an enum field's values that only an encoder accepts: the served OpenAPI of a causal
+model leaves them out of the enum."""
+
+
 AT_MOST_MARK = "x-attnscope-at-most"
 """Marks a count field bounded by a size of the resident model (``"d_model"``): the served
 OpenAPI gives it that ``maximum``."""

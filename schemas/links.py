@@ -8,7 +8,7 @@ from pydantic import Field
 
 from .common import (
     EXAMPLE_TEXT, MAX_POSITIONS, LenientModel, ModelRef, TextOrTexts, Token, example)
-from .common import add_bos_echo, distinct_positions, index_of
+from .common import ENCODER_ONLY_MARK, add_bos_echo, distinct_positions, index_of
 
 
 class LinksRequest(TextOrTexts):
@@ -33,7 +33,8 @@ class LinksRequest(TextOrTexts):
     )
     direction: Literal["earlier", "any"] = Field(
         "earlier", description="'earlier': keys at or before the query only (future keys never "
-        "count, the document's rule); 'any': every key (encoders only)."
+        "count, the document's rule); 'any': every key (encoders only).",
+        json_schema_extra={ENCODER_ONLY_MARK: ["any"]},
     )
     round: int | None = Field(
         None, ge=0, le=10, description="Decimal places for the weights; null = full precision."

@@ -47,6 +47,7 @@ ROWS = [
     ("/v1/trajectories", {"text": T, "positions": [1, 1]}, "positions.1", "uniqueItems"),
     ("/v1/trajectories", {"text": T, "positions": [-1]}, "positions.0", "minimum"),
     ("/v1/links", {"text": T, "layer": 0, "ignore": [0, 0]}, "ignore.1", "uniqueItems"),
+    ("/v1/links", {"text": T, "layer": 0, "direction": "any"}, "direction", "enum"),
     ("/v1/path-patch", {**PP, "sender_positions": [1, 1]}, "sender_positions", "uniqueItems"),
     ("/v1/path-patch", {**PP, "receiver_positions": [2, 2]}, "receiver_positions",
      "uniqueItems"),
@@ -146,3 +147,17 @@ def test_distinct_and_in_range_bodies_pass_both(client, spec, path, body):
     assert not [e.message for e in _validator(spec, path).iter_errors(body)]
     r = client.post(path, json=body)
     assert r.status_code == 200, r.text
+
+
+def test_encoder_only_values_leave_a_causal_models_document():
+    """``direction: "any"`` (keys after the query) stays in an encoder's document only."""
+    from attnscope.service.ops.openapi import model_bounds
+
+    node = {"type": "string", "enum": ["earlier", "any"], "x-attnscope-encoder-only": ["any"]}
+    spec = {"components": {"schemas": {"X": {"properties": {"direction": node}}}}}
+
+    def enum(causal):
+        out = model_bounds(spec, 2, 4, 100, 16, causal=causal)
+        return out["components"]["schemas"]["X"]["properties"]["direction"]["enum"]
+
+    assert enum(True) == ["earlier"] and enum(False) == ["earlier", "any"]

@@ -58,7 +58,7 @@ def _component(comps: dict, model) -> None:
 
 def model_bounds(spec: dict, n_layers: int, n_heads: int, n_vocab: int, n_ctx: int,
                  max_batch: int | None = None, d_model: int | None = None,
-                 d_mlp: int | None = None) -> dict:
+                 d_mlp: int | None = None, causal: bool = False) -> dict:
     """A copy of ``spec`` bounded by a model: every schema marked with
     ``schemas.common.INDEX_MARK`` gets the model's limit (an integer: ``maximum`` count - 1; a
     list of distinct indices: its items' ``maximum`` and at most count items; a list of token
@@ -67,8 +67,9 @@ def model_bounds(spec: dict, n_layers: int, n_heads: int, n_vocab: int, n_ctx: i
     neuron, ``mlp.hook_post``'s last axis) is bounded by ``d_mlp`` where given. A count marked with
     ``schemas.common.AT_MOST_MARK`` "d_model" gets ``maximum`` ``d_model`` (where given).
     ``max_batch``: where given, the lists of prompts marked ``schemas.common.BATCH_MARK``
-    (texts, token-id lists, reference prompts, /v1/run's prompts) hold at most that many."""
-    from attnscope.schemas.common import AT_MOST_MARK, BATCH_MARK, INDEX_MARK
+    (texts, token-id lists, reference prompts, /v1/run's prompts) hold at most that many.
+    ``causal``: the values marked ``schemas.common.ENCODER_ONLY_MARK`` leave their enums."""
+    from attnscope.schemas.common import AT_MOST_MARK, BATCH_MARK, ENCODER_ONLY_MARK, INDEX_MARK
 
     counts = {"layer": n_layers, "head": n_heads, "token": n_vocab}
     if d_mlp is not None:
@@ -105,6 +106,8 @@ def model_bounds(spec: dict, n_layers: int, n_heads: int, n_vocab: int, n_ctx: i
                     tighten(node, "maxItems", n)
         if node.get(AT_MOST_MARK) in sizes and node.get("type") == "integer":
             tighten(node, "maximum", sizes[node[AT_MOST_MARK]])
+        if causal and isinstance(node.get(ENCODER_ONLY_MARK), list) and "enum" in node:
+            node["enum"] = [v for v in node["enum"] if v not in node[ENCODER_ONLY_MARK]]
         if max_batch is not None and node.get("type") == "array" and node.get(BATCH_MARK):
             tighten(node, "maxItems", max_batch)
         for v in node.values():
@@ -124,7 +127,7 @@ def _resident_bounds(app: FastAPI, spec: dict) -> dict:
     n_vocab = min(len(rt.tokenizer), int(rt.model.config.vocab_size))
     return model_bounds(spec, rt.adapter.n_layers, rt.adapter.n_heads, n_vocab,
                         rt.adapter.n_ctx, getattr(settings, "max_batch", None),
-                        rt.adapter.d_model, _d_mlp(rt))
+                        rt.adapter.d_model, _d_mlp(rt), bool(rt.adapter.causal))
 
 
 def _d_mlp(rt) -> int | None:
