@@ -504,7 +504,7 @@ class PatchRequest(StrictModel):
         when({"allOf": [present("pairs"), {"properties": {"pairs": {
             "contains": present("metric")}}}]},
             {"required": ["metric"], "properties": {"metric": {"type": "object"}}}),
-        *pairs_metric_rules(),
+        *pairs_metric_rules(kinds=False),
         cases(  # logit_diff for 'logit_diff' (the default), positions for 'loss' only
             [equals("metric", "logit_diff", "logit_diff"), present("logit_diff"),
              unset("positions")],

@@ -257,23 +257,28 @@ Metric = Annotated[
 METRIC_KINDS = ("logit_diff", "prob", "logprob", "loss", "kl")
 
 
-def pairs_metric_rules() -> tuple[dict, ...]:
+def pairs_metric_rules(kinds: bool = True) -> tuple[dict, ...]:
     """JSON-Schema rules of a dataset request (``pairs``, each with an optional own
     ``metric``): a pair's metric has the request's ``metric`` kind and reduce, so that the
-    pairs' values average (the server refuses others)."""
-    def pairs(**props) -> dict:
-        return {"properties": {"pairs": {"items": {"properties": {"metric": props}}}}}
+    pairs' values average (the server refuses others). Stated as ``anyOf`` branches, not
+    ``if``/``then``: generators (schemathesis, hypothesis-jsonschema) could not build
+    ``/v1/patch`` bodies from the ``if`` form next to its string-or-object ``metric``.
+    ``kinds``: False leaves the kind rule out (the reduce rule stays): with /v1/patch's other
+    rules its six branches make schemathesis' generator give up (UnsupportedSchema), so there
+    the server alone checks the kind."""
+    def both(**props) -> dict:  # the request's metric and every pair's have ``props``
+        return {"properties": {"metric": {"properties": props},
+                               "pairs": {"items": {"properties": {"metric": {
+                                   "properties": props}}}}}}
 
-    def request(**props) -> dict:
-        return {"required": ["metric"], "properties": {"metric": {
-            "type": "object", "required": list(props), "properties": props}}}
-
-    rules = [{"if": request(kind={"const": k}),
-              "then": pairs(properties={"kind": {"const": k}})} for k in METRIC_KINDS]
-    rules.append({"if": request(reduce={"const": "sum"}),
-                  "then": pairs(required=["reduce"], properties={"reduce": {"const": "sum"}}),
-                  "else": pairs(properties={"reduce": {"const": "mean"}})})
-    return tuple(rules)
+    no_pair_metric = {"properties": {"pairs": {"items": {"properties": {"metric": {
+        "type": "null"}}}}}}
+    kind = {"anyOf": [no_pair_metric, *(both(kind={"const": k}) for k in METRIC_KINDS)]}
+    summed = both(reduce={"const": "sum"})
+    summed["properties"]["metric"]["required"] = ["reduce"]
+    summed["properties"]["pairs"]["items"]["properties"]["metric"]["required"] = ["reduce"]
+    reduces = {"anyOf": [no_pair_metric, summed, both(reduce={"const": "mean"})]}
+    return (kind, reduces) if kinds else (reduces,)
 
 
 class LogitsOptions(StrictModel):

@@ -76,13 +76,11 @@ ROWS = [
         {"prompt": 1, "position": -1, "target": " the", "distractor": " a"}]}}]},
      "pairs.0.metric.terms.0.prompt", "enum"),
     ("/v1/path-patch", {**PP, "pairs": [{**PAIR, "metric": {"kind": "loss", "terms": [
-        {"position": 2}]}}]}, "pairs.0.metric", "then"),
+        {"position": 2}]}}]}, "pairs.0.metric", "anyOf"),
     ("/v1/path-patch", {**PP, "pairs": [{**PAIR, "metric": {**METRIC, "reduce": "sum"}}]},
      "pairs.0.metric", "const"),
     ("/v1/patch", {"pairs": [{**PAIR, "metric": {**METRIC, "reduce": "mean"}}],
                    "metric": {**METRIC, "reduce": "sum"}}, "pairs.0.metric", "const"),
-    ("/v1/patch", {"pairs": [{**PAIR, "metric": {"kind": "prob", "terms": [
-        {"position": -1, "target": " the"}]}}], "metric": METRIC}, "pairs.0.metric", "then"),
 ]
 
 
@@ -161,3 +159,27 @@ def test_encoder_only_values_leave_a_causal_models_document():
         return out["components"]["schemas"]["X"]["properties"]["direction"]["enum"]
 
     assert enum(True) == ["earlier"] and enum(False) == ["earlier", "any"]
+
+
+def test_every_operation_can_be_generated_from_the_served_document(spec):
+    """Rules stay within what generators support: schemathesis builds a body for every
+    operation (an ``if``/``then`` pairs rule on /v1/patch once made it give up with
+    UnsupportedSchema, and tests/test_fuzz.py then tests nothing there)."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    unsupported = []
+    for result in schemathesis.openapi.from_dict(spec).get_all_operations():
+        op = result.ok()
+
+        @settings(max_examples=2, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=op.as_strategy())
+        def build(case):
+            assert case.method
+
+        try:
+            build()
+        except Exception as exc:  # noqa: BLE001 - collected, reported below
+            unsupported.append(f"{op.label}: {type(exc).__name__}")
+    assert unsupported == []
