@@ -241,7 +241,8 @@ def test_subsets_equal_the_full_grid(client, pair):
         for h in (0, 2):
             want[1, p, h] = full[1, p, h]
     assert np.array_equal(np.isnan(sub), np.isnan(want))
-    assert np.nanmax(np.abs(sub - want)) <= 1e-6
+    # the same cells in a smaller batch: float32 matmuls may sum in another order
+    assert np.nanmax(np.abs(sub - want)) <= 1e-5
 
 
 def test_all_pos_subset_patches_the_positions_together(client, pair, bridge, clean_cache):
@@ -264,7 +265,7 @@ def test_all_pos_subset_patches_the_positions_together(client, pair, bridge, cle
                 lg = bridge.run_with_hooks(torch.tensor([corrupted]),
                                            fwd_hooks=[(f"blocks.{layer}.attn.hook_z", setter)])
             ref[layer, h] = float(_tl_metric(pair)(lg))
-    assert np.abs(ours - ref).max() <= 1e-5
+    assert np.abs(ours - ref).max() <= max(1e-5, 2 * _tl_gap(bridge, client, pair))
 
 
 @pytest.mark.parametrize("metric", [

@@ -134,8 +134,8 @@ def _d_mlp(rt) -> int | None:
     """The resident causal LM's MLP width (``blocks.0.mlp.hook_post``'s last axis, as
     /v1/ablate's neuron check reads it), or None (an encoder, no hooked forward)."""
     try:
-        from attnscope.service.runtime import hooked
-        from attnscope.service.runtime import interventions as I
+        from ..runtime import hooked
+        from ..runtime import interventions as I
 
         return int(hooked.resolve(I.lm_parts(rt), "blocks.0.mlp.hook_post")[0].sizes[-1])
     except Exception:  # noqa: BLE001 - no neuron bound rather than no document
