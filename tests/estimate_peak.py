@@ -298,16 +298,16 @@ def within(row: dict) -> bool:
 
 
 def run_fresh(model: str, names: list[str], halve_fn: str | None = None,
-              timeout: float | None = None) -> list[dict]:
+              timeout: float | None = None, env: dict | None = None) -> list[dict]:
     """:func:`measure` in a fresh interpreter (nothing left from other tests in its heap:
     memory freed by earlier requests but still resident, e.g. pymalloc pools, would be
     reused without a page fault and hide part of a request's cost). ``halve_fn``: plant
-    :func:`halve`'s fault first."""
+    :func:`halve`'s fault first; ``env``: extra environment variables."""
     import subprocess
 
     here = Path(__file__).resolve()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(here.parent) + os.pathsep +
-           os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, **(env or {}), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(here.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     extra = ["--halve", halve_fn] if halve_fn else []
     p = subprocess.run([sys.executable, str(here), *extra, model, *names], capture_output=True,
                        text=True, env=env, timeout=timeout)

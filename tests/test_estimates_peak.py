@@ -45,15 +45,52 @@ def _report(rows: list[dict]) -> str:
                      for r in rows)
 
 
-@functools.lru_cache(maxsize=None)
-def _rows(model: str, names: tuple[str, ...]) -> dict[str, dict]:
-    """Every case of ``names`` measured in one fresh interpreter (one model load; each case
-    warmed, its heap trimmed and its peak mark reset before it: :func:`estimate_peak.measure`),
-    by case name."""
-    return {r["case"]: r for r in EP.run_fresh(model, list(names))}
-
-
 BUNDLED = tuple(n for n, (_, m, _) in EP.case_table().items() if m == "bundled")
+#: GPT-2-small cases too slow for the suite (5.6 min and 48 s of a 2-core CI machine): run by
+#: hand, ``python tests/estimate_peak.py small small:patch-per-position-residual``
+SMALL_BY_HAND = ("small:patch-per-position-residual", "small:logit-lens")
+SMALL = tuple(n for n, (_, m, _) in EP.case_table().items()
+              if m == "small" and n not in SMALL_BY_HAND)
+HALVED = ("bundled", ("scratch-matrices",), "attnscope.service.serving.scratch:_estimate")
+_RUNS: dict = {}  # (model, names, halve_fn) -> Future of run_fresh's rows
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _measurements(request):
+    """Every measurement this session selected from this file, started at once, two fresh
+    interpreters side by side with one torch thread each (each process has its own peak mark,
+    so the pair does not disturb each other's figures; the file takes about half the wall
+    time). One interpreter for all bundled cases (one model load; each case warmed, its heap
+    trimmed and its peak mark reset before it: :func:`estimate_peak.measure`), one per
+    GPT-2-small case (a case after another measured 1.14x where alone it is within: the
+    earlier cases' heap left fragmented)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mine = [it for it in request.session.items if it.module is request.module]
+    chosen = {it.originalname for it in mine}
+    names = {it.callspec.params.get("name") for it in mine if hasattr(it, "callspec")}
+    jobs = []
+    if "test_peak_is_within_the_estimate" in chosen:
+        jobs.append(("bundled", BUNDLED, None))
+    if "test_a_halved_estimator_is_caught" in chosen:
+        jobs.append(HALVED)
+    jobs += [("small", (n,), None) for n in SMALL if n in names]
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for job in jobs:
+            model, ns, halve_fn = job
+            _RUNS[job] = pool.submit(EP.run_fresh, model, list(ns), halve_fn=halve_fn, env=one)
+        try:
+            yield
+        finally:
+            for f in _RUNS.values():
+                f.cancel()
+            _RUNS.clear()
+
+
+def _rows(model: str, names: tuple[str, ...], halve_fn: str | None = None) -> dict[str, dict]:
+    """The rows of one measurement started by :func:`_measurements`, by case name."""
+    return {r["case"]: r for r in _RUNS[(model, names, halve_fn)].result()}
 
 
 @pytest.mark.model
@@ -66,19 +103,11 @@ def test_peak_is_within_the_estimate(path):
     assert not bad, _report(bad)
 
 
-#: GPT-2-small cases too slow for the suite (5.6 min and 48 s of a 2-core CI machine): run by
-#: hand, ``python tests/estimate_peak.py small small:patch-per-position-residual``
-SMALL_BY_HAND = ("small:patch-per-position-residual", "small:logit-lens")
-SMALL = tuple(n for n, (_, m, _) in EP.case_table().items()
-              if m == "small" and n not in SMALL_BY_HAND)
-
-
 @pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SMALL)
 def test_peak_is_within_the_estimate_on_gpt2_small(name):
-    rows = EP.run_fresh("small", [name])  # each alone: a GPT-2-small case after another
-    # measured 1.14x where alone it is within (the earlier cases' heap left fragmented)
+    rows = list(_rows("small", (name,)).values())
     assert len(rows) == 1 and EP.within(rows[0]), _report(rows)
 
 
@@ -86,7 +115,6 @@ def test_peak_is_within_the_estimate_on_gpt2_small(name):
 def test_a_halved_estimator_is_caught():
     """Planted fault: /v1/scratch-attention's estimator returns half; its heavy matrices
     request (4.2M weights) then peaks over 1.1 x the estimate."""
-    rows = EP.run_fresh("bundled", ["scratch-matrices"],
-                        halve_fn="attnscope.service.serving.scratch:_estimate")
+    rows = list(_rows(*HALVED).values())
     assert len(rows) == 1 and rows[0]["status"] == 200, rows
     assert not EP.within(rows[0]), _report(rows)

@@ -266,8 +266,11 @@ def dla_plan(rt, req: LogitAttributionRequest, items) -> Plan:
         P = len(pos)
         flops += forward_flops(T, L, D, p.d_mlp, logit_positions=P, d_vocab=V) + \
             2.0 * n_comp * P * D * 2
-        job = _forward_bytes(p, T) + es * T * Hn * D + es * P * n_comp * D + 8 * 3 * n_comp * P * D \
-            + 12 * P * V  # the forward's logits at the positions, and their float64 copy
+        # the forward; its per-head results; the cached pieces at the positions, their
+        # permuted copy and the concatenated stack [component, P, d_model]; three float64
+        # copies in the attribution; the logits at the positions and their float64 copy
+        job = _forward_bytes(p, T) + es * T * Hn * D + 3 * es * P * n_comp * D \
+            + 8 * 3 * n_comp * P * D + 12 * P * V
         est_job = max(est_job, job)
         est_body += tokens_bytes(T) + P * (400 + 30 * n_comp)
     comps = {"hook_embed": None, "ln_final.hook_scale": None,
