@@ -249,7 +249,8 @@ def test_default_heads_equal_transformerlens_and_s004_on_seed_sentences(
     equals TransformerLens 4.3 ``detect_head`` (which tokenizes with BOS, as S004) to 1e-6, and
     every label S004's snippet prints on those tokens is among the head's ``labels``. MiniLM:
     TransformerBridge boots BERT too (its to_tokens frames [CLS] ... [SEP], as we do). The
-    GPT-2-small-shaped model gets the 50 shortest sentences (its forwards dominate the cost)."""
+    GPT-2-small-shaped model gets the 24 shortest sentences, one batch (its forwards dominate
+    the cost; the bundled model and MiniLM get all of them)."""
     texts = ALL_SENTENCES
     if which == "bundled":
         rt, path = request.getfixturevalue("gpt2_runtime"), request.getfixturevalue("bundled_dir")
@@ -261,8 +262,8 @@ def test_default_heads_equal_transformerlens_and_s004_on_seed_sentences(
 
         path = request.getfixturevalue("gpt2_small_random_dir")
         rt = Runtime.load(Settings(model=str(path)))
-        texts = sorted(texts, key=len)[:50]
-    assert len(texts) >= 50
+        texts = sorted(texts, key=len)[:24]
+    assert len(texts) >= (24 if which == "gpt2_small_random" else 50)
     c = make_client(rt)
     bridge = tl_bridge(path)
     causal = rt.adapter.causal
@@ -272,6 +273,8 @@ def test_default_heads_equal_transformerlens_and_s004_on_seed_sentences(
         assert bridge.to_tokens(t)[0].tolist() == list(it.input_ids)
         tl.append(_tl_per_text(bridge, t))
     for half in (slice(0, 32), slice(32, None)):  # max_batch is 32
+        if not texts[half]:
+            continue
         r = c.post("/v1/heads", json={"texts": texts[half], "probe": {"enabled": False}})
         assert r.status_code == 200, r.text
         body = r.json()
