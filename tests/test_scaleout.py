@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import shutil
 import signal
 import socketserver
