@@ -149,6 +149,17 @@ def test_circuits_equal_transformerlens_and_numpy_bundled(client, bundled):
     print(check_circuits(client, bundled))
 
 
+def test_the_layer_block_reference_is_the_full_transformerlens_result(bundled):
+    """The GPT-2-small test's reference (TL's composition_scores on chosen sender and
+    receiver layers, masked) is the block of TL's all_composition_scores: on the bundled
+    model, senders 0, 1 x receivers 0, 1 (the mask's both sides) for Q, K and V."""
+    for mode in "QKV":
+        full = bundled.composition(mode)
+        block = bundled.composition(mode, (0, 1), (0, 1))
+        assert torch.equal(block, full[[0, 1]][:, :, [0, 1]]), mode
+        assert block.abs().max() > 0.05 and (block[1, :, 0] == 0).all()
+
+
 @pytest.mark.slow
 def test_copying_score_on_the_full_vocab_by_vocab_circuit(client, bundled):
     """numpy eigenvalues of the 2048 x 2048 W_E W_V W_O W_U itself for one head (~30 s)."""
@@ -225,7 +236,8 @@ def test_response_is_inside_its_estimate(client, gpt2_runtime):
 def test_circuits_equal_transformerlens_and_numpy_gpt2_small(tmp_path_factory):
     """GPT-2-small shapes (12 x 12 heads, d_model 768, vocab 50257): composition against TL for
     every pair of sender layers 0, 1, 6, 10 and receiver layers 1, 6, 11 (both sides of the
-    mask; the bundled model's test compares every pair), copying scores against numpy (d_model x d_model rotation) for six heads."""
+    mask; the bundled model's test compares every pair), copying scores against numpy
+    (d_model x d_model rotation) for six heads."""
     from attnscope.service.config import Settings
     from attnscope.service.runtime import Runtime
 

@@ -59,8 +59,8 @@ _RUNS: dict = {}  # (model, names, halve_fn) -> Future of run_fresh's rows
 def _measurements(request):
     """Every measurement this session selected from this file, started at once, two fresh
     interpreters side by side with one torch thread each (each process has its own peak mark,
-    so the pair does not disturb each other's figures; the file takes about half the wall
-    time). One interpreter for all bundled cases (one model load; each case warmed, its heap
+    so the pair does not disturb each other's figures; the file took 112 s here, 149 s one at
+    a time). One interpreter for all bundled cases (one model load; each case warmed, its heap
     trimmed and its peak mark reset before it: :func:`estimate_peak.measure`), one per
     GPT-2-small case (a case after another measured 1.14x where alone it is within: the
     earlier cases' heap left fragmented)."""
